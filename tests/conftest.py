@@ -1,0 +1,50 @@
+"""Shared test fixtures: an offline environment and tiny random HF models that the tests make themselves."""
+import os
+
+# Set before anything imports transformers / datasets / jax: a failed hub call retries for tens of seconds, and two
+# cores are easily oversubscribed.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+def make_tiny_hf_model(path, family: str = "qwen3", tie: bool = True, seed: int = 0, **overrides):
+    """Save a tiny random causal LM of the given family to `path` and return the path.
+
+    head_dim is deliberately != hidden_size / num_attention_heads, so code that derives it gets caught.
+    """
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                  tie_word_embeddings=tie, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common.update(overrides)
+    if family == "qwen3":
+        cfg = transformers.Qwen3Config(rope_theta=1e6, **common)
+    elif family == "qwen2":
+        common.pop("head_dim")
+        cfg = transformers.Qwen2Config(rope_theta=1e6, **common)
+    elif family == "llama":
+        cfg = transformers.LlamaConfig(rope_theta=5e5, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 64}, **common)
+    else:
+        raise ValueError(family)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", tie=True)
