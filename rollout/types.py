@@ -1,0 +1,65 @@
+"""Plain data types every rollout backend speaks: sampling settings, one finished completion, the engine protocol.
+
+These are the only rollout types that cross package boundaries (the RL loop builds `SamplingParams` and consumes
+`Completion`s), so they hold plain Python values and import nothing heavy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Protocol, runtime_checkable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0      # 0 => greedy
+    top_p: float = 1.0            # 1.0 => off; applied inside the top-k set (vLLM / HF order)
+    top_k: int = -1               # -1 (or any value <= 0) => off
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self):
+        # One clear error per bad field, so a typo in a config fails before any compile or model load.
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not isinstance(self.stop_token_ids, tuple):
+            # A list would make the frozen dataclass unhashable; accept it but store a tuple.
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Completion:
+    prompt_index: int             # index into the prompts list given to generate()
+    sample_index: int             # 0..n-1 within its group
+    token_ids: list[int]          # generated tokens (includes the stop token if one ended it)
+    logprobs: list[float]         # log-prob of each generated token under the distribution actually sampled from
+    finish_reason: str            # "stop" | "length"
+    weight_version: int
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the RL loop needs from a rollout backend (HF reference or the JAX bucketed decoder).
+
+    `generate` returns `len(prompts) * n` completions ordered by (prompt_index, sample_index).
+    `load_weights` takes numpy / ml_dtypes arrays keyed by Hugging Face parameter names.
+    `stats` describes the last `generate` call (tokens, seconds, tokens/s, and backend-specific counters).
+    """
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Completion]: ...
+
+    def load_weights(self, named_arrays: Mapping[str, np.ndarray], version: int) -> None: ...
+
+    def stats(self) -> dict[str, float]: ...
