@@ -1,0 +1,125 @@
+"""The embedded default: a tiny Qwen3-architecture model, its tokenizer and DAPO-schema arithmetic data.
+
+`python -m rlloop.tiny [OUT_DIR]` rebuilds what ships in `rlloop/assets/tiny/` (deterministic for a given torch):
+- `model/`: a character-level tokenizer with a Qwen-style chat template and a ~0.1M-parameter `Qwen3ForCausalLM`,
+  warm-started by a short supervised pass on *noisy* answers (only `SFT_CORRECT` of the labels are right). The
+  policy therefore starts out answering correctly about half the time, and GRPO with the exact verifier has something
+  to fix: the tiny run visibly learns within a few minutes on two CPU cores.
+- `data/train.jsonl`, `data/eval.jsonl`: rows in the DAPO-Math-17k schema (`prompt` as a chat-message list,
+  `reward_model.ground_truth`, `data_source`, `ability`, `extra_info`).
+"""
+from __future__ import annotations
+
+import json
+import random
+import string
+import sys
+from pathlib import Path
+
+ASSETS = Path(__file__).parent / "assets" / "tiny"
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# A shortened DAPO instruction: the real one is ~250 characters, a lot of prefill for a character-level toy.
+PROMPT_TEMPLATE = "Solve: {problem}\nThe last line of your response should be of the form Answer: $Answer"
+OPERAND_MAX = 19
+SFT_CORRECT = 0.5
+
+
+def make_tokenizer():
+    """A character-level fast tokenizer: 3 special tokens + printable ASCII, decoded by concatenation."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token=None))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  bos_token=None, unk_token=None)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def make_rows(pairs: list[tuple[int, int]], split: str) -> list[dict]:
+    return [{
+        "data_source": "tiny_arith",
+        "prompt": [{"role": "user", "content": PROMPT_TEMPLATE.format(problem=f"{a} + {b}")}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": str(a + b), "style": "rule"},
+        "extra_info": {"index": i, "split": split},
+    } for i, (a, b) in enumerate(pairs)]
+
+
+def split_pairs(seed: int = 0) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    pairs = [(a, b) for a in range(OPERAND_MAX + 1) for b in range(OPERAND_MAX + 1)]
+    random.Random(seed).shuffle(pairs)
+    return pairs[64:], pairs[:64]
+
+
+def noisy_answer(a: int, b: int, rng: random.Random) -> int:
+    if rng.random() < SFT_CORRECT:
+        return a + b
+    return max(0, a + b + rng.choice([-2, -1, 1, 2]))
+
+
+def make_model(tok, train_pairs, steps: int = 600, seed: int = 0):
+    """A Qwen3 config small enough for a CPU run, warm-started on noisy answers (see module docstring)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                      rope_theta=1e6, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                      bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = Qwen3ForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    rng = random.Random(seed)
+    prompts = {p: tok.apply_chat_template(make_rows([p], "train")[0]["prompt"], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False) for p in train_pairs}
+    for step in range(steps):
+        batch = rng.sample(train_pairs, 64)
+        seqs, masks = [], []
+        for a, b in batch:
+            answer = tok.encode(f"Answer: {noisy_answer(a, b, rng)}", add_special_tokens=False) + [tok.eos_token_id]
+            seqs.append(list(prompts[(a, b)]) + answer)
+            masks.append([0] * len(prompts[(a, b)]) + [1] * len(answer))
+        width = max(map(len, seqs))
+        ids = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in seqs])
+        loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
+        attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        loss = (nll * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 100 == 0:
+            print(f"sft step {step} loss {loss.item():.3f}", flush=True)
+    return model
+
+
+def build(out: Path = ASSETS, seed: int = 0) -> Path:
+    import torch
+
+    torch.set_num_threads(2)
+    out = Path(out)
+    train_pairs, eval_pairs = split_pairs(seed)
+    (out / "data").mkdir(parents=True, exist_ok=True)
+    for name, pairs in (("train", train_pairs), ("eval", eval_pairs)):
+        with open(out / "data" / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in make_rows(pairs, name))
+    tok = make_tokenizer()
+    model = make_model(tok, train_pairs, seed=seed)
+    model.save_pretrained(out / "model")
+    tok.save_pretrained(out / "model")
+    return out
+
+
+if __name__ == "__main__":
+    print(build(Path(sys.argv[1]) if len(sys.argv) > 1 else ASSETS))
