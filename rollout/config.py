@@ -1,0 +1,132 @@
+"""The decoder's model config, read from a Hugging Face `config.json`, with the per-family differences in one place.
+
+Qwen3, Qwen2 and Llama share one decoder (RMSNorm, GQA, RoPE, SwiGLU); they differ only in a few switches:
+  qwen3: per-head RMSNorm on q and k before RoPE, explicit head_dim, optional attention bias (off in released models)
+  qwen2: q/k/v biases, head_dim = hidden / heads
+  llama: optional attention / MLP biases, RoPE scaling ("llama3")
+Both the transformers-5 layout (`rope_parameters`) and the older one (`rope_theta` + `rope_scaling`) are accepted.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+FAMILIES = ("qwen3", "qwen2", "llama")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None        # HF rope parameters beyond theta (rope_type "default" => None)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 4096
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        """Parameter count (embedding counted once when tied); used for the FLOP/byte estimates."""
+        d, f, L = self.hidden_size, self.intermediate_size, self.num_layers
+        attn = d * self.q_size + 2 * d * self.kv_size + self.q_size * d
+        per_layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_word_embeddings else self.vocab_size * d
+        return self.vocab_size * d + L * per_layer + d + head
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict, generation_config: dict | None = None) -> "ModelConfig":
+        model_type = hf.get("model_type", "")
+        family = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama"}.get(model_type)
+        if family is None:
+            raise ValueError(f"unsupported model_type {model_type!r}; the JAX decoder supports {', '.join(FAMILIES)}")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {hf.get('hidden_act')!r}; expected 'silu' (SwiGLU)")
+        heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        rope = dict(hf.get("rope_parameters") or {})
+        if not rope:  # transformers 4.x layout
+            rope = dict(hf.get("rope_scaling") or {})
+            rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+        theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"unsupported rope_type {rope_type!r}; supported: 'default', 'llama3'")
+        eos = (generation_config or {}).get("eos_token_id", hf.get("eos_token_id"))
+        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        attention_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            family=family,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=True if family == "qwen2" else attention_bias,
+            o_bias=attention_bias and family != "qwen2",
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            eos_token_ids=tuple(int(e) for e in eos),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str) -> "ModelConfig":
+        """Read `config.json` (and the eos ids of `generation_config.json` when present) from a local model dir."""
+        cfg_file = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_file):
+            raise ValueError(f"no config.json in model dir {path!r}")
+        with open(cfg_file) as f:
+            hf = json.load(f)
+        gen = None
+        gen_file = os.path.join(path, "generation_config.json")
+        if os.path.isfile(gen_file):
+            with open(gen_file) as f:
+                gen = json.load(f)
+        return cls.from_hf_dict(hf, gen)
+
+    def rope_inv_freq(self) -> np.ndarray:
+        """Inverse RoPE frequencies [head_dim // 2] in float32, with Llama 3 scaling applied when configured."""
+        inv_freq = 1.0 / (self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.int64).astype(np.float32)
+                                              / self.head_dim))
+        if self.rope_scaling is None:
+            return inv_freq.astype(np.float32)
+        # Llama 3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated smoothly
+        # (transformers' _compute_llama3_parameters).
+        s = self.rope_scaling
+        factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        old_ctx = float(s["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)

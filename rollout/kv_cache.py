@@ -1,0 +1,47 @@
+"""The static KV cache: one K and one V buffer per layer, [slots, kv_heads, max_len, head_dim], allocated once.
+
+Sized by config (slots x max length) so its shape never changes; the engine donates it to every compiled call, so
+updates happen in place. Slot i holds one sequence (prompt + response); rows of a decode bucket map to slots 0..B-1.
+The [slots, kv_heads, T, head_dim] layout keeps each head's keys contiguous along T for the decode dot products
+and lets tensor parallelism shard the kv_heads axis.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class KVCache(NamedTuple):
+    k: tuple[jax.Array, ...]     # per layer [slots, kv_heads, max_len, head_dim]
+    v: tuple[jax.Array, ...]
+
+    @property
+    def num_slots(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in self.k + self.v)
+
+
+def init_cache(num_layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int, dtype,
+               sharding: jax.sharding.Sharding | None = None) -> KVCache:
+    """Zero cache; with a sharding, each buffer is created directly in its sharded layout (no host copy)."""
+    shape = (slots, kv_heads, max_len, head_dim)
+    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return KVCache(tuple(make() for _ in range(num_layers)), tuple(make() for _ in range(num_layers)))
+
+
+def copy_slots(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """GRPO fan-out: copy whole slot rows src[i] -> dst[i] (a prompt's KV into its sample slots).
+
+    Pairs with dst >= slots are padding and dropped. Rows are copied whole: positions past the prompt hold junk
+    that decode overwrites before it ever reads them (attention only sees positions <= the row's current one).
+    """
+    return KVCache(tuple(k.at[dst].set(k[src], mode="drop") for k in cache.k),
+                   tuple(v.at[dst].set(v[src], mode="drop") for v in cache.v))

@@ -1,0 +1,145 @@
+"""The JAX forward pass of the Qwen3 / Qwen2 / Llama decoder over a static KV cache: packed prefill and decode.
+
+Pure functions of (params, cache, arrays); `cfg` is static (closed over by the engine's jit). Everything that varies
+between calls (tokens, positions, slots, lengths) is an array, so one compiled program per bucket shape serves
+every request.
+
+Numerics follow transformers (so logits match in fp32): RMSNorm in fp32 cast back before the weight multiply,
+Qwen3's per-head q/k RMSNorm before RoPE, RoPE in the half-split (rotate_half) layout with fp32 angles,
+softmax in fp32, logits in fp32. Matmuls accumulate in fp32 (preferred_element_type) and run at HIGHEST precision
+so that fp32 really means fp32 on accelerators that would otherwise use bf16 passes.
+
+Prefill is *packed*: several prompts share one token-count bucket, told apart by a segment id per token; attention
+is causal inside a segment and blind across segments. Decode handles one token per row, row i living in KV slot i.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rollout.config import ModelConfig
+from rollout.kv_cache import KVCache
+
+F32 = jnp.float32
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    y = jnp.matmul(x, w, precision=HIGHEST, preferred_element_type=F32)
+    if b is not None:
+        y = y + b.astype(F32)
+    return y.astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(F32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [..., head_dim] for integer positions [...] (angles in fp32, as transformers computes them)."""
+    freqs = positions.astype(F32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [N, heads, head_dim]; cos/sin [N, head_dim]. HF's rotate_half layout: (x1, x2) -> (-x2, x1)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def _qkv(cfg: ModelConfig, layer: dict, h: jax.Array, cos: jax.Array, sin: jax.Array):
+    """Projections for N tokens: q [N, H, hd], k/v [N, KV, hd], with q/k norm (Qwen3) and RoPE applied."""
+    n = h.shape[0]
+    q = _linear(h, layer["wq"], layer.get("bq")).reshape(n, cfg.num_heads, cfg.head_dim)
+    k = _linear(h, layer["wk"], layer.get("bk")).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+    v = _linear(h, layer["wv"], layer.get("bv")).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _mlp(layer: dict, x: jax.Array) -> jax.Array:
+    gate = _linear(x, layer["w_gate"], layer.get("b_gate"))
+    up = _linear(x, layer["w_up"], layer.get("b_up"))
+    return _linear(jax.nn.silu(gate) * up, layer["w_down"], layer.get("b_down"))
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, subscripts: tuple[str, str]) -> jax.Array:
+    """Grouped-query attention with fp32 scores/softmax; `mask` broadcasts against the scores."""
+    scale = q.shape[-1] ** -0.5
+    scores = jnp.einsum(subscripts[0], q, k, precision=HIGHEST, preferred_element_type=F32) * scale
+    # A large finite negative rather than -inf: a fully masked row (padding) then softmaxes to finite junk instead
+    # of NaN, which would otherwise leak into valid rows through 0 * NaN in the next layer.
+    scores = jnp.where(mask, scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum(subscripts[1], probs, v, precision=HIGHEST, preferred_element_type=F32).astype(v.dtype)
+
+
+def logits_from_hidden(params: dict, h: jax.Array) -> jax.Array:
+    """fp32 logits [N, V] from final hidden states [N, D] (tied models reuse the embedding)."""
+    if "lm_head" in params:
+        return jnp.matmul(h, params["lm_head"], precision=HIGHEST, preferred_element_type=F32)
+    return jnp.einsum("nd,vd->nv", h, params["embed"], precision=HIGHEST, preferred_element_type=F32)
+
+
+def prefill(cfg: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array, positions: jax.Array,
+            segments: jax.Array, slots: jax.Array) -> tuple[KVCache, jax.Array]:
+    """Run packed prompt tokens [P] through the model and write their K/V into the cache.
+
+    positions [P]: position of each token in its own prompt; segments [P]: which prompt a token belongs to;
+    slots [P]: the KV slot of its prompt, or any index >= cache slots for padding (those writes are dropped).
+    Returns the updated cache and final-norm hidden states [P, D] (the engine does not need prefill logits: the
+    last prompt token is fed to the first decode step, which samples from it).
+    """
+    cos, sin = rope_cos_sin(positions, jnp.asarray(cfg.rope_inv_freq()), params["embed"].dtype)
+    valid = slots < cache.num_slots
+    # causal inside a segment, blind across segments and to padding
+    mask = ((segments[:, None] == segments[None, :]) & (positions[None, :] <= positions[:, None])
+            & valid[None, :])
+    x = params["embed"][tokens]
+    new_k, new_v = [], []
+    g = cfg.num_heads // cfg.num_kv_heads
+    for i, layer in enumerate(params["layers"]):
+        h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+        q, k, v = _qkv(cfg, layer, h, cos, sin)
+        q = q.reshape(q.shape[0], cfg.num_kv_heads, g, cfg.head_dim)
+        attn = _attend(q, k, v, mask[None, None], ("qkgd,tkd->kgqt", "kgqt,tkd->qkgd"))
+        x = x + _linear(attn.reshape(x.shape[0], cfg.q_size), layer["wo"], layer.get("bo"))
+        x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
+        new_k.append(cache.k[i].at[slots, :, positions].set(k.astype(cache.k[i].dtype), mode="drop"))
+        new_v.append(cache.v[i].at[slots, :, positions].set(v.astype(cache.v[i].dtype), mode="drop"))
+    return KVCache(tuple(new_k), tuple(new_v)), rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+
+
+def decode_step(cfg: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array,
+                positions: jax.Array) -> tuple[KVCache, jax.Array]:
+    """One token per row for rows 0..B-1 (row i is KV slot i): write its K/V at `positions[i]`, attend over the
+    slot's first positions[i] + 1 entries, return the cache and fp32 logits [B, V].
+
+    Only the first B slots are read (a static slice), so a small decode bucket costs a small fraction of the cache.
+    """
+    b = tokens.shape[0]
+    rows = jnp.arange(b)
+    cos, sin = rope_cos_sin(positions, jnp.asarray(cfg.rope_inv_freq()), params["embed"].dtype)
+    mask = (jnp.arange(cache.max_len)[None, :] <= positions[:, None])[:, None, None, :]   # [B, 1, 1, T]
+    x = params["embed"][tokens]
+    new_k, new_v = [], []
+    g = cfg.num_heads // cfg.num_kv_heads
+    for i, layer in enumerate(params["layers"]):
+        h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+        q, k, v = _qkv(cfg, layer, h, cos, sin)
+        k_cache = cache.k[i].at[rows, :, positions].set(k.astype(cache.k[i].dtype), mode="drop")
+        v_cache = cache.v[i].at[rows, :, positions].set(v.astype(cache.v[i].dtype), mode="drop")
+        q = q.reshape(b, cfg.num_kv_heads, g, cfg.head_dim)
+        attn = _attend(q, k_cache[:b], v_cache[:b], mask, ("bkgd,bktd->bkgt", "bkgt,bktd->bkgd"))
+        x = x + _linear(attn.reshape(b, cfg.q_size), layer["wo"], layer.get("bo"))
+        x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
+        new_k.append(k_cache)
+        new_v.append(v_cache)
+    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return KVCache(tuple(new_k), tuple(new_v)), logits_from_hidden(params, h)
