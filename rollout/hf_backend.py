@@ -1,0 +1,146 @@
+"""Reference rollout backend on `transformers.generate`: the baseline the JAX decoder is measured and checked against.
+
+It is deliberately plain: left-pad the prompts, run `model.generate` in batches, and read log-probs from the
+processed scores (`output_scores=True` returns the logits after temperature / top-k / top-p, i.e. the distribution
+that was actually sampled from). Sampling draws from torch's RNG seeded with `SamplingParams.seed` inside a forked
+RNG state, so a call is reproducible but, unlike the JAX sampler, a row's draw depends on the rest of its batch.
+"""
+from __future__ import annotations
+
+import time
+from typing import Mapping
+
+import numpy as np
+import torch
+import transformers
+
+from rollout.types import Completion, SamplingParams
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def numpy_to_torch(array: np.ndarray) -> torch.Tensor:
+    """numpy / ml_dtypes array -> torch tensor; bfloat16 goes through its raw bits (numpy has no native bf16)."""
+    array = np.asarray(array)
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(array).view(np.uint16).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+class HFEngine:
+    """`RolloutEngine` backed by a Hugging Face causal LM and `model.generate`."""
+
+    def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu", max_batch: int = 64):
+        if dtype not in _TORCH_DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(_TORCH_DTYPES)}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.device = torch.device(device)
+        self.max_batch = max_batch
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=_TORCH_DTYPES[dtype])
+        self.model.to(self.device).eval()
+        cfg = self.model.config
+        self.vocab_size = cfg.vocab_size
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+        self.pad_token_id = pad[0] if isinstance(pad, (list, tuple)) else int(pad)
+        # Replace the checkpoint's generation defaults (Qwen3 ships T=0.6, top_k=20, ...) and its eos ids: every
+        # knob comes from SamplingParams, and stopping only happens on SamplingParams.stop_token_ids.
+        self.model.generation_config = transformers.GenerationConfig(pad_token_id=self.pad_token_id)
+        self.weight_version = 0
+        self._stats = {"tokens": 0.0, "seconds": 0.0, "tok_s": 0.0, "weight_version": 0.0}
+
+    # ------------------------------------------------------------------ generate
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Completion]:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        # One row per sample, in (prompt_index, sample_index) order, so results come back already ordered.
+        rows = [(p, s) for p in range(len(prompts)) for s in range(n)]
+        start = time.perf_counter()
+        completions: list[Completion] = []
+        fork_devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=fork_devices), torch.inference_mode():
+            torch.manual_seed(sampling.seed)
+            for lo in range(0, len(rows), self.max_batch):
+                chunk = rows[lo:lo + self.max_batch]
+                completions += self._generate_batch([prompts[p] for p, _ in chunk], chunk, sampling)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(c.token_ids) for c in completions)
+        self._stats = {"tokens": float(tokens), "seconds": seconds, "tok_s": tokens / max(seconds, 1e-9),
+                       "weight_version": float(self.weight_version)}
+        return completions
+
+    def _generate_batch(self, batch_prompts, row_ids, sampling: SamplingParams) -> list[Completion]:
+        width = max(len(p) for p in batch_prompts)
+        input_ids = torch.full((len(batch_prompts), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for r, prompt in enumerate(batch_prompts):  # left padding: every row's next token lands in the last column
+            input_ids[r, width - len(prompt):] = torch.tensor(prompt)
+            attention_mask[r, width - len(prompt):] = 1
+        kwargs = dict(max_new_tokens=sampling.max_new_tokens, min_new_tokens=0,
+                      eos_token_id=list(sampling.stop_token_ids) or None, pad_token_id=self.pad_token_id,
+                      output_scores=True, return_dict_in_generate=True)
+        if sampling.greedy:
+            kwargs.update(do_sample=False)
+        else:
+            # top_k=0 and top_p=1.0 switch HF's warpers off (its own top_k default is 50).
+            kwargs.update(do_sample=True, temperature=sampling.temperature,
+                          top_k=max(sampling.top_k, 0), top_p=sampling.top_p)
+        out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                                  **kwargs)
+        generated = out.sequences[:, width:].cpu()                                       # [rows, steps]
+        scores = torch.stack(out.scores, dim=1).float()                                  # [rows, steps, V]
+        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, generated.to(scores.device)[..., None])[..., 0]
+        logprobs = logprobs.cpu()
+
+        stops = set(sampling.stop_token_ids)
+        completions = []
+        for r, (prompt_index, sample_index) in enumerate(row_ids):
+            tokens = generated[r].tolist()
+            # Finished rows are padded after their stop token; the pad id can be a real token, so cut by position.
+            end = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
+            tokens = tokens[:end]
+            completions.append(Completion(
+                prompt_index=prompt_index, sample_index=sample_index, token_ids=tokens,
+                logprobs=logprobs[r, :end].tolist(),
+                finish_reason="stop" if tokens and tokens[-1] in stops else "length",
+                weight_version=self.weight_version))
+        return completions
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, named_arrays: Mapping[str, np.ndarray], version: int) -> None:
+        """Copy HF-named arrays into the model. Everything is validated before anything is written."""
+        state = self.model.state_dict()
+        unknown = sorted(set(named_arrays) - set(state))
+        if unknown:
+            raise ValueError(f"unknown parameter names (not in the model): {unknown[:10]}")
+        tensors = {}
+        for name, array in named_arrays.items():
+            tensor = numpy_to_torch(array)
+            if tuple(tensor.shape) != tuple(state[name].shape):
+                raise ValueError(f"shape mismatch for {name}: got {tuple(tensor.shape)}, "
+                                 f"model has {tuple(state[name].shape)}")
+            tensors[name] = tensor
+        # Tied parameters (lm_head.weight / embed_tokens.weight) share storage: a checkpoint may carry either or
+        # both, but if it carries both they must agree, or one would be silently overwritten by the other.
+        by_storage: dict[int, list[str]] = {}
+        for name in tensors:
+            by_storage.setdefault(state[name].data_ptr(), []).append(name)
+        for names in by_storage.values():
+            if any(not torch.equal(tensors[names[0]].float(), tensors[other].float()) for other in names[1:]):
+                raise ValueError(f"{' and '.join(names)} are tied in the model but differ in the given arrays")
+        with torch.no_grad():
+            self.model.load_state_dict(tensors, strict=False)
+        self.weight_version = int(version)
+
+    def stats(self) -> dict[str, float]:
+        return dict(self._stats)

@@ -1,0 +1,167 @@
+"""HFEngine against plain transformers: greedy parity with model.generate, log-probs against a manual forward pass,
+stop handling, weight loading (including bf16 and tied heads) and its errors."""
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from rollout import SamplingParams, make_engine
+from rollout.hf_backend import HFEngine
+
+try:
+    from tests.conftest import make_tiny_hf_model
+except ImportError:  # pragma: no cover - depends on how pytest was started
+    from conftest import make_tiny_hf_model
+
+PROMPTS = [[1, 5, 9, 17, 33], [1, 7], [1, 40, 41, 42, 43, 44, 45, 46], [1, 99, 3]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # A larger init range than HF's default gives peaked next-token distributions, so greedy paths are stable and
+    # a wrong log-prob is far from a right one.
+    return str(make_tiny_hf_model(tmp_path_factory.mktemp("hf_a"), "qwen3", initializer_range=0.2, seed=0))
+
+
+@pytest.fixture(scope="module")
+def other_model_dir(tmp_path_factory):
+    return str(make_tiny_hf_model(tmp_path_factory.mktemp("hf_b"), "qwen3", initializer_range=0.2, seed=1))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return HFEngine(model_dir, max_batch=3)  # 3 < rows, so batching and left padding across batches are exercised
+
+
+def reference_model(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_greedy_matches_plain_generate(engine, model_dir):
+    ref = reference_model(model_dir)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=(2,))
+    out = engine.generate(PROMPTS, n=2, sampling=sampling)
+    assert [(c.prompt_index, c.sample_index) for c in out] == [(p, s) for p in range(len(PROMPTS)) for s in range(2)]
+    for c in out:
+        prompt = PROMPTS[c.prompt_index]
+        with torch.no_grad():  # one unpadded prompt at a time: no padding in the reference
+            seq = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10, eos_token_id=2,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+        if 2 in seq:
+            seq = seq[:seq.index(2) + 1]
+        assert c.token_ids == seq
+        assert c.finish_reason == ("stop" if seq[-1] == 2 else "length")
+        assert len(c.logprobs) == len(c.token_ids)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, -1, 1.0), (0.7, 10, 0.9)])
+def test_logprobs_match_manual_forward(engine, model_dir, temperature, top_k, top_p):
+    ref = reference_model(model_dir)
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=12, seed=3)
+    out = engine.generate(PROMPTS, n=2, sampling=sampling)
+    for c in out:
+        prompt = PROMPTS[c.prompt_index]
+        assert c.finish_reason == "length" and len(c.token_ids) == 12
+        with torch.no_grad():
+            logits = ref(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1:-1].double().numpy()
+        z = logits / temperature
+        # Restrict to the sampled distribution: top-k, then top-p over the renormalised top-k (HF's rule).
+        keep = np.ones_like(z, bool)
+        if top_k > 0:
+            kth = np.sort(z, axis=-1)[:, -top_k][:, None]
+            keep &= z >= kth
+        zk = np.where(keep, z, -np.inf)
+        p = np.exp(zk - zk.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        if top_p < 1.0:
+            order = np.argsort(-p, axis=-1)
+            sorted_p = np.take_along_axis(p, order, -1)
+            ahead = np.cumsum(sorted_p, -1) - sorted_p
+            keep_sorted = (ahead < top_p) | (np.arange(p.shape[-1]) == 0)
+            np.put_along_axis(keep, order, keep_sorted & np.take_along_axis(keep, order, -1), -1)
+            zk = np.where(keep, z, -np.inf)
+        log_probs = zk - zk.max(-1, keepdims=True)
+        log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+        expected = log_probs[np.arange(len(c.token_ids)), c.token_ids]
+        assert np.all(np.isfinite(expected)), "a sampled token lies outside the filtered set"
+        np.testing.assert_allclose(c.logprobs, expected, atol=1e-4, rtol=0)
+
+
+def test_sampling_is_reproducible_per_seed(engine):
+    a = engine.generate(PROMPTS, n=2, sampling=SamplingParams(max_new_tokens=8, seed=11))
+    b = engine.generate(PROMPTS, n=2, sampling=SamplingParams(max_new_tokens=8, seed=11))
+    c = engine.generate(PROMPTS, n=2, sampling=SamplingParams(max_new_tokens=8, seed=12))
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    assert [x.token_ids for x in a] != [x.token_ids for x in c]
+
+
+def test_stop_ids_end_rows(engine):
+    free = engine.generate(PROMPTS, n=1, sampling=SamplingParams(temperature=0.0, max_new_tokens=10))
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 10 for c in free)
+    # Pick a token that greedy decoding emits mid-way in some row (not at its first step), then stop on it.
+    stop = next(t for c in free for t in c.token_ids[2:])
+    stopped = engine.generate(PROMPTS, n=1, sampling=SamplingParams(temperature=0.0, max_new_tokens=10,
+                                                                     stop_token_ids=(stop, 127)))
+    for before, after in zip(free, stopped):
+        if stop in before.token_ids:
+            cut = before.token_ids.index(stop) + 1
+            assert after.token_ids == before.token_ids[:cut] and after.finish_reason == "stop"
+            np.testing.assert_allclose(after.logprobs, before.logprobs[:cut], atol=1e-5)
+        else:
+            assert after.token_ids == before.token_ids and after.finish_reason == "length"
+    assert any(c.finish_reason == "stop" for c in stopped)
+
+
+def test_load_weights_changes_outputs_and_stamps_version(model_dir, other_model_dir):
+    engine = HFEngine(model_dir)
+    other = HFEngine(other_model_dir)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=10)
+    before = engine.generate(PROMPTS, 1, greedy)
+    assert all(c.weight_version == 0 for c in before)
+    # A tied checkpoint: send it without lm_head.weight, as real Qwen3 small checkpoints do.
+    arrays = {k: v.numpy().copy() for k, v in other.model.state_dict().items() if k != "lm_head.weight"}
+    engine.load_weights(arrays, version=7)
+    after = engine.generate(PROMPTS, 1, greedy)
+    expected = other.generate(PROMPTS, 1, greedy)
+    assert [c.token_ids for c in after] == [c.token_ids for c in expected]
+    assert [c.token_ids for c in after] != [c.token_ids for c in before]
+    assert all(c.weight_version == 7 for c in after)
+    assert engine.stats()["weight_version"] == 7 and engine.stats()["tokens"] == 40
+
+
+def test_load_weights_bf16_is_bit_exact(model_dir):
+    engine = HFEngine(model_dir, dtype="bfloat16")
+    name = "model.layers.0.mlp.up_proj.weight"
+    values = np.random.default_rng(0).normal(size=tuple(engine.model.state_dict()[name].shape)).astype(np.float32)
+    engine.load_weights({name: values.astype(ml_dtypes.bfloat16)}, version=1)
+    got = engine.model.state_dict()[name].view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(got, values.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+def test_bad_weights_raise_and_change_nothing(model_dir):
+    engine = HFEngine(model_dir)
+    snapshot = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    good = {"model.norm.weight": np.zeros(64, np.float32)}
+    with pytest.raises(ValueError, match="model.layers.9.bogus"):
+        engine.load_weights({**good, "model.layers.9.bogus": np.zeros(3, np.float32)}, version=1)
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        engine.load_weights({"model.norm.weight": np.zeros(65, np.float32)}, version=1)
+    embed = engine.model.state_dict()["model.embed_tokens.weight"].numpy()
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        engine.load_weights({"model.embed_tokens.weight": embed, "lm_head.weight": embed + 1}, version=1)
+    for k, v in engine.model.state_dict().items():
+        assert torch.equal(v, snapshot[k]), k
+    assert engine.weight_version == 0
+
+
+def test_bad_requests_raise(engine, model_dir):
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.generate([[1, 500]], 1, SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([[]], 1, SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="tpu_magic"):
+        make_engine("tpu_magic", model_path=model_dir)
+    assert isinstance(make_engine("hf", model_path=model_dir, max_batch=2), HFEngine)
