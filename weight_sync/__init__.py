@@ -1,0 +1,50 @@
+"""Weight sync from trainer to rollout: shared memory (same host), disk checkpoints (across hosts), deltas on either.
+
+    sender = make_sender("shm", run_id="exp1", delta=True)        # trainer side
+    stats = sender.push(trainer.export_weights(), version=step)   # SyncStats; stats.metrics() -> sync/* metrics
+    receiver = make_receiver("shm", run_id="exp1", delta=True)    # rollout side
+    got = receiver.pull()                                          # (version, {hf_name: np.ndarray}) or None
+
+The Ray object-store transport speaks the same protocol but lives in `rlloop.ray_sync` (Ray stays out of here).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from weight_sync.manifest import CorruptVersion, Manifest, TensorEntry
+from weight_sync.protocol import Receiver, Sender, SyncStats
+
+TRANSPORTS = ("shm", "disk", "ray")
+
+__all__ = ["make_sender", "make_receiver", "Sender", "Receiver", "SyncStats", "Manifest", "TensorEntry",
+           "CorruptVersion", "TRANSPORTS"]
+
+
+def _check(transport: str, root) -> None:
+    if transport == "ray":
+        raise ValueError("sync transport 'ray' is built by rlloop.ray_sync.make_ray_sender / make_ray_receiver")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown sync transport {transport!r}; expected one of {', '.join(TRANSPORTS)}")
+    if transport == "disk" and root is None:
+        raise ValueError("sync transport 'disk' needs root= (a directory, shared between hosts)")
+
+
+def make_sender(transport: str, *, run_id: str, root: str | Path | None = None, delta: bool = False,
+                keyframe_every: int = 10, keep: int = 2) -> Sender:
+    """A sender for `transport` ("shm" | "disk"). `keep` is how many versions the disk transport retains."""
+    _check(transport, root)
+    if transport == "shm":
+        from weight_sync.shm import ShmSender
+        return ShmSender(run_id, delta=delta, keyframe_every=keyframe_every)
+    from weight_sync.disk import DiskSender
+    return DiskSender(root, run_id, keep=keep, delta=delta, keyframe_every=keyframe_every)
+
+
+def make_receiver(transport: str, *, run_id: str, root: str | Path | None = None, delta: bool = False) -> Receiver:
+    """A receiver for `transport`; `delta=True` keeps an owned copy of the weights so deltas can be applied."""
+    _check(transport, root)
+    if transport == "shm":
+        from weight_sync.shm import ShmReceiver
+        return ShmReceiver(run_id, delta=delta)
+    from weight_sync.disk import DiskReceiver
+    return DiskReceiver(root, run_id, delta=delta)

@@ -1,0 +1,133 @@
+"""Cross-host weight sync through checkpoint directories on a (shared) filesystem.
+
+    <root>/<run_id>/v000000000042/weights.safetensors   the tensors (raw, or uint8 delta blobs)
+    <root>/<run_id>/v000000000042/manifest.json         weight_sync.manifest + checksum of the safetensors header
+    <root>/<run_id>/KEYFRAME_REQUEST                     created by a receiver whose base does not match
+
+A version is written under `.tmp-...` and renamed into place, so a reader on any host sees a whole version or none.
+The reader verifies everything before handing anything out: the manifest's own checksum (and that it is byte for
+byte the canonical JSON), the safetensors header's checksum, and each tensor's checksum, dtype and shape. Together
+these cover every byte of both files. Old versions beyond `keep` are pruned; a reader that loses the race with
+pruning just sees no new version this time. Files are not fsync'ed: rename gives atomicity against a killed writer,
+and NFS-style shared filesystems flush on close; only a host power loss could tear a version, which the checksums
+then refuse.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+from dataclasses import asdict
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import save_file
+from safetensors import safe_open
+
+from weight_sync.manifest import CorruptVersion, Manifest, checksum, dtype_from_name
+from weight_sync.protocol import Message, Receiver, Sender
+from weight_sync.shm import _check_run_id
+
+_VERSION_DIR = re.compile(r"^v(\d{12})$")
+WEIGHTS, MANIFEST, KEYFRAME_REQUEST = "weights.safetensors", "manifest.json", "KEYFRAME_REQUEST"
+
+
+def _canonical(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _header_checksum(path: Path) -> int:
+    with open(path, "rb") as f:
+        head = f.read(8)
+        (n,) = struct.unpack("<Q", head)
+        return checksum(head + f.read(n))
+
+
+def _versions(run_dir: Path) -> list[int]:
+    try:
+        names = os.listdir(run_dir)
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for m in map(_VERSION_DIR.match, names) if m)
+
+
+class DiskSender(Sender):
+    def __init__(self, root: str | Path, run_id: str, *, keep: int = 2, delta: bool = False,
+                 keyframe_every: int = 10, **kw):
+        super().__init__(delta=delta, keyframe_every=keyframe_every, **kw)
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.keep = keep
+        self.run_dir = Path(root) / _check_run_id(run_id)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for tmp in self.run_dir.glob(".tmp-*"):  # left by a writer that was killed mid-push
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _publish(self, manifest: Manifest, blobs: Mapping[str, np.ndarray]) -> int:
+        final = self.run_dir / f"v{manifest.version:012d}"
+        tmp = self.run_dir / f".tmp-v{manifest.version:012d}-{os.getpid()}"
+        tmp.mkdir()
+        save_file(dict(blobs), tmp / WEIGHTS)
+        body = {"manifest": asdict(manifest), "safetensors_header_xxh3": _header_checksum(tmp / WEIGHTS)}
+        (tmp / MANIFEST).write_bytes(_canonical({**body, "xxh3": checksum(_canonical(body))}))
+        os.rename(tmp, final)
+        for old in _versions(self.run_dir)[:-self.keep]:
+            shutil.rmtree(self.run_dir / f"v{old:012d}", ignore_errors=True)
+        return (final / WEIGHTS).stat().st_size + (final / MANIFEST).stat().st_size
+
+    def _take_keyframe_request(self) -> bool:
+        try:
+            (self.run_dir / KEYFRAME_REQUEST).unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+
+class DiskReceiver(Receiver):
+    def __init__(self, root: str | Path, run_id: str, *, delta: bool = False):
+        super().__init__(delta=delta)
+        self.run_dir = Path(root) / _check_run_id(run_id)
+
+    def _latest(self) -> int | None:
+        versions = _versions(self.run_dir)
+        return versions[-1] if versions else None
+
+    def _read(self, version: int) -> Message | None:
+        vdir = self.run_dir / f"v{version:012d}"
+        try:
+            raw = (vdir / MANIFEST).read_bytes()
+            try:
+                doc = json.loads(raw)
+                body = {"manifest": doc["manifest"], "safetensors_header_xxh3": doc["safetensors_header_xxh3"]}
+                ok = _canonical(doc) == raw and checksum(_canonical(body)) == doc["xxh3"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CorruptVersion(f"unreadable manifest: {exc}") from exc
+            if not ok:
+                raise CorruptVersion("manifest checksum mismatch")
+            manifest = Manifest.from_json(_canonical(body["manifest"]))
+            if manifest.version != version:
+                raise CorruptVersion(f"directory v{version} holds a manifest for version {manifest.version}")
+            if _header_checksum(vdir / WEIGHTS) != body["safetensors_header_xxh3"]:
+                raise CorruptVersion("safetensors header checksum mismatch")
+            blobs = {}
+            with safe_open(vdir / WEIGHTS, framework="numpy") as f:
+                if sorted(f.keys()) != sorted(e.name for e in manifest.entries):
+                    raise CorruptVersion("tensor names differ from the manifest")
+                for e in manifest.entries:
+                    arr = f.get_tensor(e.name)
+                    want = (dtype_from_name(e.dtype), e.shape) if e.encoding == "raw" else (np.uint8, [e.nbytes])
+                    if arr.dtype != want[0] or list(arr.shape) != want[1] or checksum(arr) != e.blob_xxh3:
+                        raise CorruptVersion(f"tensor {e.name!r} does not match its manifest entry")
+                    blobs[e.name] = arr.reshape(-1).view(np.uint8)
+        except FileNotFoundError:
+            return None  # pruned while we read: not corruption, a newer version exists
+        except (SafetensorError, struct.error, OSError) as exc:
+            raise CorruptVersion(f"unreadable safetensors file: {exc}") from exc
+        return Message(manifest, blobs)
+
+    def _request_keyframe(self) -> None:
+        (self.run_dir / KEYFRAME_REQUEST).touch()

@@ -1,0 +1,258 @@
+"""The one protocol every transport speaks: `Sender.push(named arrays, version)` and `Receiver.pull()`.
+
+The transport-neutral half lives here: validating input, deciding keyframe vs delta, checksums, applying a chain of
+deltas, refusing corrupt versions while keeping the last good weights, and asking the sender for a keyframe when the
+receiver's base does not match. A transport (shm, disk, Ray) only moves a `Manifest` plus its stored blobs:
+
+    Sender._publish(manifest, blobs) -> bytes moved      Receiver._latest() -> newest version | None
+    Sender._take_keyframe_request() -> bool              Receiver._read(version) -> Message | None
+                                                          Receiver._request_keyframe()
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import numpy as np
+
+from weight_sync import delta as delta_codec
+from weight_sync.manifest import (CorruptVersion, Manifest, TensorEntry, bits_view, check_named_arrays, checksum,
+                                  dtype_from_name, dtype_name)
+
+log = logging.getLogger(__name__)
+
+
+class TornRead(Exception):
+    """The writer reused the buffer while we read it: not corruption, just read again."""
+
+
+@dataclass
+class SyncStats:
+    version: int
+    bytes: int               # bytes the transport moved for this version
+    full_bytes: int          # bytes of the full state dict (what a full sync moves)
+    changed_frac: float      # elements whose bits changed since the last version sent (1.0 when not tracked)
+    keyframe: bool
+    encode_s: float          # diffing, compression, checksums
+    transfer_s: float        # writing into the transport (copy into shm / files on disk / object store)
+    base_version: int | None = None
+
+    def metrics(self) -> dict[str, float]:
+        """The `sync/*` metrics the loop logs for this push."""
+        return {"sync/version": self.version, "sync/bytes": self.bytes, "sync/full_bytes": self.full_bytes,
+                "sync/changed_frac": self.changed_frac, "sync/keyframe": float(self.keyframe),
+                "sync/encode_s": self.encode_s, "sync/transfer_s": self.transfer_s}
+
+
+@dataclass
+class Message:
+    """One version as read from a transport: its verified manifest and a uint8 view of each entry's stored bytes."""
+    manifest: Manifest
+    blobs: dict[str, np.ndarray]
+    still_valid: Callable[[], bool] = lambda: True   # shm: False once the writer started reusing the buffer
+    borrowed: bool = False                            # blobs are views into a buffer the transport will reuse
+
+
+class Sender:
+    """Base sender: the keyframe / delta policy. Subclasses implement `_publish` and `_take_keyframe_request`."""
+
+    def __init__(self, *, delta: bool = False, keyframe_every: int = 10, worth_ratio: float = 0.5):
+        if keyframe_every < 1:
+            raise ValueError(f"keyframe_every must be >= 1, got {keyframe_every}")
+        self.delta = delta
+        self.keyframe_every = keyframe_every
+        self.worth_ratio = worth_ratio      # send a keyframe when the delta would exceed this fraction of full
+        self.version: int | None = None
+        self.last_stats: SyncStats | None = None
+        self._last: dict[str, np.ndarray] | None = None  # bits of the last version sent (delta mode only)
+        self._deltas_since_key = 0
+
+    # -- transport hooks --
+    def _publish(self, manifest: Manifest, blobs: Mapping[str, np.ndarray]) -> int:
+        raise NotImplementedError
+
+    def _take_keyframe_request(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- protocol --
+    def push(self, named_arrays: Mapping[str, np.ndarray], version: int) -> SyncStats:
+        """Publish `named_arrays` as `version`. The arrays may alias live parameters: they are copied before return."""
+        if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
+            raise ValueError(f"version must be a non-negative int, got {version!r}")
+        version = int(version)
+        if self.version is not None and version <= self.version:
+            raise ValueError(f"version {version} is not newer than the last pushed version {self.version}")
+        t0 = time.perf_counter()
+        arrays = check_named_arrays(named_arrays)
+        manifest, blobs, changed = self._encode(arrays, version)
+        t1 = time.perf_counter()
+        nbytes = self._publish(manifest, blobs)
+        t2 = time.perf_counter()
+        if self.delta:
+            self._remember(arrays, changed)
+        t3 = time.perf_counter()
+        total = sum(a.size for a in arrays.values())
+        frac = sum(len(i) for i in changed.values()) / max(total, 1) if changed else 1.0
+        self.version = version
+        self.last_stats = SyncStats(version, nbytes, sum(a.nbytes for a in arrays.values()), frac,
+                                    manifest.keyframe, (t1 - t0) + (t3 - t2), t2 - t1, manifest.base_version)
+        return self.last_stats
+
+    def _compatible(self, arrays: dict[str, np.ndarray]) -> bool:
+        last = self._last
+        return last is not None and last.keys() == arrays.keys() and all(
+            last[n].dtype == a.dtype and last[n].shape == a.shape for n, a in arrays.items())
+
+    def _encode(self, arrays: dict[str, np.ndarray], version: int):
+        requested = self._take_keyframe_request()  # always polled, so a request is consumed by the next push
+        changed: dict[str, np.ndarray] = {}
+        if self.delta and self._compatible(arrays):
+            changed = {n: delta_codec.changed_indices(self._last[n], a) for n, a in arrays.items()}
+        full_bytes = sum(a.nbytes for a in arrays.values())
+        if changed and not requested and self._deltas_since_key + 1 < self.keyframe_every:
+            entries, blobs = [], {}
+            for name, new in arrays.items():
+                blob = np.frombuffer(delta_codec.encode(self._last[name], new, changed[name]), np.uint8)
+                blobs[name] = blob
+                entries.append(TensorEntry(name, dtype_name(new.dtype, name), list(new.shape), "delta", blob.nbytes,
+                                           checksum(blob), checksum(new)))
+            if sum(b.nbytes for b in blobs.values()) <= self.worth_ratio * full_bytes:
+                self._deltas_since_key += 1
+                return Manifest(version, self.version, entries), blobs, changed
+        self._deltas_since_key = 0
+        entries = []
+        for name, a in arrays.items():
+            h = checksum(a)
+            entries.append(TensorEntry(name, dtype_name(a.dtype, name), list(a.shape), "raw", a.nbytes, h, h))
+        return Manifest(version, None, entries), arrays, changed
+
+    def _remember(self, arrays: dict[str, np.ndarray], changed: dict[str, np.ndarray]) -> None:
+        """Keep the bits just sent; after a delta only the changed elements are copied."""
+        if changed:
+            for name, idx in changed.items():
+                bits_view(self._last[name])[idx] = bits_view(arrays[name])[idx]
+        elif self._compatible(arrays):
+            for name, a in arrays.items():
+                np.copyto(self._last[name], a)  # reuse the buffers: no fresh pages
+        else:
+            self._last = {n: a.copy() for n, a in arrays.items()}
+
+
+class Receiver:
+    """Base receiver: verification, delta chains, refusal and keyframe requests. Subclasses move the bytes.
+
+    Attributes after each pull: `version` (last returned), `refused` (versions that failed verification),
+    `keyframe_requests`, `transfer_s` (reading and verifying) and `apply_s` (decoding deltas / building arrays).
+    """
+
+    def __init__(self, *, delta: bool = False):
+        self.delta = delta
+        self.version: int | None = None
+        self.refused = 0
+        self.keyframe_requests = 0
+        self.transfer_s = 0.0
+        self.apply_s = 0.0
+        self._state: dict[str, np.ndarray] | None = None  # owned arrays of `version` (delta mode only)
+        self._bad: set[int] = set()
+
+    # -- transport hooks --
+    def _latest(self) -> int | None:
+        raise NotImplementedError
+
+    def _read(self, version: int) -> Message | None:
+        raise NotImplementedError
+
+    def _request_keyframe(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- protocol --
+    def pull(self) -> tuple[int, dict[str, np.ndarray]] | None:
+        """The newest verified version newer than the last one returned, or None. Never raises on bad data."""
+        for _ in range(5):
+            latest = self._latest()
+            if latest is None or latest in self._bad or (self.version is not None and latest <= self.version):
+                return None
+            try:
+                return self._pull(latest)
+            except TornRead:
+                continue
+            except CorruptVersion as exc:
+                self.refused += 1
+                self._bad.add(latest)
+                log.warning("weight_sync: refused version %d (%s); keeping version %s", latest, exc, self.version)
+                return None
+        return None
+
+    def _pull(self, latest: int):
+        t0 = time.perf_counter()
+        msg = self._read(latest)
+        if msg is None:
+            return None
+        chain = [msg]
+        while not chain[-1].manifest.keyframe and (self._state is None or
+                                                   chain[-1].manifest.base_version != self.version):
+            base = chain[-1].manifest.base_version
+            prev = None
+            if base not in self._bad and (self.version is None or base > self.version):
+                try:
+                    prev = self._read(base)
+                except CorruptVersion as exc:
+                    self.refused += 1
+                    self._bad.add(base)
+                    log.warning("weight_sync: refused version %d (%s)", base, exc)
+            if prev is None:
+                self.keyframe_requests += 1
+                self._request_keyframe()
+                return None
+            chain.append(prev)
+        t1 = time.perf_counter()
+        state = dict(self._state or {})
+        for m in reversed(chain):
+            state = self._apply(m, state)
+        if not all(m.still_valid() for m in chain):
+            raise TornRead()
+        self.transfer_s, self.apply_s = t1 - t0, time.perf_counter() - t1
+        self._state = state if self.delta else None
+        self.version = latest
+        return latest, dict(state)
+
+    def _apply(self, msg: Message, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The tensors of `msg` on top of `state` (never modified); raises CorruptVersion if anything mismatches."""
+        out = {}
+        for e in msg.manifest.entries:
+            dtype, blob = dtype_from_name(e.dtype), msg.blobs[e.name]
+            if e.encoding == "raw":
+                if e.xxh3 != e.blob_xxh3:
+                    raise CorruptVersion(f"checksums of raw tensor {e.name!r} disagree")
+                arr = blob.view(dtype).reshape(e.shape)
+                if self.delta and msg.borrowed:
+                    arr = arr.copy()  # the state must outlive the transport's buffer
+            else:
+                base = state.get(e.name)
+                if base is None or base.dtype != dtype or list(base.shape) != e.shape:
+                    raise CorruptVersion(f"delta for {e.name!r} does not fit the receiver's tensor")
+                arr = delta_codec.apply(base, blob)
+                if checksum(arr) != e.xxh3:
+                    raise CorruptVersion(f"reconstructed {e.name!r} does not match its checksum")
+            out[e.name] = arr
+        return out
