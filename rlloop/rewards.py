@@ -1,0 +1,191 @@
+"""Reward functions and the scorer that runs them safely.
+
+Built-ins:
+- `dapo`: DAPO's own rule (verl `math_dapo.compute_score`): the last "Answer: X" line in the final 300 characters,
+  normalised as in Minerva, compared with the normalised ground truth; +1 correct, -1 otherwise.
+- `math`: the last `\\boxed{...}`, graded for equivalence with `math-verify`; 1 correct, 0 otherwise.
+- `package.module:function`: any `function(response: str, answer: str) -> float`.
+
+`RewardScorer` runs the function in worker processes: one that raises, returns a non-number or exceeds
+`timeout_s` gives that sample `failure_reward` and increments a counter; a stuck worker is killed and the run goes on.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import multiprocessing
+import re
+import time
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from typing import Callable
+
+# --- DAPO (verl/utils/reward_score/math_dapo.py, Minerva normalisation) ---------------------------------------------
+SUBSTITUTIONS = [("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), (r"\ ", ""), (" ", ""), ("mbox", "text"),
+                 (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}")]
+REMOVED_EXPRESSIONS = ["square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots",
+                       "sue", "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds",
+                       "meters", "meals", "edges", "students", "childrentickets", "multiples", "\\text{s}",
+                       "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", r"\mathrm{th}",
+                       r"^\circ", r"^{\circ}", r"\;", r",\!", "{,}", '"', "\\dots"]
+ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+
+
+def normalize_final_answer(answer: str) -> str:
+    answer = answer.split("=")[-1]
+    for before, after in SUBSTITUTIONS:
+        answer = answer.replace(before, after)
+    for expr in REMOVED_EXPRESSIONS:
+        answer = answer.replace(expr, "")
+    answer = re.sub(r"(.*?)(\$)(.*?)(\$)(.*)", "$\\3$", answer)
+    answer = re.sub(r"(\\text\{)(.*?)(\})", "\\2", answer)
+    answer = re.sub(r"(\\textbf\{)(.*?)(\})", "\\2", answer)
+    answer = re.sub(r"(\\overline\{)(.*?)(\})", "\\2", answer)
+    answer = re.sub(r"(\\boxed\{)(.*)(\})", "\\2", answer)
+    answer = re.sub(r"(frac)([^{])(.)", "frac{\\2}{\\3}", answer)
+    answer = re.sub(r"(sqrt)([^{])", "sqrt{\\2}", answer)
+    answer = answer.replace("$", "")
+    if answer.replace(",", "").isdigit():
+        answer = answer.replace(",", "")
+    return answer.strip()
+
+
+def dapo_reward(response: str, answer: str) -> float:
+    matches = ANSWER_LINE.findall(response[-300:])
+    if not matches:
+        return -1.0
+    return 1.0 if normalize_final_answer(matches[-1]) == normalize_final_answer(answer) else -1.0
+
+
+# --- boxed answers graded with math-verify ---------------------------------------------------------------------------
+def last_boxed(text: str) -> str | None:
+    start = text.rfind("\\boxed")
+    if start < 0:
+        return None
+    depth, begin = 0, text.find("{", start)
+    if begin < 0:
+        return None
+    for i in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[begin + 1:i]
+    return None
+
+
+def math_reward(response: str, answer: str) -> float:
+    from math_verify import parse, verify
+
+    boxed = last_boxed(response)
+    if boxed is None:
+        return 0.0
+    gold = parse(f"${answer}$")
+    pred = parse(f"${boxed}$")
+    return 1.0 if gold and pred and verify(gold, pred) else 0.0
+
+
+BUILTIN = {"dapo": dapo_reward, "math": math_reward}
+
+
+def resolve(spec: str) -> Callable[[str, str], float]:
+    """`dapo`, `math` or `package.module:function`; raises ValueError naming what is wrong."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    if ":" not in spec:
+        raise ValueError(f"reward.fn {spec!r}: expected one of {sorted(BUILTIN)} or 'package.module:function'")
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward.fn {spec!r}: cannot import module {module_name!r}: {e}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward.fn {spec!r}: module {module_name!r} has no function {attr!r}")
+    return fn
+
+
+_resolved: dict[str, Callable] = {}
+
+
+def _score_one(spec: str, response: str, answer: str) -> float:
+    if spec not in _resolved:
+        _resolved[spec] = resolve(spec)
+    return _resolved[spec](response, answer)
+
+
+class RewardScorer:
+    """Scores responses in worker processes, with a per-sample time limit and a failure reward."""
+
+    def __init__(self, fn: str = "dapo", *, timeout_s: float = 10.0, failure_reward: float = 0.0, workers: int = 2):
+        resolve(fn)  # fail fast, in the caller's process
+        self.spec, self.timeout_s, self.failure_reward, self.workers = fn, timeout_s, failure_reward, workers
+        self.errors = 0      # raised or returned a non-number
+        self.timeouts = 0
+        self._pool: ProcessPoolExecutor | None = None
+
+    def _get_pool(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+        return self._pool
+
+    def _kill_pool(self) -> None:
+        if self._pool is not None:
+            for proc in list(getattr(self._pool, "_processes", {}).values()):
+                proc.kill()
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def _accept(self, value) -> float:
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            value = math.nan
+        if math.isnan(value):
+            self.errors += 1
+            return self.failure_reward
+        return value
+
+    def _collect(self, fut) -> tuple[float, bool]:
+        """(reward, pool_broken) for a finished future."""
+        try:
+            return self._accept(fut.result()), False
+        except BrokenProcessPool:
+            # A worker died (os._exit, segfault); every sample in flight in that pool fails with it.
+            self.errors += 1
+            return self.failure_reward, True
+        except Exception:
+            self.errors += 1
+            return self.failure_reward, False
+
+    def score(self, responses: list[str], answers: list[str]) -> list[float]:
+        # At most `workers` samples in flight, so each one in flight is really running and its deadline is its own.
+        results: list[float] = [self.failure_reward] * len(responses)
+        queue = deque(range(len(responses)))
+        inflight: dict = {}  # future -> (sample index, deadline)
+        while queue or inflight:
+            pool = self._get_pool()
+            while queue and len(inflight) < self.workers:
+                i = queue.popleft()
+                inflight[pool.submit(_score_one, self.spec, responses[i], answers[i])] = (
+                    i, time.monotonic() + self.timeout_s)
+            first_deadline = min(deadline for _, deadline in inflight.values())
+            done, _ = wait(inflight, timeout=max(0.0, first_deadline - time.monotonic()),
+                           return_when=FIRST_COMPLETED)
+            broken = False
+            for fut in done:
+                i, _ = inflight.pop(fut)
+                results[i], pool_broken = self._collect(fut)
+                broken |= pool_broken
+            now = time.monotonic()
+            expired = [fut for fut, (_, deadline) in inflight.items() if deadline <= now]
+            for fut in expired:
+                self.timeouts += 1
+                inflight.pop(fut)
+            if expired or broken:  # kill the stuck or dead pool; restart the samples caught in it
+                queue.extendleft(i for i, _ in inflight.values())
+                inflight.clear()
+                self._kill_pool()
+        return results
+
+    def close(self) -> None:
+        self._kill_pool()

@@ -1,0 +1,90 @@
+"""Reward rules (DAPO's, boxed + math-verify, custom) and the scorer's failure handling."""
+import time
+
+import pytest
+
+from rlloop.rewards import RewardScorer, dapo_reward, last_boxed, math_reward, normalize_final_answer, resolve
+
+
+@pytest.mark.parametrize("response,answer,expected", [
+    ("so the sum is 12.\nAnswer: 12", "12", 1.0),
+    ("Answer: 11\nwait, no.\nAnswer: 12", "12", 1.0),          # the last Answer line counts
+    ("Answer: 12\nactually Answer: 13", "12", -1.0),
+    ("answer:  1,000", "1000", 1.0),                           # case-insensitive, thousands separator
+    ("Answer: $\\boxed{34}$", "34", 1.0),
+    ("Answer: 5 degrees", "5", 1.0),                           # units removed as in Minerva normalisation
+    ("Answer: x = 7", "7", 1.0),                               # the right-hand side of '='
+    ("the answer is 12", "12", -1.0),                          # no Answer line
+    ("", "12", -1.0),
+])
+def test_dapo_reward(response, answer, expected):
+    assert dapo_reward(response, answer) == expected
+
+
+def test_dapo_reward_reads_only_the_last_300_characters():
+    assert dapo_reward("Answer: 12\n" + "x" * 300, "12") == -1.0
+
+
+def test_normalize_final_answer():
+    assert normalize_final_answer("\\frac12") == "\\frac{1}{2}"
+    assert normalize_final_answer("\\text{ 42 }") == "42"
+
+
+@pytest.mark.parametrize("response,answer,expected", [
+    ("thus \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("\\boxed{1} then \\boxed{2}", "2", 1.0),
+    ("\\boxed{\\sqrt{4}}", "2", 1.0),
+    ("\\boxed{3}", "2", 0.0),
+    ("no box, 2", "2", 0.0),
+])
+def test_math_reward(response, answer, expected):
+    assert math_reward(response, answer) == expected
+
+
+def test_last_boxed_nested():
+    assert last_boxed("\\boxed{a} and \\boxed{\\frac{1}{2}} end") == "\\frac{1}{2}"
+    assert last_boxed("\\boxed{unclosed") is None
+
+
+def test_resolve_errors_name_the_problem():
+    with pytest.raises(ValueError, match="expected one of"):
+        resolve("nope")
+    with pytest.raises(ValueError, match="cannot import module"):
+        resolve("no_such_pkg.mod:fn")
+    with pytest.raises(ValueError, match="has no function"):
+        resolve("tests.rlloop.reward_fns:missing")
+
+
+def test_scorer_failures_get_the_failure_reward_and_are_counted():
+    scorer = RewardScorer("tests.rlloop.reward_fns:raises", failure_reward=-3.0, workers=1)
+    try:
+        assert scorer.score(["ok", "boom", "fine"], ["1", "1", "1"]) == [1.0, -3.0, 1.0]
+        assert scorer.errors == 1
+        scorer.spec = "tests.rlloop.reward_fns:not_a_number"
+        assert scorer.score(["a"], ["1"]) == [-3.0]
+        assert scorer.errors == 2
+    finally:
+        scorer.close()
+
+
+def test_scorer_timeout_kills_the_stuck_worker_and_goes_on():
+    scorer = RewardScorer("tests.rlloop.reward_fns:slow", timeout_s=2.0, failure_reward=-1.0, workers=1)
+    try:
+        t0 = time.monotonic()
+        scores = scorer.score(["a", "sleep", "b", "c"], ["1"] * 4)
+        assert scores == [0.5, -1.0, 0.5, 0.5]
+        assert scorer.timeouts == 1
+        assert time.monotonic() - t0 < 30  # the 60 s sleep was cut short, not waited out
+        assert scorer.score(["d"], ["1"]) == [0.5]  # the scorer still works afterwards
+    finally:
+        scorer.close()
+
+
+def test_scorer_survives_a_dying_worker():
+    scorer = RewardScorer("tests.rlloop.reward_fns:dies", failure_reward=0.0, workers=1)
+    try:
+        scores = scorer.score(["die"], ["1"])
+        assert scores == [0.0] and scorer.errors == 1
+        assert scorer.score(["ok", "ok"], ["1", "1"]) == [1.0, 1.0]
+    finally:
+        scorer.close()
