@@ -1,0 +1,67 @@
+"""Measured peaks of the default JAX device, the denominators of MFU and MBU.
+
+Datasheet peaks do not exist for "2 shared CPU cores" and are optimistic elsewhere, so we measure: a large jitted
+matmul for FLOP/s and a large jitted elementwise pass (read once, write once) for bytes/s. Best of a few timed runs
+after a compile+warmup run. Cached per process and dtype, because benchmarks ask repeatedly and a measurement costs
+seconds. `python -m rlloop.bench peaks` prints the numbers.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import time
+
+import numpy as np
+
+# Sizes per platform: big enough to leave the caches and amortise dispatch, small enough to take ~1 s on a CPU.
+_MATMUL_N = {"cpu": 1024, "gpu": 8192, "tpu": 8192}
+_COPY_BYTES = {"cpu": 256 << 20, "gpu": 2 << 30, "tpu": 2 << 30}
+
+
+def _best_seconds(fn, *args, repeats: int) -> float:
+    fn(*args).block_until_ready()  # compile + first touch
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(*args).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@functools.lru_cache(maxsize=None)
+def measure_peaks(dtype: str = "float32") -> dict[str, float]:
+    """{"matmul_flops": FLOP/s of an n x n x n matmul, "mem_bytes_per_s": bytes moved per second by x * c + 1}."""
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices()[0]
+    platform = device.platform
+    jdtype = jnp.dtype(dtype)
+    n = _MATMUL_N.get(platform, 4096)
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(jdtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(jdtype)
+    matmul = jax.jit(lambda x, y: x @ y)
+    matmul_s = _best_seconds(matmul, a, b, repeats=5)
+
+    elems = _COPY_BYTES.get(platform, 1 << 30) // jdtype.itemsize
+    # Donating the input lets the output reuse its buffer: fresh output pages would measure page faults instead.
+    scale = jax.jit(lambda v: v * jnp.asarray(0.5, jdtype) + jnp.asarray(1, jdtype), donate_argnums=0)
+    x = scale(jnp.ones((elems,), jdtype)).block_until_ready()
+    copy_s = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        x = scale(x).block_until_ready()
+        copy_s = min(copy_s, time.perf_counter() - start)
+    del x
+    return {"matmul_flops": 2.0 * n ** 3 / matmul_s, "mem_bytes_per_s": 2.0 * elems * jdtype.itemsize / copy_s,
+            "platform": platform, "device_kind": getattr(device, "device_kind", platform), "dtype": dtype,
+            "matmul_n": n, "copy_bytes": int(elems * jdtype.itemsize)}
+
+
+def main(argv: list[str]) -> None:
+    dtypes = argv or ["float32"]
+    results = [measure_peaks(d) for d in dtypes]
+    for r in results:
+        print(f"{r['device_kind']} {r['dtype']}: matmul {r['matmul_flops'] / 1e9:.1f} GFLOP/s, "
+              f"memory {r['mem_bytes_per_s'] / 1e9:.1f} GB/s")
+    print(json.dumps({"bench": "peaks", "results": results}))
