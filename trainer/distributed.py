@@ -1,0 +1,77 @@
+"""Data-parallel plumbing for the trainer: process-group setup and the all-reduces a train step needs.
+
+Every rank holds the whole model and optimizer (replicated data parallelism). Ranks train on their own slice of the
+batch and sum gradients with one bucketed all-reduce per optimizer step, instead of DDP hooks, because ranks may run
+different numbers of micro-batches (packing depends on their samples' lengths). With world_size 1 every helper is a
+no-op, so single-process code never touches torch.distributed.
+"""
+import os
+
+import torch
+import torch.distributed as dist
+
+# Flatten gradients into buckets of about this many bytes: one collective per bucket, bounded extra memory.
+BUCKET_BYTES = 256 * 2**20
+
+
+def backend_for(device: str) -> str:
+    return {"cpu": "gloo", "cuda": "nccl"}.get(device, "gloo")
+
+
+def init_distributed(rank: int, world_size: int, device: str = "cpu", init_method: str | None = None) -> None:
+    """Join the process group unless already in one. Without `init_method`, torch's env:// rendezvous is used
+    (MASTER_ADDR / MASTER_PORT), which is what Ray actors and torchrun set up."""
+    if world_size == 1 or dist.is_initialized():
+        return
+    if init_method is None and "MASTER_ADDR" not in os.environ:
+        raise ValueError("world_size > 1 needs MASTER_ADDR/MASTER_PORT in the environment, an init_method, "
+                         "or torch.distributed already initialised")
+    dist.init_process_group(backend_for(device), init_method=init_method or "env://", rank=rank,
+                            world_size=world_size)
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce of one tensor (sum | max); returns it."""
+    if is_distributed():
+        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return tensor
+
+
+def all_reduce_grads_(params: list[torch.Tensor]) -> None:
+    """Sum `.grad` of `params` over ranks, in place, bucket by bucket. Missing grads count as zeros."""
+    if not is_distributed():
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    bucket, size = [], 0
+    for p in params:
+        bucket.append(p.grad)
+        size += p.grad.numel() * p.grad.element_size()
+        if size >= BUCKET_BYTES:
+            _reduce_bucket(bucket)
+            bucket, size = [], 0
+    if bucket:
+        _reduce_bucket(bucket)
+
+
+def _reduce_bucket(grads: list[torch.Tensor]) -> None:
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def broadcast_params_(params: list[torch.Tensor], src: int = 0) -> None:
+    """Make every rank start from rank `src`'s parameters (guards against ranks loading different files)."""
+    if not is_distributed():
+        return
+    with torch.no_grad():
+        for p in params:
+            dist.broadcast(p.data, src=src)

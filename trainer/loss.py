@@ -1,0 +1,142 @@
+"""The GRPO-family policy loss: clipped importance ratio, KL to a reference, entropy bonus, TIS, four aggregations.
+
+Pure torch functions on padded [batch, response_len] tensors. Names and numbers follow TRL's GRPOTrainer (DESIGN.md §4):
+  ratio    s = exp(logπθ − logπold) per token, or with `importance_level="sequence"` (GSPO) exp of the masked mean of
+           logπθ − logπold over each sequence, broadcast to its tokens;
+  ℓ_pg     = −min(s·A, clip(s, 1−ε_low, 1+ε_high)·A), times the TIS weight min(exp(logπold − logπrollout), C);
+  ℓ        = ℓ_pg + β·k(logπθ, logπref) − entropy_coef·H;
+  loss     = aggregation of ℓ over the tokens:
+             grpo    Σ_seq (Σ_tok ℓ / tokens_in_seq) / sequences
+             bnpo    Σ ℓ / tokens in the (local) batch
+             dr_grpo Σ ℓ / (sequences × max_completion_len)
+             dapo    Σ ℓ / tokens in the whole generation batch (across ranks and micro-batches)
+
+Micro-batching: every aggregation is a plain sum over sequences or tokens divided by a batch-level constant, so a
+caller that passes the batch-level constants (`total_sequences`, `total_tokens`, `max_completion_len`) can sum the
+losses of its micro-batches and get exactly the loss of the whole batch. Left as None they default to this call's own
+tensors, which is the single-batch definition.
+"""
+from dataclasses import dataclass
+
+import torch
+
+LOSS_AGGREGATIONS = ("grpo", "bnpo", "dr_grpo", "dapo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+IMPORTANCE_LEVELS = ("token", "sequence")
+
+
+@dataclass
+class LossConfig:
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28          # clip-higher (DAPO): ε_high > ε_low leaves room for rare tokens to rise
+    loss_agg: str = "dapo"               # grpo | bnpo | dr_grpo | dapo
+    kl_coef: float = 0.0                 # β; 0 skips the reference model entirely
+    kl_estimator: str = "k3"             # k1 | k2 | k3
+    entropy_coef: float = 0.0            # bonus weight; entropy is computed and logged either way
+    tis_cap: float | None = 2.0          # C of truncated importance sampling; None disables it
+    importance_level: str = "token"      # token | sequence (GSPO)
+
+    def __post_init__(self):
+        for name, value, allowed in (("loss_agg", self.loss_agg, LOSS_AGGREGATIONS),
+                                     ("kl_estimator", self.kl_estimator, KL_ESTIMATORS),
+                                     ("importance_level", self.importance_level, IMPORTANCE_LEVELS)):
+            if value not in allowed:
+                raise ValueError(f"LossConfig.{name}={value!r}: expected one of {allowed}")
+        if self.clip_eps_low < 0 or self.clip_eps_high < 0:
+            raise ValueError(f"LossConfig.clip_eps_low/clip_eps_high must be >= 0, got "
+                             f"{self.clip_eps_low}/{self.clip_eps_high}")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"LossConfig.tis_cap must be > 0 or None, got {self.tis_cap}")
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(πθ || πref) from samples of πθ (Schulman's k1/k2/k3)."""
+    log_ratio = logp - ref_logp
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "k3":
+        # exp(ref − θ) − (ref − θ) − 1: unbiased and always >= 0.
+        return torch.exp(-log_ratio) + log_ratio - 1.0
+    raise ValueError(f"kl_estimator={estimator!r}: expected one of {KL_ESTIMATORS}")
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_agg: str, *, total_tokens=None,
+              total_sequences=None, max_completion_len=None) -> torch.Tensor:
+    """Reduce a [B, T] per-token quantity to the scalar loss of `loss_agg` (see the module docstring)."""
+    masked = per_token * mask
+    if loss_agg == "grpo":
+        per_seq = masked.sum(-1) / mask.sum(-1).clamp(min=1.0)
+        return per_seq.sum() / (total_sequences if total_sequences is not None else mask.shape[0])
+    if loss_agg in ("bnpo", "dapo"):
+        return masked.sum() / (total_tokens if total_tokens is not None else mask.sum().clamp(min=1.0))
+    if loss_agg == "dr_grpo":
+        sequences = total_sequences if total_sequences is not None else mask.shape[0]
+        return masked.sum() / (sequences * (max_completion_len if max_completion_len is not None else mask.shape[1]))
+    raise ValueError(f"loss_agg={loss_agg!r}: expected one of {LOSS_AGGREGATIONS}")
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                cfg: LossConfig, *, ref_logp: torch.Tensor | None = None, rollout_logp: torch.Tensor | None = None,
+                entropy: torch.Tensor | None = None, total_tokens: float | None = None,
+                total_sequences: float | None = None, max_completion_len: int | None = None,
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO/DAPO/GSPO policy loss of one (micro-)batch.
+
+    logp, old_logp, ref_logp, rollout_logp, entropy, mask: [B, T] over response tokens (mask 1 on real tokens);
+    advantages: [B] (one per sequence) or [B, T]. Gradient flows through `logp` (and `entropy` if entropy_coef != 0).
+
+    Returns (loss, metrics). `pg_loss` and `kl_loss` in metrics use the same aggregation and normalisers as the loss
+    (so they add up over micro-batches like the loss does); `kl_loss` is the unscaled k (β not applied);
+    `pg_clipfrac`, `ppo_kl`, `entropy` and `logprob_abs_diff` are token means over this call's mask.
+    """
+    mask = mask.to(logp.dtype)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    old_logp = old_logp.detach()
+    agg = dict(total_tokens=total_tokens, total_sequences=total_sequences, max_completion_len=max_completion_len)
+
+    log_ratio = logp - old_logp
+    if cfg.importance_level == "sequence":
+        # GSPO: one length-normalised ratio per sequence, shared by its tokens.
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1).expand_as(logp)
+    ratio = torch.exp(log_ratio)
+    clipped_ratio = torch.clamp(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
+    pg_per_token = -torch.min(ratio * advantages, clipped_ratio * advantages)
+
+    metrics: dict[str, torch.Tensor] = {}
+    if rollout_logp is not None:
+        rollout_gap = old_logp - rollout_logp
+        metrics["logprob_abs_diff"] = masked_mean(rollout_gap.abs(), mask).detach()
+        if cfg.tis_cap is not None:
+            # Correct for the rollout engine sampling from a slightly different π than the trainer's πold.
+            pg_per_token = pg_per_token * torch.clamp(torch.exp(rollout_gap), max=cfg.tis_cap).detach()
+
+    per_token = pg_per_token
+    pg_loss = aggregate(pg_per_token, mask, cfg.loss_agg, **agg)
+    if ref_logp is not None:
+        kl = kl_penalty(logp, ref_logp.detach(), cfg.kl_estimator)
+        kl_loss = aggregate(kl, mask, cfg.loss_agg, **agg)
+        per_token = per_token + cfg.kl_coef * kl
+    else:
+        kl_loss = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    if entropy is not None:
+        if cfg.entropy_coef != 0.0:
+            per_token = per_token - cfg.entropy_coef * entropy
+        metrics["entropy"] = masked_mean(entropy.detach(), mask)
+    loss = aggregate(per_token, mask, cfg.loss_agg, **agg)
+
+    # TRL's clip ratio: the tokens whose gradient the clip switched off (low side only matters for A < 0, high for A > 0).
+    with torch.no_grad():
+        low = (ratio < 1.0 - cfg.clip_eps_low) & (advantages < 0)
+        high = (ratio > 1.0 + cfg.clip_eps_high) & (advantages > 0)
+        metrics["pg_clipfrac"] = masked_mean((low | high).to(logp.dtype), mask)
+        metrics["ppo_kl"] = masked_mean(old_logp - logp.detach(), mask)
+    metrics["pg_loss"] = pg_loss.detach()
+    metrics["kl_loss"] = kl_loss.detach()
+    return loss, metrics

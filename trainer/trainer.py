@@ -1,0 +1,338 @@
+"""The policy trainer: a Hugging Face causal LM, AdamW, micro-batched GRPO steps, export, checkpoints.
+
+One `train_step` per rollout batch: score the batch under the current weights (the "old" policy), split it into
+`minibatches` optimizer steps, and for each accumulate gradients over micro-batches packed to a token budget. Every
+loss aggregation is a sum divided by a batch-level constant (trainer/loss.py), so the trainer computes those constants
+over the whole minibatch (and across ranks) first; the summed micro-batch gradients then equal the full-minibatch
+gradient exactly, whatever the packing and however many ranks share the batch.
+
+bfloat16 keeps fp32 master weights for AdamW (Megatron-style): at RL learning rates (~1e-6) most updates are far below
+a bf16 weight's resolution and would round away. The model computes in bf16; gradients are accumulated in fp32 on the
+masters; after each step the masters are rounded into the model, which is also what `export_weights` returns.
+"""
+import copy
+import glob
+import os
+from dataclasses import asdict, dataclass, field
+
+import ml_dtypes
+import numpy as np
+import safetensors.torch
+import torch
+import transformers
+
+from trainer.batching import (MicroBatch, TrainBatch, collate, pack_micro_batches, split_minibatches,
+                              validate_batch)
+from trainer.distributed import all_reduce_, all_reduce_grads_, broadcast_params_, init_distributed
+from trainer.logprobs import response_logprobs
+from trainer.loss import LossConfig, policy_loss
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+STATE_FILE = "trainer_state.pt"
+# Summed over micro-batches and ranks (they are aggregated losses); every other loss metric is a token mean.
+ADDITIVE_METRICS = ("loss", "pg_loss", "kl_loss")
+TOKEN_MEAN_METRICS = ("pg_clipfrac", "ppo_kl", "entropy", "logprob_abs_diff")
+
+
+@dataclass
+class TrainerConfig:
+    model_path: str                   # HF dir or hub id (AutoModelForCausalLM.from_pretrained)
+    dtype: str = "float32"            # float32 | bfloat16 (model params and compute; AdamW masters stay fp32)
+    device: str = "cpu"               # cpu | cuda | tpu (tpu needs torch_tpu, never installed on CPU machines)
+    lr: float = 1e-6
+    weight_decay: float = 0.1         # on matrices only; norms and biases are not decayed
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    lr_warmup_steps: int = 0          # linear warmup to `lr`, then constant (the reference recipe: 0)
+    micro_batch_tokens: int = 8192    # micro-batches packed to this token budget (padded length × rows)
+    minibatches: int = 1              # optimizer steps per rollout batch (1 = one step per rollout, the reference)
+    temperature: float = 1.0          # log-probs are computed on logits / temperature (the sampling temperature)
+    max_response_len: int | None = None  # dr_grpo's constant; None: the longest response in the minibatch
+    loss: LossConfig = field(default_factory=LossConfig)
+    gradient_checkpointing: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        if isinstance(self.loss, dict):
+            self.loss = LossConfig(**self.loss)
+        self.betas = tuple(self.betas)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"TrainerConfig.dtype={self.dtype!r}: expected one of {tuple(DTYPES)}")
+        if self.device not in ("cpu", "cuda", "tpu"):
+            raise ValueError(f"TrainerConfig.device={self.device!r}: expected cpu, cuda or tpu")
+        for name in ("micro_batch_tokens", "minibatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature <= 0:
+            raise ValueError(f"TrainerConfig.temperature must be > 0, got {self.temperature}")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("TrainerConfig.device='cuda' but torch sees no CUDA device")
+    if name == "tpu":
+        try:
+            import torch_tpu  # noqa: F401  (registers the device with torch)
+        except ImportError as e:
+            raise ValueError("TrainerConfig.device='tpu' needs the torch_tpu package (pip install -e '.[tpu]' on a "
+                             "TPU host)") from e
+    return torch.device(name)
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """CPU tensor → numpy without a copy where possible; bfloat16 becomes ml_dtypes.bfloat16 via its bits."""
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+class Trainer:
+    def __init__(self, cfg: TrainerConfig, rank: int = 0, world_size: int = 1):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} is outside world_size={world_size}")
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.device = resolve_device(cfg.device)
+        torch.manual_seed(cfg.seed)
+        init_distributed(rank, world_size, cfg.device)
+
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=DTYPES[cfg.dtype])
+        self.model.to(self.device)
+        self.model.config.use_cache = False
+        if cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # HF checkpoints only recompute in train mode; otherwise eval mode, so nothing is stochastic.
+        self.model.train(cfg.gradient_checkpointing)
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
+
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.param_names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        broadcast_params_(self.params)
+        self.ref_model = None
+        if cfg.loss.kl_coef != 0.0:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+
+        if cfg.dtype == "float32":
+            self.masters = self.params
+        else:
+            self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
+        decay = [m for (n, p), m in zip(named, self.masters) if p.dim() >= 2]
+        no_decay = [m for (n, p), m in zip(named, self.masters) if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+        warmup = cfg.lr_warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0)
+        self.step = 0
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One rollout batch (this rank's share when world_size > 1) → `minibatches` optimizer steps.
+
+        Returns `train/*` metrics for the whole batch over all ranks (identical on every rank).
+        """
+        validate_batch(batch, self.vocab_size)
+        plans = [self._plan(batch, idx) for idx in split_minibatches(len(batch), self.cfg.minibatches)]
+        # With one minibatch the weights that scored the batch are the ones being trained: πold = πθ.detach(),
+        # as TRL does, which saves a forward pass. Otherwise every minibatch must see the pre-step policy.
+        old = [self._score(self.model, mbs) for mbs in plans] if len(plans) > 1 else [None] * len(plans)
+        ref = [self._score(self.ref_model, mbs) for mbs in plans] if self.ref_model is not None else [None] * len(plans)
+
+        totals: dict[str, float] = {}
+        grad_norms = []
+        for mbs, old_mb, ref_mb in zip(plans, old, ref):
+            self.optimizer.zero_grad(set_to_none=True)
+            for key, value in self._accumulate_gradients(mbs, old_mb, ref_mb).items():
+                # Losses are per optimizer step (averaged over minibatches); token sums simply add up.
+                totals[key] = totals.get(key, 0.0) + (value / len(plans) if key in ADDITIVE_METRICS else value)
+            lr = self.optimizer.param_groups[0]["lr"]
+            grad_norms.append(self._optimizer_step())
+        metrics = self._finish_metrics(totals)
+        metrics["train/grad_norm"] = float(np.mean(grad_norms))
+        metrics["train/lr"] = lr
+        return metrics
+
+    def compute_gradients(self, batch: TrainBatch, old_logprobs: list[list[float]] | None = None,
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """The gradient of `batch` taken as ONE minibatch (summed over ranks), keyed by HF parameter name, and the
+        step's metrics; no weights change. `old_logprobs` stands in for πold (default: the current policy).
+        For debugging and for tests of the micro-batching."""
+        validate_batch(batch, self.vocab_size)
+        if old_logprobs is not None:
+            validate_batch(TrainBatch(batch.prompts, batch.responses, batch.advantages, old_logprobs), self.vocab_size)
+        mbs = self._plan(batch, list(range(len(batch))))
+        old = None
+        if old_logprobs is not None:
+            old = [collate(TrainBatch(batch.prompts, batch.responses, batch.advantages, old_logprobs),
+                           mb.indices).rollout_logp.to(self.device) for mb in mbs]
+        ref = self._score(self.ref_model, mbs) if self.ref_model is not None else None
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = self._accumulate_gradients(mbs, old, ref)
+        all_reduce_grads_(self.masters)
+        grads = {n: m.grad.detach().clone() for n, m in zip(self.param_names, self.masters) if m.grad is not None}
+        self.optimizer.zero_grad(set_to_none=True)
+        return grads, self._finish_metrics(sums)
+
+    @torch.no_grad()
+    def compute_logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[np.ndarray]:
+        """log π(response token | prefix) at the configured temperature, one float32 array per sample."""
+        batch = TrainBatch(prompts, responses, [0.0] * len(prompts))
+        validate_batch(batch, self.vocab_size)
+        out: list[np.ndarray] = [None] * len(batch)
+        for mb in self._plan(batch, list(range(len(batch)))):
+            logp, _ = response_logprobs(self.model, mb, self.cfg.temperature)
+            for row, i in enumerate(mb.indices):
+                out[i] = logp[row, :len(responses[i])].cpu().numpy().astype(np.float32)
+        return out
+
+    def _plan(self, batch: TrainBatch, indices: list[int]) -> list[MicroBatch]:
+        lengths = {i: len(batch.prompts[i]) + len(batch.responses[i]) for i in indices}
+        return [collate(batch, group, self.pad_id) for group in pack_micro_batches(lengths, self.cfg.micro_batch_tokens)]
+
+    @torch.no_grad()
+    def _score(self, model: torch.nn.Module, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        return [response_logprobs(model, mb, self.cfg.temperature)[0] for mb in mbs]
+
+    def _accumulate_gradients(self, mbs: list[MicroBatch], old: list[torch.Tensor] | None,
+                              ref: list[torch.Tensor] | None) -> dict[str, float]:
+        """Backward every micro-batch of one minibatch into the masters' .grad; return summed metrics."""
+        cfg = self.cfg
+        # The batch-level constants of the aggregation, over this minibatch on all ranks.
+        counts = torch.tensor([sum(len(mb.indices) for mb in mbs), sum(mb.num_tokens for mb in mbs)],
+                              dtype=torch.float64)
+        local_tokens = float(counts[1])
+        all_reduce_(counts)
+        longest = all_reduce_(torch.tensor([max(mb.response_mask.shape[1] for mb in mbs)]), op="max")
+        agg = cfg.loss.loss_agg
+        norms = dict(total_sequences=float(counts[0]),
+                     total_tokens=local_tokens if agg == "bnpo" else float(counts[1]),
+                     max_completion_len=cfg.max_response_len or int(longest))
+        # bnpo normalises by this rank's tokens; averaging over ranks (TRL/DDP semantics) rather than summing.
+        scale = 1.0 / self.world_size if agg == "bnpo" else 1.0
+
+        sums = {k: 0.0 for k in ADDITIVE_METRICS + TOKEN_MEAN_METRICS}
+        sums["tokens"], sums["micro_batches"] = 0.0, float(len(mbs))
+        for j, mb in enumerate(mbs):
+            mask = mb.response_mask.to(self.device)
+            logp, entropy = response_logprobs(self.model, mb, cfg.temperature, with_entropy=True)
+            if cfg.loss.entropy_coef == 0.0:
+                entropy = entropy.detach()
+            loss, m = policy_loss(
+                logp, old[j] if old is not None else logp.detach(), mb.advantages.to(self.device), mask, cfg.loss,
+                ref_logp=ref[j] if ref is not None else None,
+                rollout_logp=mb.rollout_logp.to(self.device) if mb.rollout_logp is not None else None,
+                entropy=entropy, **norms)
+            (loss * scale).backward()
+            if self.masters is not self.params:
+                self._move_grads_to_masters()
+            tokens = mb.num_tokens
+            sums["loss"] += float(loss.detach()) * scale
+            sums["tokens"] += tokens
+            for key in ("pg_loss", "kl_loss"):
+                sums[key] += float(m[key]) * scale
+            for key in TOKEN_MEAN_METRICS:
+                if key in m:
+                    sums[key] += float(m[key]) * tokens
+        return sums
+
+    def _finish_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        keys = list(sums)
+        totals = all_reduce_(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
+        totals = dict(zip(keys, totals.tolist()))
+        out = {f"train/{k}": totals[k] for k in ADDITIVE_METRICS}
+        out.update({f"train/{k}": totals[k] / max(totals["tokens"], 1.0) for k in TOKEN_MEAN_METRICS})
+        out["train/tokens"], out["train/micro_batches"] = totals["tokens"], totals["micro_batches"]
+        return out
+
+    @torch.no_grad()
+    def _move_grads_to_masters(self) -> None:
+        # Accumulate in fp32: summing many micro-batches in bf16 would lose the small ones.
+        for p, m in zip(self.params, self.masters):
+            if p.grad is None:
+                continue
+            g = p.grad.float()
+            m.grad = g if m.grad is None else m.grad.add_(g)
+            p.grad = None
+
+    def _optimizer_step(self) -> float:
+        all_reduce_grads_(self.masters)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.masters, self.cfg.max_grad_norm))
+        if np.isfinite(grad_norm):
+            self.optimizer.step()
+            self.scheduler.step()
+            if self.masters is not self.params:
+                with torch.no_grad():
+                    for p, m in zip(self.params, self.masters):
+                        p.copy_(m)
+        # A non-finite gradient skips the update (reported as the grad norm) instead of poisoning the weights.
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return grad_norm
+
+    # ------------------------------------------------------------------ weights and checkpoints
+
+    def export_weights(self) -> dict[str, np.ndarray]:
+        """Current weights keyed by HF parameter name, as save_pretrained would write them (a tied lm_head is left
+        out). float32 arrays share memory with the live CPU parameters and bfloat16 ones are views of their bits:
+        copy or encode them before the next train_step changes them under you."""
+        out: dict[str, np.ndarray] = {}
+        seen: set[int] = set()
+        for name, tensor in self.model.state_dict(keep_vars=True).items():
+            if id(tensor) in seen:          # tied weights: the first name (the embedding) is HF's saved name
+                continue
+            seen.add(id(tensor))
+            out[name] = to_numpy(tensor)
+        return out
+
+    def save(self, path) -> None:
+        """Write an HF model directory plus trainer_state.pt (optimizer, scheduler, fp32 masters, RNG, step).
+        Rank 0 writes (ranks are identical); trainer_state.pt is written last, so its presence marks a complete
+        checkpoint."""
+        path = os.fspath(path)
+        if self.rank == 0:
+            os.makedirs(path, exist_ok=True)
+            self.model.save_pretrained(path)
+            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                     "masters": None if self.masters is self.params else [m.detach() for m in self.masters],
+                     "torch_rng": torch.get_rng_state(), "step": self.step,
+                     "config": {k: v for k, v in asdict(self.cfg).items() if k != "loss"}}
+            if torch.cuda.is_available():
+                state["cuda_rng"] = torch.cuda.get_rng_state_all()
+            tmp = os.path.join(path, STATE_FILE + ".tmp")
+            torch.save(state, tmp)
+            os.replace(tmp, os.path.join(path, STATE_FILE))
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
+    def load(self, path) -> None:
+        """Restore what `save` wrote into this trainer (same model architecture and config)."""
+        path = os.fspath(path)
+        state_path = os.path.join(path, STATE_FILE)
+        if not os.path.exists(state_path):
+            raise ValueError(f"{path!r} is not a complete trainer checkpoint: {STATE_FILE} is missing")
+        expected = self.export_weights()
+        loaded: dict[str, torch.Tensor] = {}
+        for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+            loaded.update(safetensors.torch.load_file(file))
+        missing = sorted(set(expected) - set(loaded))
+        if missing:
+            raise ValueError(f"checkpoint {path!r} lacks parameter {missing[0]!r} ({len(missing)} missing)")
+        state = torch.load(state_path, weights_only=True)
+        live = self.model.state_dict()
+        with torch.no_grad():
+            for name in expected:
+                live[name].copy_(loaded[name])
+            if state["masters"] is not None:
+                for m, saved in zip(self.masters, state["masters"]):
+                    m.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+        if "cuda_rng" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        self.step = state["step"]
