@@ -56,13 +56,11 @@ def validate_batch(batch: TrainBatch, vocab_size: int) -> None:
 
 
 def shard_batch(batch: TrainBatch, rank: int, world_size: int) -> TrainBatch:
-    """This rank's contiguous slice of a batch (the first len % world_size ranks get one sample more)."""
-    n = len(batch)
-    if n < world_size:
-        raise ValueError(f"TrainBatch has {n} samples, fewer than world_size={world_size}")
-    base, extra = divmod(n, world_size)
-    start = rank * base + min(rank, extra)
-    return batch.select(list(range(start, start + base + (rank < extra))))
+    """This rank's share: samples rank, rank + world_size, ... (strided, so that when the sample count divides by
+    world_size × minibatches, every minibatch across ranks holds the same samples as the single-rank minibatch)."""
+    if len(batch) < world_size:
+        raise ValueError(f"TrainBatch has {len(batch)} samples, fewer than world_size={world_size}")
+    return batch.select(list(range(rank, len(batch), world_size)))
 
 
 def split_minibatches(n: int, minibatches: int) -> list[list[int]]:
