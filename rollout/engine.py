@@ -1,0 +1,368 @@
+"""JaxEngine: the bucketed, compiled rollout engine (continuous batching over a static KV cache).
+
+Three kinds of compiled programs, one per bucket, all built in `warmup()`:
+  prefill/P  packed prompts, P tokens, K/V written straight into their slots
+  copy/M     GRPO fan-out: copy M slot rows (a prompt's KV into its other samples' slots)
+  decode/B   `steps_per_dispatch` decode steps for rows 0..B-1 in one on-device scan, sampling included
+Every input is an array of a bucket's shape; the cache is donated and updated in place. Steady state therefore
+compiles nothing, and the engine counts XLA compiles (a jax.monitoring listener) so that tests can prove it.
+
+The host loop is thin: per dispatch it uploads a few [B] state arrays, reads back [K, B] tokens / log-probs / an
+emitted mask in one transfer, scatters them into per-slot output buffers with numpy, and recycles the slots of rows
+that finished (EOS / stop ids / max_new_tokens) for waiting samples.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rollout import model
+from rollout.buckets import (default_decode_buckets, default_prefill_buckets, pick_bucket, validate_buckets)
+from rollout.config import ModelConfig
+from rollout.kv_cache import copy_slots, init_cache
+from rollout.sampler import sample
+from rollout.scheduler import Admission, Request, Scheduler, pack_prefills
+from rollout.sharding import cache_sharding, check_tp, make_mesh, param_shardings
+from rollout.types import Completion, SamplingParams
+from rollout.weights import (DTYPES, load_safetensors_dir, param_shapes, params_from_named_arrays,
+                             resolve_model_dir)
+
+MAX_STOP_IDS = 16             # stop ids per row are a fixed-width array (padded with -1) so they never recompile
+RUNNING, STOPPED, LENGTH, FREE = 0, 1, 2, 3   # per-slot finish state
+_FINISH_REASON = {STOPPED: "stop", LENGTH: "length"}
+
+# -- compile counting: every XLA backend compile in this process, whoever triggers it --------------------------------
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compiles = 0
+
+
+def _on_duration_event(event: str, duration: float, **_) -> None:
+    global _compiles
+    if event == _BACKEND_COMPILE_EVENT:
+        _compiles += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration_event)
+
+
+def compile_count() -> int:
+    """XLA compiles in this process so far (all jit programs, not only the engine's)."""
+    return _compiles
+
+
+@dataclass
+class EngineConfig:
+    model_path: str                 # HF dir or hub id with config.json (+ safetensors weights)
+    dtype: str = "bfloat16"         # "float32" | "bfloat16" (compute/params dtype; logits/sampling in fp32)
+    max_batch: int = 64             # KV slots
+    max_seq_len: int = 1024         # prompt + response
+    prefill_buckets: tuple[int, ...] | None = None   # None => powers of two from 16 up to max_seq_len - 1
+    decode_buckets: tuple[int, ...] | None = None    # None => powers of two (floor 8) up to max_batch
+    steps_per_dispatch: int = 8
+    tp: int = 1                     # devices in the engine's mesh
+    seed: int = 0                   # reserved: sampling keys come from SamplingParams.seed
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("max_batch", "steps_per_dispatch", "tp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+
+
+class JaxEngine:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.model_dir = resolve_model_dir(cfg.model_path)
+        self.model_cfg = mc = ModelConfig.from_dir(self.model_dir)
+        check_tp(mc, cfg.tp)
+        self.prefill_buckets = validate_buckets(
+            "prefill_buckets", cfg.prefill_buckets or default_prefill_buckets(cfg.max_seq_len - 1), cfg.max_seq_len - 1)
+        self.decode_buckets = validate_buckets(
+            "decode_buckets", cfg.decode_buckets or default_decode_buckets(cfg.max_batch), cfg.max_batch)
+        if self.decode_buckets[-1] != cfg.max_batch:
+            raise ValueError(f"decode_buckets must end at max_batch={cfg.max_batch}, got {self.decode_buckets}")
+        self.mesh = make_mesh(cfg.tp)
+        self._dtype = jnp.dtype(DTYPES[cfg.dtype])
+
+        # Weights: the safetensors in model_path when there are any, else zeros until load_weights() (the RL loop
+        # pushes the trainer's weights); generate() refuses to run on the zeros.
+        self._shardings = param_shardings(mc, self.mesh, param_shapes(mc))
+        self.weight_version: int | None = None
+        try:
+            named = load_safetensors_dir(self.model_dir)
+        except ValueError:
+            named = None
+        if named is not None:
+            self.load_weights(named, 0)
+        else:
+            zeros = jax.tree.map(lambda s: np.zeros(s, self._dtype), param_shapes(mc),
+                                 is_leaf=lambda x: isinstance(x, tuple))
+            self.params = jax.device_put(zeros, self._shardings)
+        self.cache = init_cache(mc.num_layers, cfg.max_batch, mc.num_kv_heads, cfg.max_seq_len, mc.head_dim,
+                                self._dtype, cache_sharding(self.mesh))
+        self._build_programs()
+        self._stats: dict[str, float] = {}
+
+    # -- compiled programs ------------------------------------------------------------------------------------------
+    def _build_programs(self) -> None:
+        mc, steps, max_len = self.model_cfg, self.cfg.steps_per_dispatch, self.cfg.max_seq_len
+        cache_sh = cache_sharding(self.mesh)
+
+        def constrain(cache):
+            # Pin the donated cache's layout so the output matches the next call's input (no re-layout, no
+            # recompile because GSPMD picked a different sharding for an output).
+            return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, cache_sh), cache)
+
+        def prefill(params, cache, tokens, positions, segments, slots):
+            cache, _ = model.prefill(mc, params, cache, tokens, positions, segments, slots)
+            return constrain(cache)
+
+        def copy(cache, src, dst):
+            return constrain(copy_slots(cache, src, dst))
+
+        def decode(params, cache, tok, pos, n_gen, finish, max_new, temp, top_k, top_p, seed, rid, stop):
+            def step(carry, _):
+                cache, tok, pos, n_gen, finish = carry
+                active = finish == RUNNING
+                cache, logits = model.decode_step(mc, params, cache, tok, pos)
+                new_tok, logp = sample(logits, temp, top_k, top_p, seed, rid, pos + 1)
+                n_gen = n_gen + active.astype(jnp.int32)
+                hit_stop = jnp.any(new_tok[:, None] == stop, axis=-1)
+                # the new token sits at pos + 1; the sequence is full once that is the cache's last position
+                ended = jnp.where(hit_stop, STOPPED,
+                                  jnp.where((n_gen >= max_new) | (pos + 1 >= max_len - 1), LENGTH, RUNNING))
+                finish = jnp.where(active, ended, finish)
+                tok = jnp.where(active, new_tok, tok)
+                pos = jnp.where(active, pos + 1, pos)
+                return (cache, tok, pos, n_gen, finish), (new_tok, logp, active)
+
+            carry, (toks, logps, emitted) = jax.lax.scan(step, (cache, tok, pos, n_gen, finish), None, length=steps)
+            cache, tok, pos, n_gen, finish = carry
+            return constrain(cache), tok, pos, n_gen, finish, toks, logps, emitted
+
+        self._prefill = jax.jit(prefill, donate_argnums=1)
+        self._copy = jax.jit(copy, donate_argnums=0)
+        self._decode = jax.jit(decode, donate_argnums=1)
+
+    def _run_prefill(self, batch) -> None:
+        self.cache = self._prefill(self.params, self.cache, batch.tokens, batch.positions, batch.segments,
+                                   batch.slots)
+
+    def _run_copies(self, pairs: list[tuple[int, int]]) -> int:
+        """Copy KV rows in chunks of the largest bucket; returns the padded pair count."""
+        padded, top = 0, self.decode_buckets[-1]
+        for i in range(0, len(pairs), top):
+            chunk = pairs[i:i + top]
+            m = pick_bucket(self.decode_buckets, len(chunk))
+            src = np.zeros(m, np.int32)
+            dst = np.full(m, self.cfg.max_batch, np.int32)     # padding pairs write out of range: dropped
+            src[:len(chunk)], dst[:len(chunk)] = zip(*chunk)
+            self.cache = self._copy(self.cache, src, dst)
+            padded += m
+        return padded
+
+    def warmup(self) -> dict[str, float]:
+        """Compile (and run once) every bucket's program; returns seconds per bucket, e.g. {"decode/8": 0.8}."""
+        times, s = {}, self.cfg.max_batch
+        for p in self.prefill_buckets:
+            t0 = time.perf_counter()
+            z = np.zeros(p, np.int32)
+            self.cache = self._prefill(self.params, self.cache, z, z, z, np.full(p, s, np.int32))
+            jax.block_until_ready(self.cache)
+            times[f"prefill/{p}"] = time.perf_counter() - t0
+        for m in self.decode_buckets:
+            t0 = time.perf_counter()
+            self.cache = self._copy(self.cache, np.zeros(m, np.int32), np.full(m, s, np.int32))
+            jax.block_until_ready(self.cache)
+            times[f"copy/{m}"] = time.perf_counter() - t0
+        state = _SlotState(s)
+        for b in self.decode_buckets:
+            t0 = time.perf_counter()
+            out = self._decode(self.params, self.cache, *state.device_args(b))
+            self.cache = out[0]
+            jax.block_until_ready(out)
+            times[f"decode/{b}"] = time.perf_counter() - t0
+        return times
+
+    # -- weights ----------------------------------------------------------------------------------------------------
+    def load_weights(self, named_arrays: Mapping[str, np.ndarray], version: int) -> None:
+        """Swap in new HF-named weights (same shapes, so nothing recompiles); later completions carry `version`.
+
+        Everything is validated before anything is replaced: a bad dict leaves the current weights in place.
+        """
+        host = params_from_named_arrays(self.model_cfg, named_arrays, self.cfg.dtype)
+        self.params = jax.device_put(host, self._shardings)
+        self.weight_version = int(version)
+
+    # -- generation -------------------------------------------------------------------------------------------------
+    def _validate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> np.ndarray:
+        if self.weight_version is None:
+            raise ValueError(f"no weights loaded: {self.model_dir!r} has no safetensors; call load_weights() first")
+        if n < 1:
+            raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
+        limit = self.prefill_buckets[-1]
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) > limit:
+                raise ValueError(f"prompt {i} has {len(p)} tokens, above the largest prefill bucket {limit}")
+            if len(p) + sampling.max_new_tokens > self.cfg.max_seq_len:
+                raise ValueError(f"prompt {i} ({len(p)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
+                                 f"exceeds max_seq_len {self.cfg.max_seq_len}")
+            if min(p) < 0 or max(p) >= self.model_cfg.vocab_size:
+                raise ValueError(f"prompt {i} has a token id outside the vocabulary [0, {self.model_cfg.vocab_size})")
+        stop = sorted(set(self.model_cfg.eos_token_ids) | set(sampling.stop_token_ids))
+        if len(stop) > MAX_STOP_IDS:
+            raise ValueError(f"{len(stop)} stop token ids (eos included), above the limit MAX_STOP_IDS={MAX_STOP_IDS}")
+        row = np.full(MAX_STOP_IDS, -1, np.int32)
+        row[:len(stop)] = stop
+        return row
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Completion]:
+        """`n` samples of every prompt, sorted by (prompt_index, sample_index), each tagged with the weight version."""
+        stop_row = self._validate(prompts, n, sampling)
+        t_start, compiles_before = time.perf_counter(), compile_count()
+        slots, max_new = self.cfg.max_batch, sampling.max_new_tokens
+        sched = Scheduler(slots)
+        # the sampling key of a sample depends on (seed, prompt_index, sample_index, position) only
+        sched.add([Request(i, j, list(p), (i * 65537 + j) & 0x7FFFFFFF) for i, p in enumerate(prompts)
+                   for j in range(n)])
+        state = _SlotState(slots)
+        state.set_sampling(sampling, stop_row)
+        out_tok = np.zeros((slots, max_new), np.int32)
+        out_lp = np.zeros((slots, max_new), np.float32)
+        done: list[Completion] = []
+        st = dict(prefill_s=0.0, decode_s=0.0, prefill_tokens=0, prefill_padded=0, decode_rows=0, decode_emitted=0,
+                  copy_rows=0, dispatches=0, bytes=0.0)
+        param_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.params))
+
+        while sched.has_work():
+            adm = sched.admit()
+            if adm.requests:
+                t0 = time.perf_counter()
+                self._admit(adm, state, max_new, st, param_bytes)
+                jax.block_until_ready(self.cache)
+                st["prefill_s"] += time.perf_counter() - t0
+            b = pick_bucket(self.decode_buckets, sched.extent())
+            t0 = time.perf_counter()
+            out = self._decode(self.params, self.cache, *state.device_args(b))
+            self.cache = out[0]
+            tok, pos, n_gen, finish, toks, logps, emitted = jax.device_get(out[1:])
+            st["decode_s"] += time.perf_counter() - t0
+            st["dispatches"] += 1
+            st["decode_rows"] += emitted.size
+            st["decode_emitted"] += int(emitted.sum())
+            st["bytes"] += self.cfg.steps_per_dispatch * (param_bytes + b * self._kv_row_bytes())
+
+            # scatter this dispatch's tokens into the per-slot output buffers (vectorised: no per-token Python)
+            step_idx = state.n_gen[None, :b] + np.cumsum(emitted, axis=0) - 1
+            _, cols = np.nonzero(emitted)
+            out_tok[cols, step_idx[emitted]] = toks[emitted]
+            out_lp[cols, step_idx[emitted]] = logps[emitted]
+            state.update(b, tok, pos, n_gen, finish)
+
+            for slot in np.nonzero((finish == STOPPED) | (finish == LENGTH))[0]:
+                req, k = sched.release(int(slot)), int(n_gen[slot])
+                done.append(Completion(req.prompt_index, req.sample_index, out_tok[slot, :k].tolist(),
+                                       out_lp[slot, :k].tolist(), _FINISH_REASON[int(finish[slot])],
+                                       self.weight_version))
+                state.finish[slot] = FREE
+
+        done.sort(key=lambda c: (c.prompt_index, c.sample_index))
+        self._record_stats(st, done, prompts, t_start, compiles_before)
+        return done
+
+    def _admit(self, adm: Admission, state: "_SlotState", max_new: int, st: dict, param_bytes: int) -> None:
+        """Prefill each new prompt once (all but its last token), fan its KV out, and arm the slots for decode."""
+        for batch in pack_prefills([(s, p[:-1]) for s, p in adm.prefill], self.prefill_buckets,
+                                   self.cfg.max_batch, pick_bucket):
+            self._run_prefill(batch)
+            st["prefill_tokens"] += batch.real_tokens
+            st["prefill_padded"] += batch.tokens.size
+            st["bytes"] += param_bytes + batch.tokens.size * self._kv_token_bytes()
+        if adm.copies:
+            rows = self._run_copies(adm.copies)
+            st["copy_rows"] += rows
+            st["bytes"] += 2 * rows * self._kv_row_bytes()
+        for slot, req in zip(adm.slots, adm.requests):
+            # The last prompt token is fed to the first decode step, which samples the first new token.
+            state.arm(slot, req.prompt[-1], len(req.prompt) - 1, max_new, req.request_id)
+
+    def _kv_token_bytes(self) -> int:
+        mc = self.model_cfg
+        return 2 * mc.num_layers * mc.kv_size * self._dtype.itemsize
+
+    def _kv_row_bytes(self) -> int:
+        return self.cfg.max_seq_len * self._kv_token_bytes()
+
+    def _record_stats(self, st: dict, done: list[Completion], prompts, t_start: float, compiles_before: int) -> None:
+        mc = self.model_cfg
+        gen = sum(len(c.token_ids) for c in done)
+        # matmul FLOPs per token (the LM head runs in decode only) plus attention over the actual context
+        d = mc.hidden_size
+        body = mc.num_layers * (2 * d * mc.q_size + 2 * d * mc.kv_size + 3 * d * mc.intermediate_size)
+        head = mc.vocab_size * mc.hidden_size
+        attn = 4 * mc.num_layers * mc.q_size
+        flops = 2.0 * body * st["prefill_tokens"]
+        for c in done:
+            lp = len(prompts[c.prompt_index])
+            k = len(c.token_ids)
+            flops += attn * (lp - 1) * lp / 2                              # prefill of lp - 1 tokens
+            flops += (2.0 * (body + head)) * k + attn * (k * lp + k * (k - 1) / 2)
+        busy = st["prefill_s"] + st["decode_s"]
+        wall = time.perf_counter() - t_start
+        padded = st["prefill_padded"] + st["decode_rows"]
+        self._stats = dict(
+            compiles=float(compile_count() - compiles_before), total_compiles=float(compile_count()),
+            pad_frac=(padded - st["prefill_tokens"] - st["decode_emitted"]) / max(padded, 1),
+            prefill_s=st["prefill_s"], decode_s=st["decode_s"], wall_s=wall, tok_s=gen / max(wall, 1e-9),
+            gen_tokens=float(gen), prompt_tokens=float(sum(len(prompts[c.prompt_index]) for c in done)),
+            prefill_tokens=float(st["prefill_tokens"]), dispatches=float(st["dispatches"]),
+            copy_rows=float(st["copy_rows"]), flops=flops, bytes=st["bytes"],
+            flop_s=flops / max(busy, 1e-9), bytes_s=st["bytes"] / max(busy, 1e-9),
+            weight_version=float(self.weight_version))
+
+    def stats(self) -> dict[str, float]:
+        """Figures of the last generate() (see _record_stats) plus total_compiles over the process."""
+        return dict(self._stats) if self._stats else {"compiles": 0.0, "total_compiles": float(compile_count())}
+
+
+class _SlotState:
+    """Host copies of the per-slot decode state; uploaded sliced to the decode bucket on every dispatch."""
+
+    def __init__(self, slots: int):
+        self.tok = np.zeros(slots, np.int32)
+        self.pos = np.zeros(slots, np.int32)
+        self.n_gen = np.zeros(slots, np.int32)
+        self.finish = np.full(slots, FREE, np.int32)
+        self.max_new = np.zeros(slots, np.int32)
+        self.rid = np.zeros(slots, np.int32)
+        self.temp = np.zeros(slots, np.float32)
+        self.top_k = np.zeros(slots, np.int32)
+        self.top_p = np.ones(slots, np.float32)
+        self.seed = np.zeros(slots, np.int32)
+        self.stop = np.full((slots, MAX_STOP_IDS), -1, np.int32)
+
+    def set_sampling(self, sp: SamplingParams, stop_row: np.ndarray) -> None:
+        self.temp[:], self.top_k[:], self.top_p[:] = sp.temperature, sp.top_k, sp.top_p
+        self.seed[:] = np.int64(sp.seed) & 0x7FFFFFFF
+        self.stop[:] = stop_row
+
+    def arm(self, slot: int, token: int, pos: int, max_new: int, rid: int) -> None:
+        self.tok[slot], self.pos[slot], self.n_gen[slot] = token, pos, 0
+        self.finish[slot], self.max_new[slot], self.rid[slot] = RUNNING, max_new, rid
+
+    def device_args(self, b: int) -> tuple:
+        return (self.tok[:b], self.pos[:b], self.n_gen[:b], self.finish[:b], self.max_new[:b], self.temp[:b],
+                self.top_k[:b], self.top_p[:b], self.seed[:b], self.rid[:b], self.stop[:b])
+
+    def update(self, b: int, tok, pos, n_gen, finish) -> None:
+        self.tok[:b], self.pos[:b], self.n_gen[:b], self.finish[:b] = tok, pos, n_gen, finish
