@@ -1,0 +1,112 @@
+"""Weight sync through the Ray object store: for multi-node runs with no shared filesystem.
+
+The sender encodes each version as one flat payload (weight_sync.payload: manifest, checksums, 64-byte aligned
+tensors), `ray.put`s it and posts the ObjectRef to a small named actor, the mailbox, which keeps the newest `keep`
+refs and the receiver's keyframe requests. The receiver asks the mailbox for the newest version, `ray.get`s the
+payload (zero-copy from the local object store on the same node, one transfer across nodes) and verifies it with the
+same code as shm. Everything else (deltas, keyframes, refusal of corrupt versions) is the transport-neutral protocol
+in weight_sync.protocol, so this file is only about moving bytes.
+
+The sender process owns the payload objects (Ray 2.56 removed `ray.put(_owner=...)`); if it dies, its versions are
+lost and a receiver sees no new version until a restarted sender pushes one (a delta receiver then gets a
+keyframe, since the new sender starts with one). Arrays returned by a pull are read-only views into the object
+store, kept alive by Ray as long as they are referenced.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import ray
+
+from weight_sync.manifest import Manifest
+from weight_sync.payload import encode_payload, read_payload
+from weight_sync.protocol import Message, Receiver, Sender
+
+NAMESPACE = "rlloop"
+
+
+@ray.remote(num_cpus=0)
+class SyncMailbox:
+    """The newest versions' ObjectRefs of one run (boxed in a list so Ray does not resolve them) and a keyframe flag."""
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self.refs: dict[int, list] = {}
+        self.keyframe_requested = False
+
+    def post(self, version: int, boxed_ref: list) -> None:
+        self.refs[version] = boxed_ref
+        for old in sorted(self.refs)[:-self.keep]:
+            del self.refs[old]
+
+    def latest(self) -> int | None:
+        return max(self.refs) if self.refs else None
+
+    def get(self, version: int) -> list | None:
+        return self.refs.get(version)
+
+    def request_keyframe(self) -> None:
+        self.keyframe_requested = True
+
+    def take_keyframe_request(self) -> bool:
+        requested, self.keyframe_requested = self.keyframe_requested, False
+        return requested
+
+
+def get_mailbox(run_id: str, keep: int = 2):
+    """The run's mailbox actor, created by whichever side comes first."""
+    if not isinstance(run_id, str) or not run_id:
+        raise ValueError(f"run_id {run_id!r} must be a non-empty string")
+    return SyncMailbox.options(name=f"rlloop_sync_{run_id}", namespace=NAMESPACE, get_if_exists=True).remote(keep)
+
+
+class RaySender(Sender):
+    def __init__(self, run_id: str, *, delta: bool = False, keyframe_every: int = 10, keep: int = 2, **kw):
+        super().__init__(delta=delta, keyframe_every=keyframe_every, **kw)
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.mailbox = get_mailbox(run_id, keep)
+
+    def _publish(self, manifest: Manifest, blobs: Mapping[str, np.ndarray]) -> int:
+        payload = encode_payload(manifest, blobs)
+        ref = ray.put(payload)
+        ray.get(self.mailbox.post.remote(manifest.version, [ref]))
+        return payload.nbytes
+
+    def _take_keyframe_request(self) -> bool:
+        return ray.get(self.mailbox.take_keyframe_request.remote())
+
+
+class RayReceiver(Receiver):
+    def __init__(self, run_id: str, *, delta: bool = False, verify: bool = True):
+        super().__init__(delta=delta)
+        self.verify = verify
+        self.mailbox = get_mailbox(run_id)
+
+    def _latest(self) -> int | None:
+        return ray.get(self.mailbox.latest.remote())
+
+    def _read(self, version: int) -> Message | None:
+        boxed = ray.get(self.mailbox.get.remote(version))
+        if boxed is None:
+            return None
+        try:
+            payload = ray.get(boxed[0])
+        except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError):
+            return None
+        manifest, blobs = read_payload(payload, verify=self.verify)
+        return Message(manifest, blobs)
+
+    def _request_keyframe(self) -> None:
+        ray.get(self.mailbox.request_keyframe.remote())
+
+
+def make_ray_sender(*, run_id: str, delta: bool = False, keyframe_every: int = 10, keep: int = 2) -> RaySender:
+    """Same semantics as weight_sync.make_sender; needs `ray.init()` first."""
+    return RaySender(run_id, delta=delta, keyframe_every=keyframe_every, keep=keep)
+
+
+def make_ray_receiver(*, run_id: str, delta: bool = False) -> RayReceiver:
+    """Same semantics as weight_sync.make_receiver; needs `ray.init()` first."""
+    return RayReceiver(run_id, delta=delta)

@@ -1,0 +1,211 @@
+"""Round trips through the shm and disk transports: bit-exact for every dtype, zero-copy shm, keyframes and deltas."""
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from weight_sync import make_receiver, make_sender
+from weight_sync.manifest import to_numpy
+
+from wsync_values import special_tensor
+
+TRANSPORTS = ["shm", "disk"]
+ALL_DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16, np.float64, np.int8, np.int16, np.int32, np.int64,
+              np.uint8, np.bool_]
+
+
+def _pair(transport, run_id, tmp_path, **kw):
+    keep = kw.pop("keep", 2)
+    sender = make_sender(transport, run_id=run_id, root=tmp_path, keep=keep, **kw)
+    receiver = make_receiver(transport, run_id=run_id, root=tmp_path, delta=kw.get("delta", False))
+    return sender, receiver
+
+
+def _state(rng):
+    shapes = [(30, 50), (1700,), (), (20, 30, 4), (0, 4)]
+    return {f"model.layers.{i}.w_{np.dtype(dt).name}": special_tensor(dt, shapes[i % len(shapes)], rng)
+            for i, dt in enumerate(ALL_DTYPES)}
+
+
+def _assert_bits_equal(got: dict, want: dict):
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        w = to_numpy(name, w)
+        assert got[name].dtype == w.dtype and got[name].shape == w.shape, name
+        assert got[name].tobytes() == w.tobytes(), name
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("delta", [False, True])
+def test_round_trip_bit_exact_all_dtypes(transport, delta, run_id, tmp_path):
+    rng = np.random.default_rng(0)
+    sender, receiver = _pair(transport, run_id, tmp_path, delta=delta, keyframe_every=4)
+    with sender, receiver:
+        assert receiver.pull() is None
+        state = _state(rng)
+        for version in range(6):
+            stats = sender.push(state, version)
+            got = receiver.pull()
+            assert got is not None and got[0] == version
+            _assert_bits_equal(got[1], state)
+            assert receiver.pull() is None  # nothing newer
+            assert stats.full_bytes == sum(a.nbytes for a in state.values())
+            assert stats.keyframe == (not delta or version % 4 == 0)
+            # Next version: a few elements per tensor get new bits (NaN payloads, ±0, inf, denormals among them).
+            state = {n: a.copy() for n, a in state.items()}
+            for a in state.values():
+                if a.size:
+                    a.reshape(-1)[rng.integers(0, a.size, 2)] = special_tensor(a.dtype, (2,), rng)
+        assert receiver.refused == 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_torch_tensors_in_bf16_and_fp32(transport, run_id, tmp_path, tiny_qwen3_dir):
+    """A real HF state dict in bf16 goes in as torch tensors and comes out as the same bits in ml_dtypes bf16."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.bfloat16)
+    sd = dict(model.state_dict())
+    sd["extra.fp32"] = torch.randn(7, 3)
+    sender, receiver = _pair(transport, run_id, tmp_path)
+    with sender, receiver:
+        sender.push(sd, 1)
+        version, got = receiver.pull()
+    assert version == 1 and got.keys() == sd.keys()
+    for name, t in sd.items():
+        if t.dtype == torch.bfloat16:
+            assert got[name].dtype == np.dtype(ml_dtypes.bfloat16)
+            assert np.array_equal(got[name].view(np.int16), t.view(torch.int16).numpy()), name
+        else:
+            assert got[name].tobytes() == t.numpy().tobytes(), name
+
+
+def test_torch_input_is_not_copied():
+    t = torch.randn(4, 4)
+    assert np.shares_memory(to_numpy("w", t), t.numpy())
+    b = torch.randn(4, 4, dtype=torch.bfloat16)
+    arr = to_numpy("w", b)
+    assert arr.dtype == np.dtype(ml_dtypes.bfloat16) and arr.ctypes.data == b.data_ptr()
+
+
+def test_shm_reads_are_zero_copy_views_valid_until_buffer_reused(run_id):
+    sender, receiver = _pair("shm", run_id, None)
+    a = {"w": np.full(1000, 1.0, np.float32)}
+    with sender, receiver:
+        sender.push(a, 0)
+        _, v0 = receiver.pull()
+        sender.push({"w": np.full(1000, 2.0, np.float32)}, 1)  # double buffer: goes to the other segment
+        _, v1 = receiver.pull()
+        assert (v0["w"] == 1.0).all() and (v1["w"] == 2.0).all()  # v0 still intact while v1 is read
+        sender.push({"w": np.full(1000, 3.0, np.float32)}, 2)  # reuses v0's segment: the documented limit
+        assert (v0["w"] == 3.0).all(), "shm pulls must be views into the segment, not copies"
+
+
+def test_sender_copies_input_before_push_returns(run_id):
+    """The trainer's arrays may alias live parameters: changing them after push must not change what was sent."""
+    sender, receiver = _pair("shm", run_id, None, delta=True)
+    w = np.arange(100, dtype=np.float32)
+    with sender, receiver:
+        sender.push({"w": w}, 0)
+        w[:] = -1  # the optimizer steps in place
+        _, got = receiver.pull()
+        assert got["w"].tolist() == list(range(100))
+        sender.push({"w": w}, 1)
+        assert receiver.pull()[1]["w"].tolist() == [-1.0] * 100
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_keyframe_when_delta_not_worth_it_and_on_shape_change(transport, run_id, tmp_path):
+    rng = np.random.default_rng(0)
+    sender, receiver = _pair(transport, run_id, tmp_path, delta=True, keyframe_every=100)
+    w = rng.standard_normal(4096).astype(np.float32)
+    with sender, receiver:
+        assert sender.push({"w": w}, 0).keyframe
+        small = w.copy()
+        small[:10] += 1
+        s1 = sender.push({"w": small}, 1)
+        assert not s1.keyframe and s1.changed_frac == pytest.approx(10 / 4096)
+        s2 = sender.push({"w": rng.standard_normal(4096).astype(np.float32)}, 2)  # everything changed
+        assert s2.keyframe and s2.changed_frac == 1.0
+        s3 = sender.push({"w": np.zeros(10, np.float32)}, 3)  # new shape: no base to diff against
+        assert s3.keyframe
+        version, got = receiver.pull()
+        assert version == 3 and got["w"].tobytes() == np.zeros(10, np.float32).tobytes()
+
+
+def test_disk_receiver_applies_a_chain_of_deltas(run_id, tmp_path):
+    """A receiver that missed versions catches up through the retained deltas without asking for a keyframe."""
+    sender, receiver = _pair("disk", run_id, tmp_path, delta=True, keep=4)
+    w = np.arange(1000, dtype=np.float32)
+    sender.push({"w": w}, 0)
+    assert receiver.pull()[0] == 0
+    for v in (1, 2, 3):
+        w = w.copy()
+        w[v * 10] = -v
+        assert not sender.push({"w": w}, v).keyframe
+    version, got = receiver.pull()
+    assert version == 3 and got["w"].tobytes() == w.tobytes() and receiver.keyframe_requests == 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_receiver_with_wrong_base_requests_keyframe(transport, run_id, tmp_path):
+    sender, receiver = _pair(transport, run_id, tmp_path, delta=True, keep=1)
+    w = np.arange(1000, dtype=np.float32)
+    with sender, receiver:
+        sender.push({"w": w}, 0)
+        receiver.pull()
+        for v in (1, 2, 3):  # the receiver sleeps through three deltas; only the newest is kept
+            w = w.copy()
+            w[v] = -v
+            sender.push({"w": w}, v)
+        assert receiver.pull() is None and receiver.keyframe_requests == 1 and receiver.version == 0
+        w = w.copy()
+        w[500] = 7
+        assert sender.push({"w": w}, 4).keyframe, "the receiver's request must reach the sender"
+        version, got = receiver.pull()
+        assert version == 4 and got["w"].tobytes() == w.tobytes()
+        w = w.copy()
+        w[501] = 8
+        assert not sender.push({"w": w}, 5).keyframe, "one request, one keyframe"
+        assert receiver.pull()[1]["w"].tobytes() == w.tobytes()
+
+
+def test_disk_prunes_old_versions(run_id, tmp_path):
+    sender, receiver = _pair("disk", run_id, tmp_path, keep=2)
+    for v in range(5):
+        sender.push({"w": np.full(4, v, np.int32)}, v)
+    kept = sorted(p.name for p in (tmp_path / run_id).iterdir())
+    assert kept == ["v000000000003", "v000000000004"]
+    assert receiver.pull()[1]["w"].tolist() == [4] * 4
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_bad_input_names_the_problem(transport, run_id, tmp_path):
+    sender, receiver = _pair(transport, run_id, tmp_path)
+    with sender, receiver:
+        with pytest.raises(ValueError, match="embed.weight"):
+            sender.push({"embed.weight": np.zeros(3, np.complex64)}, 0)
+        with pytest.raises(ValueError, match="lm_head"):
+            sender.push({"lm_head": [1.0, 2.0]}, 0)
+        with pytest.raises(ValueError, match="non-empty"):
+            sender.push({}, 0)
+        sender.push({"w": np.zeros(3, np.float32)}, 5)
+        with pytest.raises(ValueError, match="version 5 is not newer"):
+            sender.push({"w": np.zeros(3, np.float32)}, 5)
+        assert receiver.pull()[0] == 5  # the bad pushes lost nothing
+
+
+def test_factory_errors(run_id, tmp_path):
+    with pytest.raises(ValueError, match="'zmq'"):
+        make_sender("zmq", run_id=run_id)
+    with pytest.raises(ValueError, match="root"):
+        make_sender("disk", run_id=run_id)
+    with pytest.raises(ValueError, match="rlloop.ray_sync"):
+        make_receiver("ray", run_id=run_id)
+    with pytest.raises(ValueError, match="run_id"):
+        make_sender("shm", run_id="../etc")
+    with pytest.raises(ValueError, match="keyframe_every"):
+        make_sender("shm", run_id=run_id, keyframe_every=0)
+    first = make_sender("shm", run_id=run_id)
+    with first, pytest.raises(ValueError, match="live shm sender"):
+        make_sender("shm", run_id=run_id)
