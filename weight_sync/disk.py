@@ -41,9 +41,12 @@ def _canonical(obj) -> bytes:
 
 
 def _header_checksum(path: Path) -> int:
+    """xxh3 of the safetensors header (8-byte length + JSON); the tensor checksums cover the rest of the file."""
     with open(path, "rb") as f:
         head = f.read(8)
         (n,) = struct.unpack("<Q", head)
+        if n > os.fstat(f.fileno()).st_size - 8:
+            raise CorruptVersion("safetensors header length beyond the file")
         return checksum(head + f.read(n))
 
 

@@ -1,0 +1,112 @@
+"""Flipping any single byte of a version makes the receiver refuse it and keep the weights it had."""
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from weight_sync import make_receiver, make_sender
+from weight_sync.manifest import CorruptVersion
+from weight_sync.payload import encode_payload, read_payload
+from weight_sync.protocol import Sender
+
+
+def _flip(path: Path, pos: int, rng) -> None:
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        byte = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([byte ^ int(rng.integers(1, 256))]))
+
+
+def _weights(v: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(v)
+    return {"embed.weight": rng.standard_normal((4, 8)).astype(ml_dtypes.bfloat16),
+            "norm.weight": rng.standard_normal(8).astype(np.float32),
+            "step": np.array([v, -v], np.int64)}
+
+
+def _latest_shm_payload(run_id: str) -> tuple[Path, int]:
+    """The buffer holding the newest version and its payload length, read from the control segment's layout."""
+    ctl = np.fromfile(f"/dev/shm/rlloop_{run_id}_ctl", np.uint64, count=16)
+    i = int(ctl[2]) - 1
+    return Path(f"/dev/shm/rlloop_{run_id}_buf{i}"), int(ctl[(8, 12)[i] + 2])
+
+
+def test_every_byte_of_a_payload_is_covered():
+    """read_payload (what shm and Ray receivers run) refuses a flip at every position of a keyframe payload."""
+    w = _weights(0)
+    manifest, blobs = Sender()._encode(w, 0)[:2]
+    payload = encode_payload(manifest, blobs)
+    read_payload(payload)  # intact: accepted
+    rng = np.random.default_rng(0)
+    for pos in range(payload.nbytes):
+        bad = payload.copy()
+        bad[pos] ^= rng.integers(1, 256, dtype=np.uint8)
+        with pytest.raises(CorruptVersion):
+            read_payload(bad)
+
+
+def test_shm_refuses_flipped_keyframes_and_keeps_previous(run_id):
+    rng = np.random.default_rng(1)
+    sender, receiver = make_sender("shm", run_id=run_id), make_receiver("shm", run_id=run_id)
+    with sender, receiver:
+        sender.push(_weights(0), 0)
+        assert receiver.pull()[0] == 0
+        total = _latest_shm_payload(run_id)[1]
+        for i, pos in enumerate(range(0, total, 3)):  # every third byte: headers, manifest, padding, data
+            sender.push(_weights(0), i + 1)
+            _flip(_latest_shm_payload(run_id)[0], pos, rng)
+            assert receiver.pull() is None, f"accepted a flip at byte {pos}"
+            assert receiver.refused == i + 1 and receiver.version == 0
+        sender.push(_weights(7), 10_000)
+        version, got = receiver.pull()
+        assert version == 10_000 and all(got[n].tobytes() == a.tobytes() for n, a in _weights(7).items())
+
+
+def test_shm_delta_flip_is_refused_then_recovered_by_keyframe(run_id):
+    rng = np.random.default_rng(2)
+    sender = make_sender("shm", run_id=run_id, delta=True, keyframe_every=1_000_000)
+    receiver = make_receiver("shm", run_id=run_id, delta=True)
+    with sender, receiver:
+        w = _weights(0)
+        w["big"] = np.zeros(4096, np.float32)  # makes the delta worth sending
+        v = 0
+        sender.push(w, v)
+        receiver.pull()
+        for trial in range(60):
+            good = {n: a.copy() for n, a in w.items()}
+            w["big"][trial] = trial + 1
+            v += 1
+            assert not sender.push(w, v).keyframe
+            buf, length = _latest_shm_payload(run_id)
+            _flip(buf, int(rng.integers(0, length)), rng)
+            assert receiver.pull() is None and receiver.version == v - 1
+            assert receiver.refused == trial + 1
+            w["big"][trial + 100] = 1
+            v += 1
+            sender.push(w, v)  # a delta on top of the refused version: the receiver asks for a keyframe
+            assert receiver.pull() is None and receiver.keyframe_requests == trial + 1
+            v += 1
+            assert sender.push(w, v).keyframe
+            version, got = receiver.pull()
+            assert version == v and all(got[n].tobytes() == a.tobytes() for n, a in w.items())
+            assert any(got[n].tobytes() != a.tobytes() for n, a in good.items())
+
+
+@pytest.mark.parametrize("target", ["manifest.json", "weights.safetensors"])
+def test_disk_refuses_any_flipped_byte(target, run_id, tmp_path):
+    rng = np.random.default_rng(3)
+    sender = make_sender("disk", run_id=run_id, root=tmp_path, keep=1_000_000)
+    receiver = make_receiver("disk", run_id=run_id, root=tmp_path)
+    sender.push(_weights(0), 0)
+    assert receiver.pull()[0] == 0
+    size = (tmp_path / run_id / "v000000000000" / target).stat().st_size
+    for i, pos in enumerate(range(size)):
+        sender.push(_weights(0), i + 1)
+        _flip(tmp_path / run_id / f"v{i + 1:012d}" / target, pos, rng)
+        assert receiver.pull() is None, f"accepted a flip at byte {pos} of {target}"
+        assert receiver.refused == i + 1 and receiver.version == 0
+    sender.push(_weights(5), size + 1)
+    version, got = receiver.pull()
+    assert version == size + 1 and all(got[n].tobytes() == a.tobytes() for n, a in _weights(5).items())

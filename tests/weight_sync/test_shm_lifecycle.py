@@ -1,0 +1,111 @@
+"""Segments of a killed writer: never a half-written version for readers, removed at the next start, and removed on
+normal exit and on SIGTERM."""
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from weight_sync import make_receiver, make_sender
+from weight_sync.shm import remove_stale_segments
+
+# The writer process. In "midpush" mode it publishes version 1, then writes half of version 2 and stops there (the
+# hook stands in for the moment a SIGKILL lands; the real write_payload produces the bytes).
+WRITER = r"""
+import sys, time
+import numpy as np
+import weight_sync.shm as shm
+
+run_id, mode = sys.argv[1], sys.argv[2]
+sender = shm.ShmSender(run_id)
+sender.push({"w": np.full(1 << 16, 1.0, np.float32)}, 1)
+if mode == "midpush":
+    real_write = shm.write_payload
+    def write_half_then_hang(dst, layout, manifest, blobs):
+        scratch = np.zeros(layout.total, np.uint8)
+        real_write(scratch, layout, manifest, blobs)
+        dst[: layout.total // 2] = scratch[: layout.total // 2]
+        print("mid-push", flush=True)
+        time.sleep(120)
+    shm.write_payload = write_half_then_hang
+    sender.push({"w": np.full(1 << 16, 2.0, np.float32)}, 2)
+print("ready", flush=True)
+if mode == "wait":
+    time.sleep(120)
+"""
+
+
+def _start_writer(run_id: str, mode: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, run_id, mode], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[2])
+    line = proc.stdout.readline().strip()
+    assert line in ("mid-push", "ready"), f"writer failed to start (got {line!r})"
+    return proc
+
+
+def _segments(run_id: str) -> list[str]:
+    return sorted(p.name for p in Path("/dev/shm").glob(f"rlloop_{run_id}_*"))
+
+
+def test_sigkill_mid_push_never_shows_partial_version_and_next_start_cleans_up(run_id):
+    proc = _start_writer(run_id, "midpush")
+    try:
+        receiver = make_receiver("shm", run_id=run_id)
+        version, got = receiver.pull()
+        assert version == 1 and (got["w"] == 1.0).all()
+        assert receiver._read(2) is None  # the half-written buffer is not offered even when asked for by name
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    fresh = make_receiver("shm", run_id=run_id)
+    version, got = fresh.pull()
+    assert version == 1 and (got["w"] == 1.0).all(), "after the kill readers still get the last whole version"
+    assert receiver.pull() is None
+    assert _segments(run_id) == [f"rlloop_{run_id}_buf0", f"rlloop_{run_id}_buf1", f"rlloop_{run_id}_ctl"]
+
+    # The next start finds the dead writer's segments and replaces them.
+    with make_sender("shm", run_id=run_id) as sender:
+        assert fresh.pull() is None  # new, empty run: nothing published yet
+        sender.push({"w": np.full(8, 3.0, np.float32)}, 1)
+        version, got = make_receiver("shm", run_id=run_id).pull()
+        assert version == 1 and (got["w"] == 3.0).all()
+    assert _segments(run_id) == []
+
+
+def test_remove_stale_segments_spares_live_writers(run_id):
+    proc = _start_writer(run_id, "midpush")
+    try:
+        assert run_id not in remove_stale_segments()
+        assert len(_segments(run_id)) == 3
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert run_id in remove_stale_segments()
+    assert _segments(run_id) == []
+
+
+def test_sigterm_removes_segments(run_id):
+    proc = _start_writer(run_id, "wait")
+    assert _segments(run_id) == [f"rlloop_{run_id}_buf0", f"rlloop_{run_id}_ctl"]  # one push: one buffer used
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGTERM  # still dies of SIGTERM, as the default action would
+    assert _segments(run_id) == []
+
+
+def test_normal_exit_without_close_removes_segments(run_id):
+    proc = _start_writer(run_id, "exit")
+    proc.wait(timeout=30)
+    assert proc.returncode == 0
+    assert _segments(run_id) == []
+
+
+def test_close_keeps_views_held_by_the_reader_valid(run_id):
+    sender = make_sender("shm", run_id=run_id)
+    sender.push({"w": np.arange(10, dtype=np.float32)}, 0)
+    _, got = make_receiver("shm", run_id=run_id).pull()
+    sender.close()
+    sender.close()  # idempotent
+    assert _segments(run_id) == [] and got["w"].tolist() == list(range(10))
