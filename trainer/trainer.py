@@ -54,6 +54,7 @@ class TrainerConfig:
     seed: int = 0
 
     def __post_init__(self):
+        self.model_path = os.fspath(self.model_path)
         if isinstance(self.loss, dict):
             self.loss = LossConfig(**self.loss)
         self.betas = tuple(self.betas)

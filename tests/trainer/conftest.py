@@ -1,0 +1,21 @@
+"""Fixtures for the trainer tests: random GRPO-shaped batches over the tiny model's 128-token vocabulary."""
+import numpy as np
+import pytest
+
+from trainer import TrainBatch
+
+
+def random_batch(n: int, seed: int = 0, max_prompt: int = 9, max_response: int = 12,
+                 with_rollout_logprobs: bool = True) -> TrainBatch:
+    """Varied prompt and response lengths (so packing and padding matter), advantages of both signs."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, 128, rng.integers(2, max_prompt + 1)).tolist() for _ in range(n)]
+    responses = [rng.integers(3, 128, rng.integers(1, max_response + 1)).tolist() for _ in range(n)]
+    advantages = rng.normal(0.0, 1.0, n).tolist()
+    rollout = [(-4.8 + rng.normal(0.0, 0.3, len(r))).tolist() for r in responses] if with_rollout_logprobs else None
+    return TrainBatch(prompts, responses, advantages, rollout)
+
+
+@pytest.fixture
+def make_batch():
+    return random_batch

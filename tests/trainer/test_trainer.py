@@ -1,0 +1,192 @@
+"""Trainer behaviour: micro-batching is exact, the whole step matches an independent computation, it learns,
+resume is bit-exact, exports are named and typed as HF saves them, bad batches fail cleanly."""
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+import transformers
+
+from tests.conftest import make_tiny_hf_model
+from trainer import LossConfig, TrainBatch, Trainer, TrainerConfig
+
+
+def perturbed(logprobs, seed, scale):
+    rng = np.random.default_rng(seed)
+    return [(np.asarray(lp, dtype=np.float64) + rng.normal(0.0, scale, len(lp))).tolist() for lp in logprobs]
+
+
+@pytest.mark.parametrize("agg", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_micro_batched_gradients_equal_single_batch(tiny_qwen3_dir, make_batch, agg):
+    loss = LossConfig(loss_agg=agg, kl_coef=0.05, kl_estimator="k2", entropy_coef=0.01, tis_cap=1.5)
+    batch = make_batch(9, seed=4)
+    micro = Trainer(TrainerConfig(tiny_qwen3_dir, micro_batch_tokens=24, loss=loss, max_response_len=16))
+    single = Trainer(TrainerConfig(tiny_qwen3_dir, micro_batch_tokens=10**6, loss=loss, max_response_len=16))
+    current = micro.compute_logprobs(batch.prompts, batch.responses)
+    # An older policy far enough away that tokens get clipped on both sides, and rollout numbers that trip TIS.
+    old = perturbed(current, seed=5, scale=0.4)
+    batch.rollout_logprobs = perturbed(old, seed=6, scale=0.6)
+
+    g_micro, m_micro = micro.compute_gradients(batch, old)
+    g_single, m_single = single.compute_gradients(batch, old)
+    assert m_micro["train/micro_batches"] > 2 and m_single["train/micro_batches"] == 1
+    assert m_single["train/pg_clipfrac"] > 0.05
+    assert g_micro.keys() == g_single.keys()
+    for name in g_single:
+        torch.testing.assert_close(g_micro[name], g_single[name], atol=1e-5, rtol=1e-5, msg=name)
+    for key in ("train/loss", "train/pg_loss", "train/kl_loss", "train/pg_clipfrac", "train/entropy",
+                "train/logprob_abs_diff", "train/ppo_kl", "train/tokens"):
+        assert m_micro[key] == pytest.approx(m_single[key], rel=1e-5, abs=1e-7), key
+
+
+def test_step_gradient_matches_independent_per_sample_computation(tiny_qwen3_dir, make_batch):
+    """dapo + TIS + clipping through the trainer == per-sample unpadded HF forwards and the DESIGN.md formulas."""
+    batch = make_batch(5, seed=7)
+    cfg = TrainerConfig(tiny_qwen3_dir, temperature=0.9, micro_batch_tokens=30,
+                        loss=LossConfig(loss_agg="dapo", clip_eps_low=0.2, clip_eps_high=0.28, tis_cap=2.0))
+    trainer = Trainer(cfg)
+    old = perturbed(trainer.compute_logprobs(batch.prompts, batch.responses), seed=8, scale=0.3)
+    batch.rollout_logprobs = perturbed(old, seed=9, scale=0.5)
+    got, _ = trainer.compute_gradients(batch, old)
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).eval()
+    total_tokens = sum(len(r) for r in batch.responses)
+    objective = 0.0
+    for i in range(len(batch)):
+        p, r = batch.prompts[i], batch.responses[i]
+        logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1: len(p) + len(r) - 1] / 0.9
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
+        old_i = torch.tensor(old[i], dtype=torch.float32)
+        ratio = torch.exp(logp - old_i)
+        a = batch.advantages[i]
+        per_token = -torch.minimum(ratio * a, torch.clamp(ratio, 0.8, 1.28) * a)
+        tis = torch.clamp(torch.exp(old_i - torch.tensor(batch.rollout_logprobs[i])), max=2.0)
+        objective = objective + (per_token * tis).sum() / total_tokens
+    objective.backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(got[name], param.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_training_raises_logprobs_of_rewarded_responses(tiny_qwen3_dir):
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, 128, 6).tolist()
+    responses = [rng.integers(3, 128, 8).tolist() for _ in range(8)]
+    advantages = [1.0 if i % 2 == 0 else -1.0 for i in range(8)]
+    trainer = Trainer(TrainerConfig(tiny_qwen3_dir, lr=3e-3, weight_decay=0.0, micro_batch_tokens=64,
+                                    loss=LossConfig(tis_cap=None)))
+    before = [lp.sum() for lp in trainer.compute_logprobs([prompt] * 8, responses)]
+    for _ in range(5):
+        metrics = trainer.train_step(TrainBatch([prompt] * 8, responses, advantages))
+        assert math.isfinite(metrics["train/loss"]) and metrics["train/grad_norm"] > 0
+    after = [lp.sum() for lp in trainer.compute_logprobs([prompt] * 8, responses)]
+    for i in range(8):
+        if advantages[i] > 0:
+            assert after[i] > before[i] + 1.0, i
+        else:
+            assert after[i] < before[i] - 1.0, i
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_save_load_resumes_bit_for_bit(tmp_path, tiny_qwen3_dir, make_batch, dtype):
+    cfg = TrainerConfig(tiny_qwen3_dir, dtype=dtype, lr=1e-3, lr_warmup_steps=3, minibatches=2,
+                        micro_batch_tokens=40, loss=LossConfig(kl_coef=0.02))
+    batches = [make_batch(6, seed=s) for s in (10, 11, 12)]
+
+    straight = Trainer(cfg)
+    straight_metrics = [straight.train_step(b) for b in batches]
+
+    first = Trainer(cfg)
+    first.train_step(batches[0])
+    first.save(tmp_path / "ckpt")
+    rng_at_save = torch.get_rng_state()
+    torch.manual_seed(1234)                      # the checkpoint must restore RNG state too
+    resumed = Trainer(cfg)
+    resumed.load(tmp_path / "ckpt")
+    assert torch.equal(torch.get_rng_state(), rng_at_save)
+    assert resumed.step == 2
+    resumed_metrics = [resumed.train_step(b) for b in batches[1:]]
+
+    assert resumed_metrics == straight_metrics[1:]
+    # Two optimizer steps per batch, warmup 1/3, 2/3, 1, ...: the scheduler position survives the restart.
+    assert straight_metrics[0]["train/lr"] == pytest.approx(2e-3 / 3)
+    assert resumed_metrics[-1]["train/lr"] == pytest.approx(1e-3)
+    for name, p in straight.model.state_dict().items():
+        assert torch.equal(p, resumed.model.state_dict()[name]), name
+    for a, b in zip(straight.masters, resumed.masters):
+        assert torch.equal(a, b)
+
+
+def test_load_rejects_incomplete_checkpoint(tmp_path, tiny_qwen3_dir):
+    trainer = Trainer(TrainerConfig(tiny_qwen3_dir))
+    with pytest.raises(ValueError, match="trainer_state.pt"):
+        trainer.load(tiny_qwen3_dir)             # an HF directory, not a trainer checkpoint
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_bf16_export_names_dtype_and_bits(tmp_path, tie):
+    path = make_tiny_hf_model(tmp_path / "m", "qwen3", tie=tie, seed=5)
+    trainer = Trainer(TrainerConfig(str(path), dtype="bfloat16"))
+    exported = trainer.export_weights()
+    saved = safetensors.numpy.load_file(str(path / "model.safetensors"))      # what HF's save_pretrained wrote
+    assert set(exported) == set(saved)
+    assert ("lm_head.weight" in exported) == (not tie)
+    for name, array in exported.items():
+        assert array.dtype == ml_dtypes.bfloat16, name
+        assert array.shape == saved[name].shape, name
+        # Bits equal round-to-nearest-even of the float32 checkpoint, computed by ml_dtypes rather than torch.
+        want = saved[name].astype(ml_dtypes.bfloat16)
+        assert np.array_equal(array.view(np.uint16), want.view(np.uint16)), name
+
+
+def test_fp32_export_aliases_live_parameters(tiny_qwen3_dir, make_batch):
+    trainer = Trainer(TrainerConfig(tiny_qwen3_dir, lr=1e-3))
+    exported = trainer.export_weights()
+    snapshot = {k: v.copy() for k, v in exported.items()}
+    assert all(v.dtype == np.float32 for v in exported.values())
+    trainer.train_step(make_batch(4, seed=13))
+    name = "model.layers.0.mlp.down_proj.weight"
+    # Documented: the arrays are views of the parameters, so the step shows through them.
+    assert np.array_equal(exported[name], trainer.model.get_parameter(name).detach().numpy())
+    assert not np.array_equal(exported[name], snapshot[name])
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_qwen3_dir, make_batch):
+    batch = make_batch(4, seed=14)
+    plain, _ = Trainer(TrainerConfig(tiny_qwen3_dir)).compute_gradients(batch)
+    ckpt, _ = Trainer(TrainerConfig(tiny_qwen3_dir, gradient_checkpointing=True)).compute_gradients(batch)
+    for name in plain:
+        torch.testing.assert_close(ckpt[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda b: b.advantages.pop(), "advantages"),
+    (lambda b: b.responses.pop(), "responses"),
+    (lambda b: b.rollout_logprobs[2].append(-1.0), r"rollout_logprobs\[2\]"),
+    (lambda b: b.responses.__setitem__(1, []), r"responses\[1\]"),
+    (lambda b: b.prompts[3].append(128), r"prompts\[3\]"),
+    (lambda b: b.advantages.__setitem__(0, float("nan")), r"advantages\[0\]"),
+])
+def test_bad_batch_is_rejected_and_loses_nothing(tiny_qwen3_dir, make_batch, mutate, field):
+    trainer = Trainer(TrainerConfig(tiny_qwen3_dir, lr=1e-3))
+    before = {k: v.copy() for k, v in trainer.export_weights().items()}
+    bad = make_batch(5, seed=15)
+    mutate(bad)
+    with pytest.raises(ValueError, match=field):
+        trainer.train_step(bad)
+    assert trainer.step == 0
+    after = trainer.export_weights()
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    trainer.train_step(make_batch(5, seed=15))                 # still usable
+    assert trainer.step == 1
+
+
+def test_bad_config_names_the_field(tiny_qwen3_dir):
+    with pytest.raises(ValueError, match="dtype"):
+        TrainerConfig(tiny_qwen3_dir, dtype="float16x")
+    with pytest.raises(ValueError, match="tpu"):
+        Trainer(TrainerConfig(tiny_qwen3_dir, device="tpu"))   # torch_tpu is never installed here
+    with pytest.raises(ValueError, match="minibatches"):
+        Trainer(TrainerConfig(tiny_qwen3_dir, minibatches=4)).train_step(
+            TrainBatch([[5], [6]], [[7], [8]], [1.0, -1.0]))
