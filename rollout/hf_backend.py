@@ -43,13 +43,23 @@ class HFEngine:
         self.vocab_size = cfg.vocab_size
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         self.pad_token_id = pad[0] if isinstance(pad, (list, tuple)) else int(pad)
+        # The model's own EOS ids, read the way the JAX engine reads them: generation_config.json, else config.json.
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        eos = cfg.eos_token_id if eos is None else eos
+        eos = [] if eos is None else eos if isinstance(eos, (list, tuple)) else [eos]
+        self.eos_token_ids = tuple(int(e) for e in eos)
         # Replace the checkpoint's generation defaults (Qwen3 ships T=0.6, top_k=20, ...) and its eos ids: every
-        # knob comes from SamplingParams, and stopping only happens on SamplingParams.stop_token_ids.
+        # knob comes from SamplingParams, and rows stop only on the ids `stop_ids(sampling)` returns.
         self.model.generation_config = transformers.GenerationConfig(pad_token_id=self.pad_token_id)
         self.weight_version = 0
         self._stats = {"tokens": 0.0, "seconds": 0.0, "tok_s": 0.0, "weight_version": 0.0}
 
     # ------------------------------------------------------------------ generate
+
+    def stop_ids(self, sampling: SamplingParams) -> tuple[int, ...]:
+        """Ids that end a row: the model's EOS ids (unless ignore_eos) and the request's stop_token_ids."""
+        eos = () if sampling.ignore_eos else self.eos_token_ids
+        return tuple(sorted(set(eos) | set(sampling.stop_token_ids)))
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Completion]:
         if n < 1:
@@ -85,9 +95,9 @@ class HFEngine:
         for r, prompt in enumerate(batch_prompts):  # left padding: every row's next token lands in the last column
             input_ids[r, width - len(prompt):] = torch.tensor(prompt)
             attention_mask[r, width - len(prompt):] = 1
-        kwargs = dict(max_new_tokens=sampling.max_new_tokens, min_new_tokens=0,
-                      eos_token_id=list(sampling.stop_token_ids) or None, pad_token_id=self.pad_token_id,
-                      output_scores=True, return_dict_in_generate=True)
+        stop_ids = self.stop_ids(sampling)
+        kwargs = dict(max_new_tokens=sampling.max_new_tokens, min_new_tokens=0, eos_token_id=list(stop_ids) or None,
+                      pad_token_id=self.pad_token_id, output_scores=True, return_dict_in_generate=True)
         if sampling.greedy:
             kwargs.update(do_sample=False)
         else:
@@ -101,7 +111,7 @@ class HFEngine:
         logprobs = torch.log_softmax(scores, dim=-1).gather(-1, generated.to(scores.device)[..., None])[..., 0]
         logprobs = logprobs.cpu()
 
-        stops = set(sampling.stop_token_ids)
+        stops = set(stop_ids)
         completions = []
         for r, (prompt_index, sample_index) in enumerate(row_ids):
             tokens = generated[r].tolist()

@@ -19,6 +19,9 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
+    # Like vLLM: generation also stops on the model's EOS ids (generation_config.json, else config.json) unless
+    # ignore_eos; stop_token_ids always apply. Benchmarks set ignore_eos so every row runs to max_new_tokens.
+    ignore_eos: bool = False
 
     def __post_init__(self):
         # One clear error per bad field, so a typo in a config fails before any compile or model load.

@@ -40,8 +40,10 @@ def reference_model(path):
 
 def test_greedy_matches_plain_generate(engine, model_dir):
     ref = reference_model(model_dir)
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=(2,))
+    # No stop_token_ids: rows stop on the model's own EOS id (2, from its config), as in vLLM.
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=10)
     out = engine.generate(PROMPTS, n=2, sampling=sampling)
+    assert any(c.finish_reason == "stop" for c in out), "pick prompts where some greedy row emits EOS"
     assert [(c.prompt_index, c.sample_index) for c in out] == [(p, s) for p in range(len(PROMPTS)) for s in range(2)]
     for c in out:
         prompt = PROMPTS[c.prompt_index]
@@ -58,7 +60,8 @@ def test_greedy_matches_plain_generate(engine, model_dir):
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, -1, 1.0), (0.7, 10, 0.9)])
 def test_logprobs_match_manual_forward(engine, model_dir, temperature, top_k, top_p):
     ref = reference_model(model_dir)
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=12, seed=3)
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=12, seed=3,
+                              ignore_eos=True)
     out = engine.generate(PROMPTS, n=2, sampling=sampling)
     for c in out:
         prompt = PROMPTS[c.prompt_index]
@@ -97,12 +100,14 @@ def test_sampling_is_reproducible_per_seed(engine):
 
 
 def test_stop_ids_end_rows(engine):
-    free = engine.generate(PROMPTS, n=1, sampling=SamplingParams(temperature=0.0, max_new_tokens=10))
+    free = engine.generate(PROMPTS, n=1, sampling=SamplingParams(temperature=0.0, max_new_tokens=10,
+                                                                  ignore_eos=True))
+    assert 2 in sum((c.token_ids for c in free), []), "the model's EOS must occur for ignore_eos to be tested"
     assert all(c.finish_reason == "length" and len(c.token_ids) == 10 for c in free)
     # Pick a token that greedy decoding emits mid-way in some row (not at its first step), then stop on it.
     stop = next(t for c in free for t in c.token_ids[2:])
     stopped = engine.generate(PROMPTS, n=1, sampling=SamplingParams(temperature=0.0, max_new_tokens=10,
-                                                                     stop_token_ids=(stop, 127)))
+                                                                     stop_token_ids=(stop, 127), ignore_eos=True))
     for before, after in zip(free, stopped):
         if stop in before.token_ids:
             cut = before.token_ids.index(stop) + 1
@@ -116,7 +121,7 @@ def test_stop_ids_end_rows(engine):
 def test_load_weights_changes_outputs_and_stamps_version(model_dir, other_model_dir):
     engine = HFEngine(model_dir)
     other = HFEngine(other_model_dir)
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=10)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
     before = engine.generate(PROMPTS, 1, greedy)
     assert all(c.weight_version == 0 for c in before)
     # A tied checkpoint: send it without lm_head.weight, as real Qwen3 small checkpoints do.
