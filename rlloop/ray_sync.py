@@ -10,7 +10,8 @@ in weight_sync.protocol, so this file is only about moving bytes.
 The sender process owns the payload objects (Ray 2.56 removed `ray.put(_owner=...)`); if it dies, its versions are
 lost and a receiver sees no new version until a restarted sender pushes one (a delta receiver then gets a
 keyframe, since the new sender starts with one). Arrays returned by a pull are read-only views into the object
-store, kept alive by Ray as long as they are referenced.
+store, kept alive by Ray as long as they are referenced. The mailbox is an ordinary (not detached) actor: it lives
+while the handle of whoever created it first (normally the sender) lives, and never outlives the job.
 """
 from __future__ import annotations
 

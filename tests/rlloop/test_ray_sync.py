@@ -1,0 +1,125 @@
+"""The Ray object-store transport: same protocol as shm/disk, bit-exact, keyframe requests through the mailbox."""
+import uuid
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from rlloop.ray_sync import get_mailbox, make_ray_receiver, make_ray_sender  # noqa: E402
+from weight_sync.payload import encode_payload  # noqa: E402
+from weight_sync.protocol import Sender  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture
+def run_id():
+    return f"raytest-{uuid.uuid4().hex[:8]}"
+
+
+def _weights(rng, n=4096):
+    return {"model.embed_tokens.weight": rng.standard_normal((n // 64, 64)).astype(ml_dtypes.bfloat16),
+            "model.norm.weight": np.concatenate([[np.nan, -0.0, np.inf], rng.standard_normal(61)]).astype(np.float32),
+            "counter": np.arange(5, dtype=np.int64)}
+
+
+def _step(w, rng, k=20):
+    w = {n: a.copy() for n, a in w.items()}
+    emb = w["model.embed_tokens.weight"].reshape(-1)
+    emb[rng.integers(0, emb.size, k)] = rng.standard_normal(k).astype(ml_dtypes.bfloat16)
+    return w
+
+
+def _same_bits(got, want):
+    return got.keys() == want.keys() and all(got[n].tobytes() == a.tobytes() and got[n].dtype == a.dtype
+                                             for n, a in want.items())
+
+
+def test_ray_round_trip_with_deltas_bit_exact(ray_cluster, run_id):
+    rng = np.random.default_rng(0)
+    sender = make_ray_sender(run_id=run_id, delta=True, keyframe_every=3)
+    receiver = make_ray_receiver(run_id=run_id, delta=True)
+    assert receiver.pull() is None
+    w = _weights(rng)
+    for v in range(5):
+        stats = sender.push(w, v)
+        assert stats.keyframe == (v % 3 == 0)
+        if not stats.keyframe:
+            assert stats.bytes < stats.full_bytes / 5
+        version, got = receiver.pull()
+        assert version == v and _same_bits(got, w)
+        w = _step(w, rng)
+    assert receiver.refused == 0 and receiver.keyframe_requests == 0
+
+
+@ray.remote(num_cpus=0)
+def _pull_in_another_process(run_id):
+    import os
+
+    receiver = make_ray_receiver(run_id=run_id)
+    version, got = receiver.pull()
+    return os.getpid(), version, {n: (a.dtype.str, a.tobytes()) for n, a in got.items()}
+
+
+def test_ray_receiver_in_another_process(ray_cluster, run_id):
+    import os
+
+    rng = np.random.default_rng(1)
+    w = _weights(rng)
+    sender = make_ray_sender(run_id=run_id)  # held: the mailbox actor lives as long as its creator's handle
+    sender.push(w, 7)
+    pid, version, got = ray.get(_pull_in_another_process.remote(run_id))
+    assert pid != os.getpid() and version == 7
+    assert {n: (a.dtype.str, a.tobytes()) for n, a in w.items()} == got
+
+
+def test_ray_keyframe_request_reaches_sender(ray_cluster, run_id):
+    rng = np.random.default_rng(2)
+    sender = make_ray_sender(run_id=run_id, delta=True, keyframe_every=100, keep=1)
+    receiver = make_ray_receiver(run_id=run_id, delta=True)
+    w = _weights(rng)
+    sender.push(w, 0)
+    receiver.pull()
+    for v in (1, 2):  # missed: only the newest is kept, and it is a delta on top of version 1
+        w = _step(w, rng)
+        assert not sender.push(w, v).keyframe
+    assert receiver.pull() is None and receiver.keyframe_requests == 1
+    w = _step(w, rng)
+    assert sender.push(w, 3).keyframe
+    version, got = receiver.pull()
+    assert version == 3 and _same_bits(got, w)
+
+
+def test_ray_corrupt_payload_is_refused_and_previous_kept(ray_cluster, run_id):
+    rng = np.random.default_rng(3)
+    sender = make_ray_sender(run_id=run_id)
+    receiver = make_ray_receiver(run_id=run_id)
+    w0 = _weights(rng)
+    sender.push(w0, 0)
+    assert receiver.pull()[0] == 0
+    w1 = _step(w0, rng)
+    manifest, blobs = Sender()._encode(w1, 1)[:2]
+    payload = encode_payload(manifest, blobs)
+    payload[payload.nbytes // 2] ^= 0x10  # a flipped byte in the tensor data, posted as version 1
+    ray.get(get_mailbox(run_id).post.remote(1, [ray.put(payload)]))
+    assert receiver.pull() is None and receiver.refused == 1 and receiver.version == 0
+    sender.push(w1, 2)
+    version, got = receiver.pull()
+    assert version == 2 and _same_bits(got, w1)
+
+
+def test_ray_bad_arguments(ray_cluster):
+    with pytest.raises(ValueError, match="keep"):
+        make_ray_sender(run_id="x", keep=0)
+    with pytest.raises(ValueError, match="run_id"):
+        make_ray_receiver(run_id="")
