@@ -30,7 +30,9 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None        # HF rope parameters beyond theta (rope_type "default" => None)
+    # HF rope parameters beyond theta as sorted (key, value) pairs (hashable: the config is a static jit argument);
+    # None for plain RoPE
+    rope_scaling: tuple[tuple[str, object], ...] | None = None
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
@@ -87,7 +89,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            rope_scaling=None if rope_type == "default" else tuple(sorted({**rope, "rope_type": rope_type}.items())),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=True if family == "qwen2" else attention_bias,
             o_bias=attention_bias and family != "qwen2",
@@ -120,7 +122,7 @@ class ModelConfig:
             return inv_freq.astype(np.float32)
         # Llama 3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated smoothly
         # (transformers' _compute_llama3_parameters).
-        s = self.rope_scaling
+        s = dict(self.rope_scaling)
         factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
         old_ctx = float(s["original_max_position_embeddings"])
         low_wavelen, high_wavelen = old_ctx / low, old_ctx / high

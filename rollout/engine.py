@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Mapping
 
 import jax
@@ -53,6 +54,50 @@ jax.monitoring.register_event_duration_secs_listener(_on_duration_event)
 def compile_count() -> int:
     """XLA compiles in this process so far (all jit programs, not only the engine's)."""
     return _compiles
+
+# -- the compiled programs ------------------------------------------------------------------------------------------
+# Module-level jit with the model config, cache layout and loop sizes as static arguments: engines with the same
+# configuration (a restarted engine, several engines in one process, tests) share compiled programs. Array shapes
+# select the bucket. The cache is donated, so XLA updates it in place.
+
+def _constrain(cache, cache_sh):
+    # Pin the cache's layout so each output matches the next call's input (GSPMD could otherwise choose another
+    # sharding for an output, which would mean a re-layout and a recompile on the next call).
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, cache_sh), cache)
+
+
+@partial(jax.jit, donate_argnums=1, static_argnames=("mc", "cache_sh"))
+def _prefill_program(params, cache, tokens, positions, segments, slots, *, mc, cache_sh):
+    cache, _ = model.prefill(mc, params, cache, tokens, positions, segments, slots)
+    return _constrain(cache, cache_sh)
+
+
+@partial(jax.jit, donate_argnums=0, static_argnames=("mc", "cache_sh"))
+def _copy_program(cache, src, dst, *, mc, cache_sh):
+    return _constrain(copy_slots(cache, src, dst), cache_sh)
+
+
+@partial(jax.jit, donate_argnums=1, static_argnames=("mc", "cache_sh", "steps", "max_len"))
+def _decode_program(params, cache, tok, pos, n_gen, finish, max_new, temp, top_k, top_p, seed, rid, stop, *,
+                    mc, cache_sh, steps, max_len):
+    """`steps` decode steps for rows 0..B-1 in one on-device scan; finished rows ride along masked."""
+    def step(carry, _):
+        cache, tok, pos, n_gen, finish = carry
+        active = finish == RUNNING
+        cache, logits = model.decode_step(mc, params, cache, tok, pos)
+        new_tok, logp = sample(logits, temp, top_k, top_p, seed, rid, pos + 1)
+        n_gen = n_gen + active.astype(jnp.int32)
+        hit_stop = jnp.any(new_tok[:, None] == stop, axis=-1)
+        # the new token sits at pos + 1; the sequence is full once that is the cache's last position
+        ended = jnp.where(hit_stop, STOPPED, jnp.where((n_gen >= max_new) | (pos + 1 >= max_len - 1), LENGTH, RUNNING))
+        finish = jnp.where(active, ended, finish)
+        tok = jnp.where(active, new_tok, tok)
+        pos = jnp.where(active, pos + 1, pos)
+        return (cache, tok, pos, n_gen, finish), (new_tok, logp, active)
+
+    carry, (toks, logps, emitted) = jax.lax.scan(step, (cache, tok, pos, n_gen, finish), None, length=steps)
+    cache, tok, pos, n_gen, finish = carry
+    return _constrain(cache, cache_sh), tok, pos, n_gen, finish, toks, logps, emitted
 
 
 @dataclass
@@ -108,53 +153,16 @@ class JaxEngine:
             self.params = jax.device_put(zeros, self._shardings)
         self.cache = init_cache(mc.num_layers, cfg.max_batch, mc.num_kv_heads, cfg.max_seq_len, mc.head_dim,
                                 self._dtype, cache_sharding(self.mesh))
-        self._build_programs()
+        self._static = dict(mc=mc, cache_sh=cache_sharding(self.mesh))
         self._stats: dict[str, float] = {}
 
-    # -- compiled programs ------------------------------------------------------------------------------------------
-    def _build_programs(self) -> None:
-        mc, steps, max_len = self.model_cfg, self.cfg.steps_per_dispatch, self.cfg.max_seq_len
-        cache_sh = cache_sharding(self.mesh)
-
-        def constrain(cache):
-            # Pin the donated cache's layout so the output matches the next call's input (no re-layout, no
-            # recompile because GSPMD picked a different sharding for an output).
-            return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, cache_sh), cache)
-
-        def prefill(params, cache, tokens, positions, segments, slots):
-            cache, _ = model.prefill(mc, params, cache, tokens, positions, segments, slots)
-            return constrain(cache)
-
-        def copy(cache, src, dst):
-            return constrain(copy_slots(cache, src, dst))
-
-        def decode(params, cache, tok, pos, n_gen, finish, max_new, temp, top_k, top_p, seed, rid, stop):
-            def step(carry, _):
-                cache, tok, pos, n_gen, finish = carry
-                active = finish == RUNNING
-                cache, logits = model.decode_step(mc, params, cache, tok, pos)
-                new_tok, logp = sample(logits, temp, top_k, top_p, seed, rid, pos + 1)
-                n_gen = n_gen + active.astype(jnp.int32)
-                hit_stop = jnp.any(new_tok[:, None] == stop, axis=-1)
-                # the new token sits at pos + 1; the sequence is full once that is the cache's last position
-                ended = jnp.where(hit_stop, STOPPED,
-                                  jnp.where((n_gen >= max_new) | (pos + 1 >= max_len - 1), LENGTH, RUNNING))
-                finish = jnp.where(active, ended, finish)
-                tok = jnp.where(active, new_tok, tok)
-                pos = jnp.where(active, pos + 1, pos)
-                return (cache, tok, pos, n_gen, finish), (new_tok, logp, active)
-
-            carry, (toks, logps, emitted) = jax.lax.scan(step, (cache, tok, pos, n_gen, finish), None, length=steps)
-            cache, tok, pos, n_gen, finish = carry
-            return constrain(cache), tok, pos, n_gen, finish, toks, logps, emitted
-
-        self._prefill = jax.jit(prefill, donate_argnums=1)
-        self._copy = jax.jit(copy, donate_argnums=0)
-        self._decode = jax.jit(decode, donate_argnums=1)
+    def _decode_dispatch(self, state: "_SlotState", b: int):
+        return _decode_program(self.params, self.cache, *state.device_args(b), **self._static,
+                               steps=self.cfg.steps_per_dispatch, max_len=self.cfg.max_seq_len)
 
     def _run_prefill(self, batch) -> None:
-        self.cache = self._prefill(self.params, self.cache, batch.tokens, batch.positions, batch.segments,
-                                   batch.slots)
+        self.cache = _prefill_program(self.params, self.cache, batch.tokens, batch.positions, batch.segments,
+                                      batch.slots, **self._static)
 
     def _run_copies(self, pairs: list[tuple[int, int]]) -> int:
         """Copy KV rows in chunks of the largest bucket; returns the padded pair count."""
@@ -165,7 +173,7 @@ class JaxEngine:
             src = np.zeros(m, np.int32)
             dst = np.full(m, self.cfg.max_batch, np.int32)     # padding pairs write out of range: dropped
             src[:len(chunk)], dst[:len(chunk)] = zip(*chunk)
-            self.cache = self._copy(self.cache, src, dst)
+            self.cache = _copy_program(self.cache, src, dst, **self._static)
             padded += m
         return padded
 
@@ -175,18 +183,18 @@ class JaxEngine:
         for p in self.prefill_buckets:
             t0 = time.perf_counter()
             z = np.zeros(p, np.int32)
-            self.cache = self._prefill(self.params, self.cache, z, z, z, np.full(p, s, np.int32))
+            self.cache = _prefill_program(self.params, self.cache, z, z, z, np.full(p, s, np.int32), **self._static)
             jax.block_until_ready(self.cache)
             times[f"prefill/{p}"] = time.perf_counter() - t0
         for m in self.decode_buckets:
             t0 = time.perf_counter()
-            self.cache = self._copy(self.cache, np.zeros(m, np.int32), np.full(m, s, np.int32))
+            self.cache = _copy_program(self.cache, np.zeros(m, np.int32), np.full(m, s, np.int32), **self._static)
             jax.block_until_ready(self.cache)
             times[f"copy/{m}"] = time.perf_counter() - t0
         state = _SlotState(s)
         for b in self.decode_buckets:
             t0 = time.perf_counter()
-            out = self._decode(self.params, self.cache, *state.device_args(b))
+            out = self._decode_dispatch(state, b)
             self.cache = out[0]
             jax.block_until_ready(out)
             times[f"decode/{b}"] = time.perf_counter() - t0
@@ -253,7 +261,7 @@ class JaxEngine:
                 st["prefill_s"] += time.perf_counter() - t0
             b = pick_bucket(self.decode_buckets, sched.extent())
             t0 = time.perf_counter()
-            out = self._decode(self.params, self.cache, *state.device_args(b))
+            out = self._decode_dispatch(state, b)
             self.cache = out[0]
             tok, pos, n_gen, finish, toks, logps, emitted = jax.device_get(out[1:])
             st["decode_s"] += time.perf_counter() - t0

@@ -1,0 +1,154 @@
+"""JaxEngine behaviour against HF transformers: greedy tokens and log-probs, batch-independent sampling, continuous
+batching with slot reuse, stop ids, weight swaps and input errors."""
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from rollout.engine import compile_count
+from rollout.types import SamplingParams
+from rollout.weights import load_safetensors_dir
+from tests.rollout.conftest import small_engine
+from tests.conftest import make_tiny_hf_model
+
+EOS = 2
+
+
+def _hf(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_qwen3_dir):
+    return _hf(tiny_qwen3_dir)
+
+
+def _hf_greedy(model, prompt, max_new):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new, do_sample=False, eos_token_id=EOS, pad_token_id=0)
+    toks = out[0, len(prompt):].tolist()
+    return toks[:toks.index(EOS) + 1] if EOS in toks else toks
+
+
+def _hf_logprobs(model, prompt, completion, temperature=1.0):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1].double() / temperature
+    return torch.log_softmax(logits, -1)[torch.arange(len(completion)), torch.tensor(completion)].numpy()
+
+
+def _prompts(rng, count, lo=1, hi=30, vocab=128):
+    return [[int(t) for t in rng.integers(3, vocab, int(rng.integers(lo, hi + 1)))] for _ in range(count)]
+
+
+def test_greedy_matches_hf_generate(engine, hf):
+    prompts = _prompts(np.random.default_rng(0), 3) + [[7]]       # a one-token prompt prefills nothing
+    out = engine.generate(prompts, 2, SamplingParams(temperature=0.0, max_new_tokens=24))
+    assert [(c.prompt_index, c.sample_index) for c in out] == [(i, j) for i in range(4) for j in range(2)]
+    refs = [_hf_greedy(hf, p, 24) for p in prompts]
+    for c in out:
+        ref = refs[c.prompt_index]
+        assert c.token_ids == ref
+        assert c.finish_reason == ("stop" if ref[-1] == EOS else "length")
+        # greedy log-probs are the model's own log-softmax at the chosen token
+        np.testing.assert_allclose(c.logprobs, _hf_logprobs(hf, prompts[c.prompt_index], c.token_ids), atol=1e-4)
+        assert c.weight_version == 0
+
+
+def test_sampled_logprobs_are_hf_logprobs_of_the_tempered_distribution(engine, hf):
+    prompts = _prompts(np.random.default_rng(1), 3)
+    out = engine.generate(prompts, 3, SamplingParams(temperature=0.7, max_new_tokens=20, seed=3))
+    assert len({tuple(c.token_ids) for c in out}) > 3            # samples of one prompt differ
+    for c in out:
+        ref = _hf_logprobs(hf, prompts[c.prompt_index], c.token_ids, temperature=0.7)
+        np.testing.assert_allclose(c.logprobs, ref, atol=1e-4)
+
+
+def test_same_seed_same_tokens_whatever_the_batch(engine):
+    rng = np.random.default_rng(2)
+    p, others = _prompts(rng, 1)[0], _prompts(rng, 6)
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=16, seed=11)
+    alone = engine.generate([p], 3, sp)
+    crowded = engine.generate([p] + others, 3, sp)                # 21 samples through 8 slots, other buckets
+    assert [c.token_ids for c in alone] == [c.token_ids for c in crowded[:3]]
+    np.testing.assert_allclose([c.logprobs for c in alone], [c.logprobs for c in crowded[:3]], atol=1e-6)
+    reseeded = engine.generate([p], 3, SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=16, seed=12))
+    assert [c.token_ids for c in reseeded] != [c.token_ids for c in alone]
+
+
+def test_continuous_batching_reuses_slots_and_matches_solo_runs(engine):
+    rng = np.random.default_rng(3)
+    prompts = _prompts(rng, 7, hi=32)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=30)
+    together = engine.generate(prompts, 3, sp)                     # 21 samples, 8 slots
+    assert len(together) == 21
+    st = engine.stats()
+    assert st["gen_tokens"] == sum(len(c.token_ids) for c in together)
+    assert 0.0 <= st["pad_frac"] < 1.0 and st["compiles"] == 0
+    for i, p in enumerate(prompts):
+        solo = engine.generate([p], 1, sp)[0]
+        assert all(c.token_ids == solo.token_ids for c in together[3 * i:3 * i + 3])
+
+
+def test_stop_token_ids_and_max_new_tokens(engine):
+    prompt = [5, 9, 17, 33]
+    free = engine.generate([prompt], 1, SamplingParams(temperature=0.0, max_new_tokens=12))[0]
+    assert len(free.token_ids) <= 12
+    stop_at = max(i for i, t in enumerate(free.token_ids) if t not in free.token_ids[:i])   # a first occurrence
+    stopped = engine.generate([prompt], 1, SamplingParams(temperature=0.0, max_new_tokens=12,
+                                                         stop_token_ids=(free.token_ids[stop_at],)))[0]
+    assert stopped.token_ids == free.token_ids[:stop_at + 1] and stopped.finish_reason == "stop"
+    short = engine.generate([prompt], 1, SamplingParams(temperature=0.0, max_new_tokens=3))[0]
+    assert short.token_ids == free.token_ids[:3] and short.finish_reason == ("stop" if EOS in short.token_ids
+                                                                            else "length")
+
+
+def test_load_weights_swaps_model_without_compiling(tmp_path, engine, hf, tiny_qwen3_dir):
+    other_dir = make_tiny_hf_model(tmp_path / "other", "qwen3", tie=True, seed=7)
+    prompt = [4, 8, 15, 16, 23, 42]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=10)
+    before = compile_count()
+    engine.load_weights(load_safetensors_dir(str(other_dir)), version=5)
+    c = engine.generate([prompt], 1, sp)[0]
+    assert c.weight_version == 5 and c.token_ids == _hf_greedy(_hf(other_dir), prompt, 10)
+    # a bad dict raises naming the tensor and leaves the loaded weights in place
+    bad = load_safetensors_dir(str(other_dir))
+    bad["model.norm.weight"] = np.zeros(3, np.float32)
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        engine.load_weights(bad, version=6)
+    assert engine.generate([prompt], 1, sp)[0] == c
+    assert compile_count() == before
+    engine.load_weights(load_safetensors_dir(str(tiny_qwen3_dir)), version=0)    # restore for other tests
+    assert engine.generate([prompt], 1, sp)[0].token_ids == _hf_greedy(hf, prompt, 10)
+
+
+def test_engine_from_config_only_dir_waits_for_weights(tmp_path, hf, tiny_qwen3_dir):
+    cfg_only = tmp_path / "cfg_only"
+    cfg_only.mkdir()
+    shutil.copy(os.path.join(tiny_qwen3_dir, "config.json"), cfg_only / "config.json")
+    eng = small_engine(cfg_only)       # same config as the warmed `engine`: shares its compiled programs
+    with pytest.raises(ValueError, match="no weights loaded"):
+        eng.generate([[1, 2, 3]], 1, SamplingParams(max_new_tokens=4))
+    eng.load_weights(load_safetensors_dir(str(tiny_qwen3_dir)), version=3)
+    out = eng.generate([[5, 6, 7]], 2, SamplingParams(temperature=0.0, max_new_tokens=8))
+    assert [c.weight_version for c in out] == [3, 3]
+    assert out[0].token_ids == _hf_greedy(hf, [5, 6, 7], 8)
+
+
+def test_bad_requests_name_the_limit(engine):
+    sp = SamplingParams(max_new_tokens=8)
+    with pytest.raises(ValueError, match="largest prefill bucket 32"):
+        engine.generate([[3] * 33], 1, sp)
+    with pytest.raises(ValueError, match="max_seq_len 64"):
+        engine.generate([[3] * 30], 1, SamplingParams(max_new_tokens=40))
+    with pytest.raises(ValueError, match="n"):
+        engine.generate([[3]], 0, sp)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        engine.generate([[3], []], 1, sp)
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.generate([[3, 500]], 1, sp)
+    with pytest.raises(ValueError, match="dtype"):
+        small_engine(os.devnull, dtype="float16")
