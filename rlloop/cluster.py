@@ -1,0 +1,148 @@
+"""The rollout engine and the trainer ranks, placed on chips as Ray actors, or run in this process.
+
+This is the only place that knows about Ray actors and placement groups: the loop calls `Cluster` methods and gets
+plain results back. A local Ray starts when neither `cluster.address` nor `RAY_ADDRESS` names one (and is stopped at
+the end); inside `ray job submit` the job's cluster is used. Actors are thin `ray.remote` wrappers around
+`rlloop.workers`; with `cluster.use_ray: false` the same workers run in the driver.
+"""
+from __future__ import annotations
+
+import os
+
+from rlloop.config import Config
+from rlloop.placement import plan_placement
+from rlloop.workers import RolloutWorker, TrainerWorker, engine_args, sync_args, trainer_args
+
+# Passed to every actor: offline switches, tokens and caches must reach workers on other nodes too.
+FORWARDED_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME", "HF_TOKEN",
+                 "WANDB_MODE", "JAX_PLATFORMS", "PYTHONPATH")
+PLACEMENT_TIMEOUT_S = 120
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot host the plan, or an actor died; the message says which and what to do."""
+
+
+def actor_env(cfg: Config, threads: int, rollout: bool) -> dict[str, str]:
+    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    env.update({"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"})
+    if cfg.cluster.device == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
+        if rollout:  # a CPU "chip" per engine device, so tensor parallel decode works on CPU hosts too
+            env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={cfg.cluster.rollout_chips} "
+                                f"--xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'}")
+    return env
+
+
+class Cluster:
+    def __init__(self, cfg: Config, run_dir: str, run_id: str):
+        self.cfg, self.remote, self.owns_ray = cfg, cfg.cluster.use_ray, False
+        self.pg = None
+        sync = sync_args(cfg, run_id, run_dir)
+        engine = (cfg.rollout.backend, engine_args(cfg, cfg.data.max_prompt_len), sync, cfg.cluster.cpus_per_actor)
+        world = cfg.cluster.train_chips
+        ranks = [(trainer_args(cfg), r, world, sync, cfg.sync.keyframe_every, cfg.cluster.cpus_per_actor)
+                 for r in range(world)]
+        if not self.remote:
+            if world > 1:
+                raise ClusterError("cluster.train_chips > 1 needs Ray (cluster.use_ray: true)")
+            self.rollout = RolloutWorker(*engine)
+            self.trainers = [TrainerWorker(*ranks[0])]
+            self.trainers[0].setup()
+            return
+        self._start(cfg, engine, ranks)
+
+    # ------------------------------------------------------------------ Ray
+    def _start(self, cfg: Config, engine: tuple, ranks: list[tuple]) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not ray.is_initialized():
+            address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+            self.owns_ray = address is None
+            ray.init(address=address, namespace="rlloop", include_dashboard=False, log_to_driver=True,
+                     configure_logging=False)
+        plan = plan_placement(cfg.cluster, same_host=cfg.sync.transport == "shm")
+        self.pg = placement_group(plan.bundles, strategy=plan.strategy, name=f"rlloop-{cfg.run.name}")
+        try:
+            ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise ClusterError(f"the Ray cluster cannot host the plan within {PLACEMENT_TIMEOUT_S}s; it has "
+                               f"{ray.cluster_resources()}, the plan needs\n{plan.describe()}") from None
+
+        def options(bundle: int, rollout: bool) -> dict:
+            res = dict(plan.bundles[bundle])
+            opts = {"num_cpus": res.pop("CPU", 0), "num_gpus": res.pop("GPU", 0), "resources": res,
+                    "runtime_env": {"env_vars": actor_env(cfg, cfg.cluster.cpus_per_actor, rollout)},
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, bundle)}
+            return opts
+
+        self.rollout = ray.remote(RolloutWorker).options(**options(plan.rollout_bundle, True)).remote(*engine)
+        self.trainers = [ray.remote(TrainerWorker).options(**options(b, False)).remote(*args)
+                         for b, args in zip(plan.trainer_bundles, ranks)]
+        master = self._call(self.trainers[0], "rendezvous") if len(self.trainers) > 1 else None
+        self._call_all(self.trainers, "setup", [(master,)] * len(self.trainers))
+
+    def _call(self, worker, method: str, *args):
+        if not self.remote:
+            return getattr(worker, method)(*args)
+        import ray
+        try:
+            return ray.get(getattr(worker, method).remote(*args))
+        except ray.exceptions.RayActorError as e:
+            raise ClusterError(f"a {type(worker).__name__} actor died during {method}(); the last checkpoint is "
+                               f"intact: rerun with --resume.\n{e}") from None
+
+    def _call_all(self, workers: list, method: str, args: list[tuple]) -> list:
+        if not self.remote:
+            return [getattr(w, method)(*a) for w, a in zip(workers, args)]
+        import ray
+        try:
+            return ray.get([getattr(w, method).remote(*a) for w, a in zip(workers, args)])
+        except ray.exceptions.RayActorError as e:
+            raise ClusterError(f"a trainer actor died during {method}(); the last checkpoint is intact: rerun "
+                               f"with --resume.\n{e}") from None
+
+    # ------------------------------------------------------------------ what the loop calls
+    def warmup(self) -> dict[str, float]:
+        return self._call(self.rollout, "warmup")
+
+    def generate(self, prompts: list[list[int]], n: int, sampling) -> tuple[list, dict]:
+        return self._call(self.rollout, "generate", prompts, n, sampling)
+
+    def train_step(self, batch) -> dict[str, float]:
+        from trainer import shard_batch
+
+        world = len(self.trainers)
+        shards = [(shard_batch(batch, r, world),) for r in range(world)]
+        return self._call_all(self.trainers, "train_step", shards)[0]  # metrics are all-reduced: equal on all ranks
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        pushed = self._call(self.trainers[0], "push_weights", version)
+        return {**pushed, **self._call(self.rollout, "pull_weights")}
+
+    def save(self, path: str) -> None:
+        self._call_all(self.trainers, "save", [(path,)] * len(self.trainers))
+
+    def load(self, path: str) -> None:
+        self._call_all(self.trainers, "load", [(path,)] * len(self.trainers))
+
+    def close(self) -> None:
+        """Stop the workers (gracefully first, so shared memory is released), then Ray if we started it."""
+        workers = [self.rollout, *self.trainers] if hasattr(self, "trainers") else []
+        if not self.remote:
+            for w in workers:
+                w.close()
+            return
+        import ray
+        try:
+            ray.get([w.close.remote() for w in workers], timeout=30)
+        except Exception:
+            pass  # a dead or stuck actor is killed below; stale segments are swept at the next start
+        for w in workers:
+            ray.kill(w)
+        if self.pg is not None:
+            ray.util.remove_placement_group(self.pg)
+        if self.owns_ray:
+            ray.shutdown()

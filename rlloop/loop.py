@@ -1,0 +1,101 @@
+"""The GRPO loop, read top to bottom like the recipe:
+data -> rollout -> reward -> advantages -> train -> sync -> log -> checkpoint.
+
+Everything clever lives behind these calls: the compiled decoder in `rollout/`, the loss in `trainer/`, the
+transports in `weight_sync/`, placement in `rlloop/cluster.py`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from pathlib import Path
+
+from rlloop.checkpoint import latest_checkpoint, load_state, save_checkpoint
+from rlloop.cluster import Cluster
+from rlloop.config import Config, to_yaml
+from rlloop.data import PromptData
+from rlloop.rewards import RewardScorer
+from rlloop.samples import collect, evaluate, stop_token_ids
+from rlloop.tracking import Tracker
+
+
+def run_id_for(run_dir: Path) -> str:
+    """Stable across resumes of one run directory, distinct between runs: it names shared-memory segments."""
+    digest = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '-', run_dir.name)[:32]}-{digest}"
+
+
+def load_data(cfg: Config, tokenizer):
+    d = cfg.data
+    train = PromptData(d.path, tokenizer, split=d.split, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                       max_prompt_len=d.max_prompt_len, on_long_prompt=d.on_long_prompt, shuffle=d.shuffle,
+                       seed=cfg.run.seed)
+    evals = None
+    if cfg.eval.path:
+        evals = PromptData(cfg.eval.path, tokenizer, split=cfg.eval.split, prompt_key=d.prompt_key,
+                           answer_key=d.answer_key, max_prompt_len=d.max_prompt_len, on_long_prompt="drop",
+                           shuffle=False)
+    return train, evals
+
+
+def train(cfg: Config, resume: bool = False) -> Path:
+    from transformers import AutoTokenizer
+
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+    data, eval_data = load_data(cfg, tokenizer)
+    eval_name = Path(cfg.eval.path).stem if cfg.eval.path else None
+    stop_ids = stop_token_ids(tokenizer, cfg.model.path)
+    scorer = RewardScorer(cfg.reward.fn, timeout_s=cfg.reward.timeout_s, failure_reward=cfg.reward.failure_reward,
+                          workers=cfg.reward.workers)
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    start = load_state(ckpt)["step"] if ckpt else 0
+    cluster = tracker = None
+    try:
+        cluster = Cluster(cfg, str(run_dir), run_id_for(run_dir))
+        tracker = Tracker(cfg, run_dir, start)
+        if ckpt:  # model, optimizer and RNG from the checkpoint; the engine gets those weights; same data order
+            cluster.load(str(ckpt / "trainer"))
+            data.load_state_dict(load_state(ckpt)["data"])
+            cluster.sync_weights(version=start)
+        warmup = cluster.warmup()
+        if warmup:
+            (run_dir / "warmup.json").write_text(json.dumps(warmup, indent=1))
+        if eval_data is not None and start == 0 and cfg.run.eval_every:
+            tracker.log(0, evaluate(cfg, eval_data, cluster, tokenizer, scorer, stop_ids, eval_name))
+
+        for step in range(start + 1, cfg.run.steps + 1):
+            t_step = time.perf_counter()
+            samples, metrics = collect(cfg, step, data, cluster, tokenizer, scorer, stop_ids)  # rollout+reward+adv
+            if samples is not None:
+                t0 = time.perf_counter()
+                metrics |= cluster.train_step(samples.to_train_batch(cfg.rollout.group_size))
+                t1 = time.perf_counter()
+                metrics |= cluster.sync_weights(version=step)
+                metrics |= {"perf/train_s": t1 - t0, "perf/sync_s": time.perf_counter() - t1}
+                if cfg.tracking.save_rollouts:
+                    save_rollouts(run_dir, step, samples.rows(cfg.rollout.group_size))
+            if eval_data is not None and cfg.run.eval_every and step % cfg.run.eval_every == 0:
+                metrics |= evaluate(cfg, eval_data, cluster, tokenizer, scorer, stop_ids, eval_name)
+            metrics |= {"perf/step_s": time.perf_counter() - t_step, "data/dropped_prompts": data.dropped,
+                        "rollout/reward_failures": scorer.errors + scorer.timeouts}
+            tracker.log(step, metrics)
+            if cfg.run.save_every and (step % cfg.run.save_every == 0 or step == cfg.run.steps):
+                save_checkpoint(run_dir, step, {"data": data.state_dict()}, cluster.save)
+    finally:
+        if tracker is not None:
+            tracker.close()
+        if cluster is not None:
+            cluster.close()
+        scorer.close()
+    return run_dir
+
+
+def save_rollouts(run_dir: Path, step: int, rows: list[dict]) -> None:
+    out = run_dir / "rollouts"
+    out.mkdir(exist_ok=True)
+    (out / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

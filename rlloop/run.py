@@ -1,0 +1,76 @@
+"""`python -m rlloop.run CONFIG.yaml [key.path=value ...] [--dry-run] [--resume]`: the user's entry point.
+
+The same command runs locally and as a Ray job (`ray job submit --working-dir . -- python -m rlloop.run ...`).
+Exit codes: 0 done, 2 bad config or data (the message names the key), 130 interrupted (resume with --resume).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from rlloop.config import Config, ConfigError, load_config, to_yaml
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rlloop.run", description=__doc__.split("\n")[0])
+    p.add_argument("config", help="YAML recipe, e.g. examples/grpo_dapo.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=2e-6 rollout.group_size=4")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config and placement plan, then exit")
+    p.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+    return p.parse_args(argv)
+
+
+def check_references(cfg: Config) -> None:
+    """Problems we can find before starting anything heavy, reported like config errors."""
+    from rlloop.rewards import resolve
+
+    try:
+        resolve(cfg.reward.fn)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def dry_run(cfg: Config) -> None:
+    from rlloop.placement import plan_placement
+
+    print(to_yaml(cfg), end="")
+    print(f"# run directory: {cfg.run_dir}")
+    plan = plan_placement(cfg.cluster, same_host=cfg.sync.transport == "shm")
+    print(f"# rollout: {cfg.cluster.rollout_chips} {cfg.cluster.device} chip(s), {cfg.rollout.backend} engine; "
+          f"trainer: {cfg.cluster.train_chips} rank(s)")
+    print("\n".join("# " + line for line in plan.describe().splitlines()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        cfg = load_config(args.config, args.overrides)
+        check_references(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        dry_run(cfg)
+        return 0
+
+    from rlloop.data import DataError
+    from rlloop.loop import train
+
+    try:
+        run_dir = train(cfg, resume=args.resume)
+    except DataError as e:
+        print(f"data error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; continue with: python -m rlloop.run {args.config} "
+              f"{' '.join(args.overrides)} --resume".replace("  ", " "), file=sys.stderr)
+        return 130
+    print(f"done: {run_dir}/metrics.jsonl, curves.png, report.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Where a run's numbers go: `metrics.jsonl` (one line per step), Weights & Biases, a progress bar, and at the end
+`curves.png` and `report.md` in the run directory."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from rlloop.config import Config
+
+CURVES = ["rollout/raw_reward", "eval/*", "rollout/response_len/mean", "train/loss", "train/grad_norm",
+          "train/logprob_abs_diff", "perf/step_s", "sync/bytes"]
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class Tracker:
+    """Logs one dict of metrics per step; resumes by dropping lines past the resumed step."""
+
+    def __init__(self, cfg: Config, run_dir: Path, start_step: int = 0):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        kept = [m for m in read_metrics(self.path) if m["step"] <= start_step]
+        self.path.write_text("".join(json.dumps(m) + "\n" for m in kept))
+        self.file = open(self.path, "a")
+        self.wandb = self._start_wandb() if cfg.tracking.wandb else None
+        self.bar = None
+        if cfg.tracking.progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=cfg.run.steps, initial=start_step, desc=cfg.run.name, unit="step", dynamic_ncols=True)
+
+    def _start_wandb(self):
+        import wandb
+
+        mode = self.cfg.tracking.mode
+        if mode == "auto":
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        id_file = self.run_dir / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        id_file.write_text(run_id)
+        return wandb.init(project=self.cfg.tracking.project, entity=self.cfg.tracking.entity, name=self.cfg.run.name,
+                          id=run_id, resume="allow", dir=str(self.run_dir), mode=mode,
+                          config=self.cfg.model_dump(mode="json"))
+
+    def log(self, step: int, metrics: dict) -> None:
+        row = {"step": step, **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if self.bar is not None:
+            postfix = {"reward": metrics.get("rollout/raw_reward"), "tok/s": metrics.get("perf/rollout_tok_per_s")}
+            self.bar.set_postfix({k: f"{v:.3g}" for k, v in postfix.items() if v is not None}, refresh=False)
+            self.bar.update(step - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.file.close()
+        rows = read_metrics(self.path)
+        if rows:
+            plot_curves(rows, self.run_dir / "curves.png")
+            (self.run_dir / "report.md").write_text(make_report(self.cfg, rows))
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_curves(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = []
+    for pattern in CURVES:
+        matches = sorted({k for r in rows for k in r if k.startswith(pattern[:-1])}) if pattern.endswith("*") \
+            else [pattern]
+        keys += [k for k in matches if _series(rows, k)[0]]
+    cols = 4
+    fig, axes = plt.subplots((len(keys) + cols - 1) // cols, cols, figsize=(4 * cols, 3 * ((len(keys) + cols - 1) // cols)),
+                             squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        ax.plot(*_series(rows, key), marker="." if len(rows) < 50 else None)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def make_report(cfg: Config, rows: list[dict]) -> str:
+    _, reward = _series(rows, "rollout/raw_reward")
+    k = max(1, min(5, len(reward) // 3))
+    lines = [f"# {cfg.run.name}: {len(rows)} steps of GRPO on {cfg.model.path}", "",
+             f"- data: {cfg.data.path}; {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples "
+             f"per step; rollout backend {cfg.rollout.backend}; sync {cfg.sync.transport}"
+             f"{' + delta' if cfg.sync.delta else ''}",
+             f"- reward (rollout/raw_reward): first {k} steps {_mean(reward[:k]):.3f} -> last {k} steps "
+             f"{_mean(reward[-k:]):.3f}"]
+    for key in sorted({k for r in rows for k in r if k.startswith("eval/")}):
+        steps, values = _series(rows, key)
+        lines.append(f"- {key}: " + ", ".join(f"step {s}: {v:.3f}" for s, v in zip(steps, values)))
+    timing = {key: _mean(_series(rows, key)[1]) for key in ("perf/step_s", "perf/rollout_s", "perf/train_s",
+                                                            "perf/sync_s", "perf/rollout_tok_per_s")}
+    lines.append("- mean per step: " + ", ".join(f"{k.split('/')[1]} {v:.3g}" for k, v in timing.items()))
+    sent, full = _series(rows, "sync/bytes")[1], _series(rows, "sync/full_bytes")[1]
+    if sent and sum(sent):
+        lines.append(f"- weight sync: {sum(sent) / 1e6:.2f} MB sent for {sum(full) / 1e6:.2f} MB of weights "
+                     f"({sum(full) / sum(sent):.1f}x smaller)")
+    compiles = _series(rows, "perf/compiles")[1]
+    if compiles:
+        lines.append(f"- decoder compiles after warmup: {int(sum(compiles))}")
+    return "\n".join(lines) + "\n"
