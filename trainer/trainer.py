@@ -102,7 +102,11 @@ class Trainer:
         self.model.to(self.device)
         self.model.config.use_cache = False
         if cfg.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # transformers >= 5.x renamed it; non-reentrant checkpointing works with inputs that need no grad.
+            if hasattr(self.model, "activation_checkpointing_enable"):
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # HF checkpoints only recompute in train mode; otherwise eval mode, so nothing is stochastic.
         self.model.train(cfg.gradient_checkpointing)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings

@@ -152,12 +152,29 @@ def test_fp32_export_aliases_live_parameters(tiny_qwen3_dir, make_batch):
     assert not np.array_equal(exported[name], snapshot[name])
 
 
+def saved_activation_elements(trainer, batch):
+    """Elements autograd keeps for the backward of one forward: what activation checkpointing is meant to cut."""
+    from trainer.logprobs import response_logprobs
+    mb = trainer._plan(batch, list(range(len(batch))))[0]
+    count = [0]
+
+    def pack(x):
+        count[0] += x.numel()
+        return x
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        response_logprobs(trainer.model, mb)
+    return count[0]
+
+
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_qwen3_dir, make_batch):
     batch = make_batch(4, seed=14)
-    plain, _ = Trainer(TrainerConfig(tiny_qwen3_dir)).compute_gradients(batch)
-    ckpt, _ = Trainer(TrainerConfig(tiny_qwen3_dir, gradient_checkpointing=True)).compute_gradients(batch)
+    plain_trainer = Trainer(TrainerConfig(tiny_qwen3_dir))
+    ckpt_trainer = Trainer(TrainerConfig(tiny_qwen3_dir, gradient_checkpointing=True))
+    plain, _ = plain_trainer.compute_gradients(batch)
+    ckpt, _ = ckpt_trainer.compute_gradients(batch)
     for name in plain:
         torch.testing.assert_close(ckpt[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
+    assert saved_activation_elements(ckpt_trainer, batch) < saved_activation_elements(plain_trainer, batch) / 3
 
 
 @pytest.mark.parametrize("mutate, field", [
