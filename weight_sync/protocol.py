@@ -185,6 +185,11 @@ class Receiver:
     def __exit__(self, *exc):
         self.close()
 
+    def metrics(self) -> dict[str, float]:
+        """The receiver-side `sync/*` metrics: the last pull's read and apply seconds, and the running counters."""
+        return {"sync/read_s": self.transfer_s, "sync/apply_s": self.apply_s, "sync/refused": self.refused,
+                "sync/keyframe_requests": self.keyframe_requests}
+
     # -- protocol --
     def pull(self) -> tuple[int, dict[str, np.ndarray]] | None:
         """The newest verified version newer than the last one returned, or None. Never raises on bad data."""

@@ -164,6 +164,7 @@ def test_receiver_with_wrong_base_requests_keyframe(transport, run_id, tmp_path)
         assert sender.push({"w": w}, 4).keyframe, "the receiver's request must reach the sender"
         version, got = receiver.pull()
         assert version == 4 and got["w"].tobytes() == w.tobytes()
+        assert receiver.metrics()["sync/keyframe_requests"] == 1 and receiver.metrics()["sync/refused"] == 0
         w = w.copy()
         w[501] = 8
         assert not sender.push({"w": w}, 5).keyframe, "one request, one keyframe"
