@@ -100,7 +100,6 @@ class Trainer:
 
         self.model = transformers.AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=DTYPES[cfg.dtype])
         self.model.to(self.device)
-        self.model.config.use_cache = False
         if cfg.gradient_checkpointing:
             # transformers >= 5.x renamed it; non-reentrant checkpointing works with inputs that need no grad.
             if hasattr(self.model, "activation_checkpointing_enable"):

@@ -1,6 +1,7 @@
 """Fixtures for the trainer tests: random GRPO-shaped batches over the tiny model's 128-token vocabulary."""
 import numpy as np
 import pytest
+import torch
 
 from trainer import TrainBatch
 
@@ -19,3 +20,12 @@ def random_batch(n: int, seed: int = 0, max_prompt: int = 9, max_response: int =
 @pytest.fixture
 def make_batch():
     return random_batch
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny models on a shared 2-core machine: a second intra-op thread only adds contention (~3x slower here)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
