@@ -36,6 +36,8 @@ def load_rows(path: str, split: str = "train"):
     if local.is_file():
         if local.suffix not in FILE_FORMATS:
             raise DataError(f"data file {path}: unsupported format {local.suffix!r} (use .parquet, .jsonl or .json)")
+        if local.stat().st_size == 0:
+            raise DataError(f"data {path}: no rows")
         return datasets.load_dataset(FILE_FORMATS[local.suffix], data_files=str(local), split="train")
     if local.is_dir():
         files = sorted(f for f in local.rglob("*") if f.suffix in FILE_FORMATS)

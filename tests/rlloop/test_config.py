@@ -1,0 +1,98 @@
+"""Config loading: inheritance, overrides, and bad input -> exit code 2 with the key path named."""
+from pathlib import Path
+
+import pytest
+
+from rlloop.config import load_config
+from rlloop.run import main
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+REAL, TINY = str(EXAMPLES / "grpo_dapo.yaml"), str(EXAMPLES / "grpo_dapo_tiny.yaml")
+
+
+def test_tiny_inherits_the_recipe_and_overrides_what_it_needs():
+    real, tiny = load_config(REAL), load_config(TINY)
+    assert real.model.path == "Qwen/Qwen3-4B" and real.cluster.device == "tpu"
+    assert (real.cluster.rollout_chips, real.cluster.train_chips) == (2, 2)
+    assert (real.rollout.prompts_per_step, real.rollout.group_size, real.train.lr) == (32, 8, 1e-6)
+    assert (real.grpo.clip_eps_low, real.grpo.clip_eps_high, real.train.betas) == (0.2, 0.28, (0.9, 0.98))
+    assert tiny.cluster.device == "cpu" and Path(tiny.model.path).is_dir() and Path(tiny.data.path).is_file()
+    assert tiny.grpo == real.grpo  # inherited untouched
+
+
+def test_dotted_overrides():
+    cfg = load_config(TINY, ["train.lr=2e-6", "rollout.group_size=4", "train.betas=[0.8,0.9]", "eval.path=null"])
+    assert (cfg.train.lr, cfg.rollout.group_size, cfg.train.betas, cfg.eval.path) == (2e-6, 4, (0.8, 0.9), None)
+
+
+def write(tmp_path: Path, text: str, name: str = "c.yaml") -> str:
+    (tmp_path / name).write_text(text)
+    return str(tmp_path / name)
+
+
+BAD_OVERRIDES = [
+    (["train.lrr=1"], "train.lrr: unknown key"),
+    (["rollout.group_size=abc"], "rollout.group_size"),
+    (["rollout.group_size=1"], "rollout.group_size"),
+    (["cluster.device=fpga"], "cluster.device"),
+    (["grpo.loss_agg=mean"], "grpo.loss_agg"),
+    (["train.lr=-1"], "train.lr"),
+    (["rollout.top_p=1.5"], "rollout.top_p"),
+    (["sync.transport=nfs"], "sync.transport"),
+    (["grpo.clip_eps_high=0.1"], "clip_eps_high"),
+    (["nosuchsection.x=1"], "nosuchsection: unknown key"),
+    (["train.lr"], "expected key.path=value"),
+    (["reward.fn=no_such_module:score"], "reward.fn"),
+    (["reward.fn=tests.rlloop.reward_fns:missing"], "reward.fn"),
+    (["grpo.overlong_buffer=9000"], "overlong_buffer"),
+]
+
+
+@pytest.mark.parametrize("overrides,named", BAD_OVERRIDES, ids=[o[0][0] for o in BAD_OVERRIDES])
+def test_bad_overrides_exit_2_naming_the_key(overrides, named, capsys):
+    assert main([REAL, *overrides, "--dry-run"]) == 2
+    assert named in capsys.readouterr().err
+
+
+BAD_FILES = [
+    ("model:\n  path: x\n", "data: required key is missing"),
+    ("inherit: nope.yaml\n", "nope.yaml"),
+    ("model: [1, 2\n", "not valid YAML"),
+    ("- a\n- b\n", "mapping"),
+    ("model:\n  path: x\n  dtype: int8\ndata:\n  path: y\n", "model.dtype"),
+    ("model:\n  path: x\ndata:\n  path: y\n  max_prompt_len: 0\n", "data.max_prompt_len"),
+]
+
+
+@pytest.mark.parametrize("text,named", BAD_FILES, ids=["missing-section", "missing-inherit", "bad-yaml", "list",
+                                                       "bad-dtype", "zero-len"])
+def test_bad_files_exit_2_naming_the_problem(tmp_path, text, named, capsys):
+    assert main([write(tmp_path, text), "--dry-run"]) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_missing_config_file(capsys):
+    assert main(["/nonexistent/recipe.yaml"]) == 2
+    assert "config file not found" in capsys.readouterr().err
+
+
+def test_inherit_cycle(tmp_path, capsys):
+    write(tmp_path, "inherit: b.yaml\n", "a.yaml")
+    write(tmp_path, "inherit: a.yaml\n", "b.yaml")
+    assert main([str(tmp_path / "a.yaml")]) == 2
+    assert "cycle" in capsys.readouterr().err
+
+
+def test_relative_paths_resolve_against_the_file(tmp_path):
+    (tmp_path / "model").mkdir()
+    cfg = load_config(write(tmp_path, f"inherit: {REAL}\nmodel:\n  path: model\n"))
+    assert cfg.model.path == str(tmp_path / "model")
+    assert cfg.data.path == "BytedTsinghua-SIA/DAPO-Math-17k"  # a hub id stays a hub id
+
+
+def test_dry_run_prints_recipe_and_tpu_plan(capsys):
+    assert main([REAL, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "Qwen/Qwen3-4B" in out and "DAPO-Math-17k" in out
+    assert "bundle 0: rollout engine   {'CPU': 1.0, 'TPU': 2.0}" in out
+    assert out.count("'TPU': 1.0") == 2  # two trainer ranks, one chip each

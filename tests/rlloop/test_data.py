@@ -1,0 +1,99 @@
+"""Prompt data: the sources users point at (jsonl, parquet, directory, hub id), errors, order and resume."""
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from transformers import AutoTokenizer
+
+from rlloop.data import DataError, PromptData
+from rlloop.tiny import ASSETS, make_rows
+
+TRAIN = ASSETS / "data" / "train.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(ASSETS / "model")
+
+
+def rows(n=10, long_every=0):
+    out = make_rows([(i, i + 1) for i in range(n)], "train")
+    for i, r in enumerate(out):
+        if long_every and i % long_every == 0:
+            r["prompt"][0]["content"] += " pad" * 100
+    return out
+
+
+def test_jsonl_prompts_use_the_chat_template(tok):
+    data = PromptData(str(TRAIN), tok, shuffle=False)
+    first = data.next_batch(1)[0]
+    row = json.loads(TRAIN.read_text().splitlines()[0])
+    assert first.answer == row["reward_model"]["ground_truth"]
+    text = tok.decode(first.token_ids)
+    assert text.startswith("<|im_start|>user\n" + row["prompt"][0]["content"])
+    assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_parquet_and_directory_sources_agree(tmp_path, tok):
+    (tmp_path / "parts").mkdir()
+    df = pd.DataFrame(rows(10))
+    df.iloc[:5].to_parquet(tmp_path / "parts" / "a.parquet")
+    df.iloc[5:].to_parquet(tmp_path / "parts" / "b.parquet")
+    df.to_parquet(tmp_path / "all.parquet")
+    a = PromptData(str(tmp_path / "all.parquet"), tok, seed=3).next_batch(10)
+    b = PromptData(str(tmp_path / "parts"), tok, seed=3).next_batch(10)
+    assert [p.token_ids for p in a] == [p.token_ids for p in b]
+    assert sorted(p.answer for p in a) == sorted(str(2 * i + 1) for i in range(10))
+
+
+def test_seeded_order_and_resume(tok):
+    full = PromptData(str(TRAIN), tok, seed=7)
+    first = [p.index for p in full.next_batch(300)] + [p.index for p in full.next_batch(100)]  # crosses an epoch
+    again = PromptData(str(TRAIN), tok, seed=7)
+    again.next_batch(300)
+    resumed = PromptData(str(TRAIN), tok, seed=7)
+    resumed.load_state_dict(again.state_dict())
+    assert [p.index for p in resumed.next_batch(100)] == first[300:]
+    assert [p.index for p in PromptData(str(TRAIN), tok, seed=8).next_batch(20)] != first[:20]
+    assert sorted(first[:len(full)]) == list(range(len(full)))  # an epoch is a permutation
+
+
+def test_long_prompts_are_dropped_and_counted_or_an_error(tmp_path, tok):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows(10, long_every=3)))
+    data = PromptData(str(path), tok, max_prompt_len=100, shuffle=False)
+    batch = data.next_batch(6)
+    assert len(batch) == 6 and all(len(p.token_ids) <= 100 for p in batch) and data.dropped == 3
+    strict = PromptData(str(path), tok, max_prompt_len=100, shuffle=False, on_long_prompt="error")
+    with pytest.raises(DataError, match="max_prompt_len=100"):
+        strict.next_batch(2)
+
+
+def test_every_prompt_too_long_is_an_error_not_a_hang(tok):
+    with pytest.raises(DataError, match="every prompt"):
+        PromptData(str(TRAIN), tok, max_prompt_len=5).next_batch(2)
+
+
+def test_missing_column_names_it_and_lists_columns(tmp_path, tok):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"question": "1+1", "answer": "2"}) + "\n" for _ in range(3)))
+    with pytest.raises(DataError, match=r"column 'prompt' \(data.prompt_key\).*\['answer', 'question'\]"):
+        PromptData(str(path), tok)
+    data = PromptData(str(path), tok, prompt_key="question", answer_key="answer")  # a plain-string prompt column
+    assert data.next_batch(1)[0].answer == "2"
+
+
+def test_bad_sources(tmp_path, tok):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "x.csv").write_text("a,b\n")
+    (tmp_path / "dir").mkdir()
+    for path, message in [(tmp_path / "empty.jsonl", "no rows"), (tmp_path / "nope.jsonl", "no such file"),
+                          (tmp_path / "dir", "no .parquet"), (tmp_path / "x.csv", "unsupported format")]:
+        with pytest.raises(DataError, match=message):
+            PromptData(str(path), tok)
+
+
+def test_hub_id_goes_through_the_hub_loader_and_fails_clearly_offline(tok):
+    with pytest.raises(DataError, match="could not load from the Hugging Face hub"):
+        PromptData("BytedTsinghua-SIA/DAPO-Math-17k", tok)
