@@ -18,16 +18,17 @@ copy instead, since it must apply the next delta on top.
 
 We map /dev/shm files ourselves rather than using multiprocessing.shared_memory, whose resource_tracker unlinks
 segments on behalf of processes that merely attached. Segments are removed by close(), at interpreter exit and on
-SIGTERM; a writer killed with SIGKILL leaves them behind, and the next ShmSender finds them by their dead pid.
+SIGTERM; a writer killed with SIGKILL leaves them behind, and the next ShmSender finds them: a live writer holds an
+flock on its control segment, which the kernel releases when the process dies however it dies.
 """
 from __future__ import annotations
 
 import atexit
+import fcntl
 import mmap
 import os
 import re
 import signal
-import time
 import weakref
 from pathlib import Path
 from typing import Mapping
@@ -56,16 +57,6 @@ def segment_path(run_id: str, part: str) -> Path:
     return SHM_DIR / f"rlloop_{run_id}_{part}"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _map(path: Path, size: int | None = None, create: bool = False) -> mmap.mmap:
     """Map a /dev/shm file read-write; with `size`, grow it to at least that many bytes first."""
     fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
@@ -85,24 +76,35 @@ def _close_map(m: mmap.mmap | None) -> None:
         pass  # views handed to the caller still use it; the mapping goes away with the last of them
 
 
+def _writer_alive(ctl: Path) -> bool:
+    """True while some process holds the run's writer lock (the kernel drops it when the writer dies, even by
+    SIGKILL; unlike a pid check this survives pid reuse and pid namespaces)."""
+    try:
+        fd = os.open(ctl, os.O_RDONLY)
+    except FileNotFoundError:
+        return True  # already gone: nothing for us to remove
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the lock if we took it
+    return False
+
+
 def remove_stale_segments() -> list[str]:
-    """Remove every run's segments whose writer process is gone (a run killed with SIGKILL). Returns run ids."""
+    """Remove every run's segments whose writer is gone (a run killed with SIGKILL). Returns their run ids."""
     removed = []
     for ctl in SHM_DIR.glob("rlloop_*_ctl"):
         run_id = ctl.name[len("rlloop_"):-len("_ctl")]
-        try:
-            fields = np.fromfile(ctl, np.uint64, count=8)
-            stat = ctl.stat()
-        except (OSError, ValueError):
+        if _writer_alive(ctl):
             continue
-        pid = int(fields[_PID_F]) if len(fields) > _PID_F else 0
-        being_created = pid == 0 and time.time() - stat.st_mtime < 60
-        if being_created or (pid and _pid_alive(pid)):
-            continue
-        for seg in SHM_DIR.glob(f"rlloop_{run_id}_*"):
-            if seg.name in (f"rlloop_{run_id}_ctl", f"rlloop_{run_id}_buf0", f"rlloop_{run_id}_buf1"):
-                seg.unlink(missing_ok=True)
+        for part in ("buf0", "buf1", "ctl"):
+            segment_path(run_id, part).unlink(missing_ok=True)
         removed.append(run_id)
+    for tmp in SHM_DIR.glob("rlloop_*_ctl.*.tmp"):  # a writer killed while creating its control segment
+        if not _writer_alive(tmp):
+            tmp.unlink(missing_ok=True)
     return removed
 
 
@@ -149,11 +151,16 @@ class ShmSender(Sender):
             raise ValueError(f"run_id {run_id!r} already has a live shm sender (pid {pid}); use another run_id")
         for i in (0, 1):
             segment_path(run_id, f"buf{i}").unlink(missing_ok=True)
-        self._ctl_map = _map(ctl_path, _CTL_SIZE, create=True)
+        # Built under a temporary name, locked, then renamed into place: nobody sees an unlocked, live control file.
+        tmp = segment_path(run_id, f"ctl.{os.getpid()}.tmp")
+        self._ctl_map = _map(tmp, _CTL_SIZE, create=True)
+        self._lock_fd = os.open(tmp, os.O_RDONLY)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)  # held for our lifetime: this is how others know we are alive
         self._ctl = np.frombuffer(self._ctl_map, np.uint64)
         self._ctl[_PID_F] = os.getpid()
         self._ctl[_INSTANCE_F] = int.from_bytes(os.urandom(8), "little") >> 1
         self._ctl[_MAGIC_F] = _MAGIC
+        os.rename(tmp, ctl_path)
         self._maps: list[mmap.mmap | None] = [None, None]
         self._closed = False
         _live_senders.add(self)
@@ -200,6 +207,7 @@ class ShmSender(Sender):
         self._ctl = None
         for m in (self._ctl_map, *self._maps):
             _close_map(m)
+        os.close(self._lock_fd)
 
 
 class ShmReceiver(Receiver):
