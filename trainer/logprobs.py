@@ -10,10 +10,12 @@ from trainer.batching import MicroBatch
 
 
 def response_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float = 1.0,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      with_entropy: bool = False, entropy_grad: bool = False,
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(response token | prefix) as a [B, R] fp32 tensor aligned with `mb.response_mask`, plus the entropy of
     each of those next-token distributions when `with_entropy` (else None). Padding positions hold junk; mask them.
-    Differentiable when called with grad enabled.
+    Log-probs are differentiable when called with grad enabled; the entropy only with `entropy_grad` (it is usually
+    just logged, and its graph would hold another [B, R, vocab] tensor).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -39,7 +41,8 @@ def response_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float
 
     entropy = None
     if with_entropy:
-        # H = logsumexp(z) − Σ softmax(z)·z
-        ent = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-        entropy = ent.gather(1, cols)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            # H = logsumexp(z) − Σ softmax(z)·z
+            ent = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+            entropy = ent.gather(1, cols)
     return logp, entropy

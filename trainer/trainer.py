@@ -97,6 +97,8 @@ class Trainer:
         self.device = resolve_device(cfg.device)
         torch.manual_seed(cfg.seed)
         init_distributed(rank, world_size, cfg.device)
+        # nccl only reduces device tensors; gloo takes CPU ones.
+        self.reduce_device = self.device if cfg.device == "cuda" else torch.device("cpu")
 
         self.model = transformers.AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=DTYPES[cfg.dtype])
         self.model.to(self.device)
@@ -196,7 +198,8 @@ class Trainer:
 
     def _plan(self, batch: TrainBatch, indices: list[int]) -> list[MicroBatch]:
         lengths = {i: len(batch.prompts[i]) + len(batch.responses[i]) for i in indices}
-        return [collate(batch, group, self.pad_id) for group in pack_micro_batches(lengths, self.cfg.micro_batch_tokens)]
+        groups = pack_micro_batches(lengths, self.cfg.micro_batch_tokens)
+        return [collate(batch, group, self.pad_id) for group in groups]
 
     @torch.no_grad()
     def _score(self, model: torch.nn.Module, mbs: list[MicroBatch]) -> list[torch.Tensor]:
@@ -208,10 +211,11 @@ class Trainer:
         cfg = self.cfg
         # The batch-level constants of the aggregation, over this minibatch on all ranks.
         counts = torch.tensor([sum(len(mb.indices) for mb in mbs), sum(mb.num_tokens for mb in mbs)],
-                              dtype=torch.float64)
+                              dtype=torch.float64, device=self.reduce_device)
         local_tokens = float(counts[1])
         all_reduce_(counts)
-        longest = all_reduce_(torch.tensor([max(mb.response_mask.shape[1] for mb in mbs)]), op="max")
+        longest = torch.tensor([max(mb.response_mask.shape[1] for mb in mbs)], device=self.reduce_device)
+        all_reduce_(longest, op="max")
         agg = cfg.loss.loss_agg
         norms = dict(total_sequences=float(counts[0]),
                      total_tokens=local_tokens if agg == "bnpo" else float(counts[1]),
@@ -223,9 +227,8 @@ class Trainer:
         sums["tokens"], sums["micro_batches"] = 0.0, float(len(mbs))
         for j, mb in enumerate(mbs):
             mask = mb.response_mask.to(self.device)
-            logp, entropy = response_logprobs(self.model, mb, cfg.temperature, with_entropy=True)
-            if cfg.loss.entropy_coef == 0.0:
-                entropy = entropy.detach()
+            logp, entropy = response_logprobs(self.model, mb, cfg.temperature, with_entropy=True,
+                                              entropy_grad=cfg.loss.entropy_coef != 0.0)
             loss, m = policy_loss(
                 logp, old[j] if old is not None else logp.detach(), mb.advantages.to(self.device), mask, cfg.loss,
                 ref_logp=ref[j] if ref is not None else None,
@@ -246,7 +249,7 @@ class Trainer:
 
     def _finish_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         keys = list(sums)
-        totals = all_reduce_(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
+        totals = all_reduce_(torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.reduce_device))
         totals = dict(zip(keys, totals.tolist()))
         out = {f"train/{k}": totals[k] for k in ADDITIVE_METRICS}
         out.update({f"train/{k}": totals[k] / max(totals["tokens"], 1.0) for k in TOKEN_MEAN_METRICS})
