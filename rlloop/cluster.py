@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from rlloop.config import Config
-from rlloop.placement import plan_placement
+from rlloop.placement import actor_options, plan_placement
 from rlloop.workers import RolloutWorker, TrainerWorker, engine_args, sync_args, trainer_args
 
 # Passed to every actor: offline switches, tokens and caches must reach workers on other nodes too.
@@ -56,7 +56,6 @@ class Cluster:
     def _start(self, cfg: Config, engine: tuple, ranks: list[tuple]) -> None:
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not ray.is_initialized():
             address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
@@ -72,11 +71,7 @@ class Cluster:
                                f"{ray.cluster_resources()}, the plan needs\n{plan.describe()}") from None
 
         def options(bundle: int, rollout: bool) -> dict:
-            res = dict(plan.bundles[bundle])
-            opts = {"num_cpus": res.pop("CPU", 0), "num_gpus": res.pop("GPU", 0), "resources": res,
-                    "runtime_env": {"env_vars": actor_env(cfg, cfg.cluster.cpus_per_actor, rollout)},
-                    "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, bundle)}
-            return opts
+            return actor_options(plan, bundle, self.pg, actor_env(cfg, cfg.cluster.cpus_per_actor, rollout))
 
         self.rollout = ray.remote(RolloutWorker).options(**options(plan.rollout_bundle, True)).remote(*engine)
         self.trainers = [ray.remote(TrainerWorker).options(**options(b, False)).remote(*args)

@@ -40,3 +40,13 @@ def plan_placement(cluster: ClusterConfig, same_host: bool) -> Placement:
         ranks = [{"CPU": cpus, accel: 1.0} for _ in range(cluster.train_chips)]
     return Placement(bundles=[rollout, *ranks], rollout_bundle=0, trainer_bundles=list(range(1, 1 + len(ranks))),
                      strategy="STRICT_PACK" if same_host else "PACK", device=cluster.device)
+
+
+def actor_options(plan: Placement, bundle: int, pg, env: dict[str, str] | None = None) -> dict:
+    """`ray.remote(...).options(**this)` for the actor of `bundle` in the placement group `pg` made from `plan`."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    res = dict(plan.bundles[bundle])
+    return {"num_cpus": res.pop("CPU", 0), "num_gpus": res.pop("GPU", 0), "resources": res,
+            "runtime_env": {"env_vars": env or {}},
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, bundle)}

@@ -1,0 +1,50 @@
+"""Placement on a fake 4-chip TPU host: the recipe's 2 + 2 split gives each actor its own chips."""
+from pathlib import Path
+
+import pytest
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from rlloop.config import load_config
+from rlloop.placement import actor_options, plan_placement
+
+REAL = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo.yaml"
+
+
+@ray.remote
+def visible_chips() -> str:
+    import os
+    return os.environ.get("TPU_VISIBLE_CHIPS", "")
+
+
+@pytest.fixture(scope="module")
+def fake_tpu_host():
+    ray.init(num_cpus=4, resources={"TPU": 4}, include_dashboard=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def test_recipe_plan_splits_four_chips_two_and_two(fake_tpu_host):
+    cfg = load_config(REAL)
+    plan = plan_placement(cfg.cluster, same_host=cfg.sync.transport == "shm")
+    assert plan.strategy == "STRICT_PACK" and sum(b.get("TPU", 0) for b in plan.bundles) == 4
+    pg = placement_group(plan.bundles, strategy=plan.strategy)
+    try:
+        ray.get(pg.ready(), timeout=60)
+        rollout = ray.get(visible_chips.options(**actor_options(plan, plan.rollout_bundle, pg)).remote())
+        ranks = ray.get([visible_chips.options(**actor_options(plan, b, pg)).remote() for b in plan.trainer_bundles])
+        chips = [set(rollout.split(","))] + [set(r.split(",")) for r in ranks]
+        assert [len(c) for c in chips] == [2, 1, 1]
+        assert set.union(*chips) == {"0", "1", "2", "3"}  # disjoint, all four used
+    finally:
+        remove_placement_group(pg)
+
+
+def test_a_plan_larger_than_the_host_does_not_fit(fake_tpu_host):
+    cfg = load_config(REAL, ["cluster.rollout_chips=3"])
+    pg = placement_group(plan_placement(cfg.cluster, same_host=True).bundles, strategy="STRICT_PACK")
+    try:
+        ready, _ = ray.wait([pg.ready()], timeout=3)
+        assert not ready
+    finally:
+        remove_placement_group(pg)
