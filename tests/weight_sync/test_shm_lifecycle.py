@@ -110,3 +110,43 @@ def test_close_keeps_views_held_by_the_reader_valid(run_id):
     sender.close()
     sender.close()  # idempotent
     assert _segments(run_id) == [] and got["w"].tolist() == list(range(10))
+
+
+READER = r"""
+import sys
+import numpy as np
+from weight_sync.shm import ShmReceiver
+
+run_id, last = sys.argv[1], int(sys.argv[2])
+# verify=False: only the seqlock stands between us and a torn version; delta=True: arrays are copied before the
+# seqlock is re-checked, so checking them afterwards is sound.
+receiver = ShmReceiver(run_id, delta=True, verify=False)
+pulls = torn = 0
+print("ready", flush=True)
+while receiver.version != last:
+    got = receiver.pull()
+    if got is not None:
+        pulls += 1
+        version, arrays = got
+        torn += int(not (arrays["w"] == version).all() or not (arrays["v"] == -version).all())
+print(pulls, torn, flush=True)
+"""
+
+
+def test_concurrent_reader_never_sees_a_torn_version(run_id):
+    """A reader process pulls as fast as it can while the writer rewrites both buffers as fast as it can."""
+    last = 400
+    with make_sender("shm", run_id=run_id) as sender:
+        sender.push({"w": np.zeros(1 << 17, np.float32), "v": np.zeros(1 << 16, np.int32)}, 0)
+        proc = subprocess.Popen([sys.executable, "-c", READER, run_id, str(last)], stdout=subprocess.PIPE,
+                                text=True, cwd=Path(__file__).resolve().parents[2])
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            for v in range(1, last + 1):
+                sender.push({"w": np.full(1 << 17, v, np.float32), "v": np.full(1 << 16, -v, np.int32)}, v)
+            out, _ = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+            proc.wait()
+    pulls, torn = map(int, out.split())
+    assert proc.returncode == 0 and pulls >= 1 and torn == 0
