@@ -7,6 +7,7 @@ share a micro-batch and little compute goes to padding.
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -42,9 +43,12 @@ def validate_batch(batch: TrainBatch, vocab_size: int) -> None:
             raise ValueError(f"TrainBatch.prompts[{i}] is empty (the first response token needs a context)")
         if len(batch.responses[i]) == 0:
             raise ValueError(f"TrainBatch.responses[{i}] is empty")
-        if batch.rollout_logprobs is not None and len(batch.rollout_logprobs[i]) != len(batch.responses[i]):
-            raise ValueError(f"TrainBatch.rollout_logprobs[{i}] has {len(batch.rollout_logprobs[i])} values but "
-                             f"responses[{i}] has {len(batch.responses[i])} tokens")
+        if batch.rollout_logprobs is not None:
+            if len(batch.rollout_logprobs[i]) != len(batch.responses[i]):
+                raise ValueError(f"TrainBatch.rollout_logprobs[{i}] has {len(batch.rollout_logprobs[i])} values but "
+                                 f"responses[{i}] has {len(batch.responses[i])} tokens")
+            if not np.isfinite(np.asarray(batch.rollout_logprobs[i], dtype=np.float64)).all():
+                raise ValueError(f"TrainBatch.rollout_logprobs[{i}] holds a non-finite value")
         if not math.isfinite(float(batch.advantages[i])):
             raise ValueError(f"TrainBatch.advantages[{i}] is {batch.advantages[i]}")
         for name in ("prompts", "responses"):

@@ -142,8 +142,20 @@ class Trainer:
 
         Returns `train/*` metrics for the whole batch over all ranks (identical on every rank).
         """
-        validate_batch(batch, self.vocab_size)
-        plans = [self._plan(batch, idx) for idx in split_minibatches(len(batch), self.cfg.minibatches)]
+        try:
+            validate_batch(batch, self.vocab_size)
+            minibatches = split_minibatches(len(batch), self.cfg.minibatches)
+            problem = None
+        except ValueError as e:
+            problem = e
+        # Every rank must learn that one rank's share was rejected, or the others would wait in all_reduce forever.
+        rejected = torch.tensor([problem is not None], dtype=torch.int32, device=self.reduce_device)
+        all_reduce_(rejected)
+        if problem is not None:
+            raise problem
+        if int(rejected):
+            raise ValueError("another rank rejected its share of this TrainBatch (see that rank's error)")
+        plans = [self._plan(batch, idx) for idx in minibatches]
         # With one minibatch the weights that scored the batch are the ones being trained: πold = πθ.detach(),
         # as TRL does, which saves a forward pass. Otherwise every minibatch must see the pre-step policy.
         old = [self._score(self.model, mbs) for mbs in plans] if len(plans) > 1 else [None] * len(plans)

@@ -33,6 +33,17 @@ def train_on_rank(rank, world_size, model_dir, init_file, out_dir):
             np.savez(f"{out_dir}/{name}_rank{rank}.npz", **trainer.export_weights())
             with open(f"{out_dir}/{name}_rank{rank}.json", "w") as f:
                 json.dump(metrics, f)
+        # Rank 1 gets a malformed share: both ranks must raise instead of rank 0 waiting in a collective forever.
+        batch = shard_batch(random_batch(8, seed=8), rank, world_size)
+        if rank == 1:
+            batch.advantages.pop()
+        try:
+            trainer.train_step(batch)
+            outcome = "trained"
+        except ValueError as e:
+            outcome = str(e)
+        with open(f"{out_dir}/rejected_rank{rank}.txt", "w") as f:
+            f.write(outcome)
     finally:
         torch.distributed.destroy_process_group()
 
@@ -64,3 +75,8 @@ def test_two_ranks_equal_one_rank(two_rank_results, tiny_qwen3_dir, name, n, min
     for key in ("train/loss", "train/pg_loss", "train/kl_loss", "train/grad_norm", "train/entropy",
                 "train/pg_clipfrac", "train/ppo_kl", "train/logprob_abs_diff", "train/tokens"):
         assert metrics[key] == pytest.approx(single_metrics[key], rel=1e-4, abs=1e-6), key
+
+
+def test_a_rejected_share_fails_every_rank(two_rank_results):
+    assert "advantages" in (two_rank_results / "rejected_rank1.txt").read_text()
+    assert "another rank rejected" in (two_rank_results / "rejected_rank0.txt").read_text()

@@ -184,6 +184,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_qwen3_dir, make_ba
     (lambda b: b.responses.__setitem__(1, []), r"responses\[1\]"),
     (lambda b: b.prompts[3].append(128), r"prompts\[3\]"),
     (lambda b: b.advantages.__setitem__(0, float("nan")), r"advantages\[0\]"),
+    (lambda b: b.rollout_logprobs[4].__setitem__(0, float("-inf")), r"rollout_logprobs\[4\]"),
 ])
 def test_bad_batch_is_rejected_and_loses_nothing(tiny_qwen3_dir, make_batch, mutate, field):
     trainer = Trainer(TrainerConfig(tiny_qwen3_dir, lr=1e-3))
