@@ -1,0 +1,99 @@
+"""Whole runs of the embedded example: the real components, Ray actors, shared-memory delta sync, resume, Ctrl-C."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlloop.config import load_config
+from rlloop.loop import train
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "examples" / "grpo_dapo_tiny.yaml")
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def shm_segments() -> set[str]:
+    return {p for p in os.listdir("/dev/shm") if p.startswith("rlloop_")}
+
+
+def ray_processes() -> str:
+    out = subprocess.run(["pgrep", "-af", "raylet|gcs_server"], capture_output=True, text=True).stdout
+    return out.strip()
+
+
+def run_cli(*args: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("XLA_FLAGS", None)  # the actors set their own
+    return subprocess.Popen([sys.executable, "-m", "rlloop.run", TINY, *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def test_local_run_resumes_exactly_where_it_stopped(tmp_path):
+    """4 steps straight == 2 steps, stop, --resume to 4: same samples, same losses, same weights."""
+    common = ["rollout.backend=hf", "cluster.use_ray=false", "tracking.progress=false", "run.save_every=2",
+              "run.eval_every=0", "rollout.prompts_per_step=4", "sync.transport=disk"]
+    straight = load_config(TINY, common + ["run.steps=4", f"run.dir={tmp_path / 'a'}"])
+    train(straight)
+    first = load_config(TINY, common + ["run.steps=2", f"run.dir={tmp_path / 'b'}"])
+    train(first)
+    resumed = load_config(TINY, common + ["run.steps=4", f"run.dir={tmp_path / 'b'}"])
+    train(resumed, resume=True)
+    a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    assert [m["step"] for m in b] == [1, 2, 3, 4]
+    for key in ("rollout/raw_reward", "rollout/response_len/mean", "train/loss", "train/grad_norm",
+                "train/logprob_abs_diff", "sync/version", "rollout/weight_version"):
+        assert [m[key] for m in a] == pytest.approx([m[key] for m in b], rel=1e-6, abs=1e-9), key
+    assert [m["rollout/weight_version"] for m in b] == [0, 1, 2, 3]  # each step sampled by the previous policy
+
+
+def test_tiny_example_with_ray_learns_and_leaves_nothing_behind(tmp_path):
+    """The README's main job, as a user runs it: Ray actors, JAX decoder, shm + delta sync."""
+    before = shm_segments()
+    proc = run_cli(f"run.dir={tmp_path}", "tracking.progress=false")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    rows = [m for m in metrics(tmp_path) if m["step"] > 0]
+    cfg = load_config(TINY)
+    assert [m["step"] for m in rows] == list(range(1, cfg.run.steps + 1))
+    assert [m["rollout/weight_version"] for m in rows] == list(range(cfg.run.steps))
+    assert all(m["perf/compiles"] == 0 for m in rows)  # warmup compiled every bucket
+    delta = [m for m in rows if not m["sync/keyframe"]]
+    assert delta and all(m["sync/bytes"] < m["sync/full_bytes"] for m in delta)
+    reward = [m["rollout/raw_reward"] for m in rows]
+    k = 5
+    assert sum(reward[-k:]) / k > sum(reward[:k]) / k + 0.3, reward  # it learns, visibly
+    for name in ("curves.png", "report.md", "checkpoints"):
+        assert (tmp_path / name).exists()
+    assert shm_segments() <= before and not ray_processes()
+
+
+def test_ctrl_c_stops_cleanly_and_resume_continues(tmp_path):
+    before = shm_segments()
+    args = [f"run.dir={tmp_path}", "tracking.progress=false", "run.save_every=1", "run.eval_every=0",
+            "rollout.backend=hf", "run.steps=6"]
+    proc = run_cli(*args, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (tmp_path / "checkpoints" / "step_000002").exists():
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.stdout.read()[-3000:]
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    assert "--resume" in out
+    assert not ray_processes() and shm_segments() <= before
+    done = [m["step"] for m in metrics(tmp_path)]
+    resume = run_cli(*args, "--resume")
+    out, _ = resume.communicate(timeout=600)
+    assert resume.returncode == 0, out[-3000:]
+    steps = [m["step"] for m in metrics(tmp_path)]
+    assert steps[-1] == 6 and steps == sorted(set(steps))
+    assert steps[:len(done)] == done[:len(steps)] or steps[0] == 1
+    assert not ray_processes() and shm_segments() <= before
