@@ -183,10 +183,11 @@ class ShmSender(Sender):
         i = 0 if latest != 1 else 1  # the buffer that does not hold the newest version
         buf = self._buffer(i, layout.total)
         seq, ver, length = _BUF_F[i], _BUF_F[i] + 1, _BUF_F[i] + 2
-        self._ctl[seq] += 1  # odd: writing
+        writing = int(self._ctl[seq]) | 1  # odd: readers keep off (already odd if a previous write was aborted)
+        self._ctl[seq] = writing
         write_payload(buf, layout, manifest, blobs)
         self._ctl[ver], self._ctl[length] = manifest.version, layout.total
-        self._ctl[seq] += 1  # even: published
+        self._ctl[seq] = writing + 1  # even, and never a value a reader saw before: published
         self._ctl[_LATEST_F] = i + 1
         return layout.total
 

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from weight_sync import make_receiver, make_sender
 from weight_sync.shm import remove_stale_segments
@@ -15,6 +16,7 @@ from weight_sync.shm import remove_stale_segments
 WRITER = r"""
 import sys, time
 import numpy as np
+import pytest
 import weight_sync.shm as shm
 
 run_id, mode = sys.argv[1], sys.argv[2]
@@ -115,6 +117,7 @@ def test_close_keeps_views_held_by_the_reader_valid(run_id):
 READER = r"""
 import sys
 import numpy as np
+import pytest
 from weight_sync.shm import ShmReceiver
 
 run_id, last = sys.argv[1], int(sys.argv[2])
@@ -150,3 +153,28 @@ def test_concurrent_reader_never_sees_a_torn_version(run_id):
             proc.wait()
     pulls, torn = map(int, out.split())
     assert proc.returncode == 0 and pulls >= 1 and torn == 0
+
+
+def test_push_that_fails_midway_is_never_shown_and_the_next_push_works(run_id, monkeypatch):
+    import weight_sync.shm as shm
+
+    sender, receiver = make_sender("shm", run_id=run_id), make_receiver("shm", run_id=run_id)
+    with sender, receiver:
+        sender.push({"w": np.full(1000, 1.0, np.float32)}, 1)
+        real_write = shm.write_payload
+
+        def write_half_then_fail(dst, layout, manifest, blobs):
+            scratch = np.zeros(layout.total, np.uint8)
+            real_write(scratch, layout, manifest, blobs)
+            dst[: layout.total // 2] = scratch[: layout.total // 2]
+            raise OSError("disk on fire")
+
+        monkeypatch.setattr(shm, "write_payload", write_half_then_fail)
+        with pytest.raises(OSError):
+            sender.push({"w": np.full(1000, 2.0, np.float32)}, 2)
+        monkeypatch.undo()
+        version, got = receiver.pull()
+        assert version == 1 and (got["w"] == 1.0).all()
+        sender.push({"w": np.full(1000, 3.0, np.float32)}, 3)  # rewrites the buffer the failed push left odd
+        version, got = receiver.pull()
+        assert version == 3 and (got["w"] == 3.0).all()
