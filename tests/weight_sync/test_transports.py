@@ -210,3 +210,32 @@ def test_factory_errors(run_id, tmp_path):
     first = make_sender("shm", run_id=run_id)
     with first, pytest.raises(ValueError, match="live shm sender"):
         make_sender("shm", run_id=run_id)
+
+
+DISK_READER = r"""
+import hashlib, sys
+from weight_sync import make_receiver
+
+version, arrays = make_receiver("disk", run_id=sys.argv[2], root=sys.argv[1], delta=True).pull()
+print(version)
+for name in sorted(arrays):
+    print(name, arrays[name].dtype.name, hashlib.sha256(arrays[name].tobytes()).hexdigest())
+"""
+
+
+def test_disk_version_readable_by_another_process(run_id, tmp_path):
+    """Nothing but the directory is shared: a fresh process (as on another host) reads the same bits."""
+    import hashlib
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    rng = np.random.default_rng(5)
+    state = _state(rng)
+    sender = make_sender("disk", run_id=run_id, root=tmp_path)
+    sender.push(state, 11)
+    out = subprocess.run([sys.executable, "-c", DISK_READER, str(tmp_path), run_id], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[2], timeout=120).stdout.split("\n")
+    assert out[0] == "11"
+    want = [f"{n} {state[n].dtype.name} {hashlib.sha256(state[n].tobytes()).hexdigest()}" for n in sorted(state)]
+    assert out[1:1 + len(want)] == want
