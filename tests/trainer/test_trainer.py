@@ -140,6 +140,24 @@ def test_bf16_export_names_dtype_and_bits(tmp_path, tie):
         assert np.array_equal(array.view(np.uint16), want.view(np.uint16)), name
 
 
+def test_bf16_keeps_fp32_masters_and_exports_them_rounded(tiny_qwen3_dir, make_batch):
+    """At RL learning rates an AdamW update (~lr) is far below bf16 resolution: the fp32 masters must keep it, and
+    the bf16 weights handed out are the masters rounded to nearest (as ml_dtypes rounds them)."""
+    trainer = Trainer(TrainerConfig(tiny_qwen3_dir, dtype="bfloat16", lr=1e-6, weight_decay=0.0))
+    start = [m.detach().clone() for m in trainer.masters]
+    bf16_start = {k: v.copy() for k, v in trainer.export_weights().items()}
+    trainer.train_step(make_batch(6, seed=16))
+    steps = torch.cat([(m.detach() - s).abs().flatten() for m, s in zip(trainer.masters, start)])
+    assert 0.5e-6 < float(steps.max()) < 2e-6          # Adam's first step moves every weight with a gradient by ~lr
+    exported = trainer.export_weights()
+    changed = sum(int((exported[k].view(np.uint16) != bf16_start[k].view(np.uint16)).sum()) for k in exported)
+    total = sum(v.size for v in exported.values())
+    assert changed < 0.2 * total                       # most bf16 words did not move, yet the masters all did
+    for name, master in zip(trainer.param_names, trainer.masters):
+        want = master.detach().numpy().astype(ml_dtypes.bfloat16)
+        assert np.array_equal(exported[name].view(np.uint16), want.view(np.uint16)), name
+
+
 def test_fp32_export_aliases_live_parameters(tiny_qwen3_dir, make_batch):
     trainer = Trainer(TrainerConfig(tiny_qwen3_dir, lr=1e-3))
     exported = trainer.export_weights()
