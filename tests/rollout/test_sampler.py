@@ -128,3 +128,40 @@ def test_seed_request_and_position_each_change_the_draws():
     # Large uint32 seeds are valid.
     big = np.asarray(sample_jit(logits, *rows(256, seed=2**32 - 1))[0])
     assert np.mean(base == big) < 0.2
+
+
+def test_mixed_rows_keep_exactly_the_filtered_set():
+    """Per-row settings over a realistic vocabulary: every drawn token lies in numpy's kept set for its row and its
+    log-prob is numpy's. Vocab 1000 has a non-power-of-two CDF block, and the cutoffs come from bisection."""
+    rng = np.random.default_rng(4)
+    batch, vocab = 96, 1000
+    logits = (rng.normal(size=(batch, vocab)) * rng.uniform(0.5, 4, (batch, 1))).astype(np.float32)
+    temperature = rng.choice([0.0, 0.6, 1.0, 1.7], batch).astype(np.float32)
+    top_k = rng.choice([-1, 1, 7, 50, 999, 5000], batch).astype(np.int32)
+    top_p = rng.choice([1.0, 0.95, 0.6, 0.1], batch).astype(np.float32)
+    for position in range(3):
+        tokens, logprobs = sample_jit(jnp.asarray(logits), jnp.asarray(temperature), jnp.asarray(top_k),
+                                      jnp.asarray(top_p), jnp.full((batch,), 9, jnp.uint32),
+                                      jnp.arange(batch, dtype=jnp.int32), jnp.full((batch,), position, jnp.int32))
+        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        for r in range(batch):
+            if temperature[r] == 0:
+                assert tokens[r] == logits[r].argmax()
+                continue
+            p = expected_distribution(logits[r], temperature[r], top_k[r], top_p[r])
+            assert p[tokens[r]] > 0, (r, top_k[r], top_p[r])
+            np.testing.assert_allclose(logprobs[r], np.log(p[tokens[r]]), atol=1e-4)
+
+
+def test_inverse_cdf_never_returns_a_zero_weight_token_at_the_top_edge():
+    from rollout.sampler import _inverse_cdf
+
+    weights = np.zeros((3, 64), np.float32)
+    weights[0, [5, 20]] = [1.0, 3.0]
+    weights[1, 0] = 1.0
+    weights[2, [40, 41]] = [2.0, 1e-30]
+    u = np.full(3, np.nextafter(np.float32(1), np.float32(0)), np.float32)   # the largest uniform below 1
+    idx = np.asarray(_inverse_cdf(jnp.asarray(weights), jnp.asarray(u)))
+    assert list(idx) == [20, 0, 41] or list(idx) == [20, 0, 40]
+    assert np.all(weights[np.arange(3), idx] > 0)
+    np.testing.assert_array_equal(np.asarray(_inverse_cdf(jnp.asarray(weights), jnp.zeros(3))), [5, 0, 40])
