@@ -35,14 +35,19 @@ class SyncMailbox:
         self.keep = keep
         self.refs: dict[int, list] = {}
         self.keyframe_requested = False
+        self.writer = 0  # bumped by each new sender: its versions start afresh (a resumed run)
+
+    def new_writer(self, keep: int) -> None:
+        self.keep, self.refs, self.keyframe_requested = keep, {}, False
+        self.writer += 1
 
     def post(self, version: int, boxed_ref: list) -> None:
         self.refs[version] = boxed_ref
         for old in sorted(self.refs)[:-self.keep]:
             del self.refs[old]
 
-    def latest(self) -> int | None:
-        return max(self.refs) if self.refs else None
+    def latest(self) -> tuple[int, int | None]:
+        return self.writer, (max(self.refs) if self.refs else None)
 
     def get(self, version: int) -> list | None:
         return self.refs.get(version)
@@ -68,6 +73,7 @@ class RaySender(Sender):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.mailbox = get_mailbox(run_id, keep)
+        ray.get(self.mailbox.new_writer.remote(keep))
 
     def _publish(self, manifest: Manifest, blobs: Mapping[str, np.ndarray]) -> int:
         payload = encode_payload(manifest, blobs)
@@ -84,9 +90,15 @@ class RayReceiver(Receiver):
         super().__init__(delta=delta)
         self.verify = verify
         self.mailbox = get_mailbox(run_id)
+        self._writer: int | None = None
 
     def _latest(self) -> int | None:
-        return ray.get(self.mailbox.latest.remote())
+        writer, latest = ray.get(self.mailbox.latest.remote())
+        if writer != self._writer:
+            if self._writer is not None:
+                self._writer_restarted()
+            self._writer = writer
+        return latest
 
     def _read(self, version: int) -> Message | None:
         boxed = ray.get(self.mailbox.get.remote(version))

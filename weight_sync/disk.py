@@ -3,6 +3,7 @@
     <root>/<run_id>/v000000000042/weights.safetensors   the tensors (raw, or uint8 delta blobs)
     <root>/<run_id>/v000000000042/manifest.json         weight_sync.manifest + checksum of the safetensors header
     <root>/<run_id>/KEYFRAME_REQUEST                     created by a receiver whose base does not match
+    <root>/<run_id>/WRITER                               a random id per sender: a new one restarts the numbering
 
 A version is written under `.tmp-...` and renamed into place, so a reader on any host sees a whole version or none.
 The reader verifies everything before handing anything out: the manifest's own checksum (and that it is byte for
@@ -33,7 +34,7 @@ from weight_sync.protocol import Message, Receiver, Sender
 from weight_sync.shm import _check_run_id
 
 _VERSION_DIR = re.compile(r"^v(\d{12})$")
-WEIGHTS, MANIFEST, KEYFRAME_REQUEST = "weights.safetensors", "manifest.json", "KEYFRAME_REQUEST"
+WEIGHTS, MANIFEST, KEYFRAME_REQUEST, WRITER = "weights.safetensors", "manifest.json", "KEYFRAME_REQUEST", "WRITER"
 
 
 def _canonical(obj) -> bytes:
@@ -67,8 +68,15 @@ class DiskSender(Sender):
         self.keep = keep
         self.run_dir = Path(root) / _check_run_id(run_id)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        for tmp in self.run_dir.glob(".tmp-*"):  # left by a writer that was killed mid-push
-            shutil.rmtree(tmp, ignore_errors=True)
+        # A new sender starts a new epoch: versions of an earlier writer (a crashed or resumed run) would otherwise
+        # look newer than ours, and half-written .tmp-* directories of a killed one are garbage.
+        for old in self.run_dir.iterdir():
+            if old.name.startswith(".tmp-") or _VERSION_DIR.match(old.name):
+                shutil.rmtree(old, ignore_errors=True)
+        (self.run_dir / KEYFRAME_REQUEST).unlink(missing_ok=True)
+        tmp = self.run_dir / f".tmp-{WRITER}-{os.getpid()}"
+        tmp.write_text(os.urandom(8).hex())
+        os.rename(tmp, self.run_dir / WRITER)
 
     def _publish(self, manifest: Manifest, blobs: Mapping[str, np.ndarray]) -> int:
         final = self.run_dir / f"v{manifest.version:012d}"
@@ -94,8 +102,17 @@ class DiskReceiver(Receiver):
     def __init__(self, root: str | Path, run_id: str, *, delta: bool = False):
         super().__init__(delta=delta)
         self.run_dir = Path(root) / _check_run_id(run_id)
+        self._writer: str | None = None  # the sender epoch whose versions we follow
 
     def _latest(self) -> int | None:
+        try:
+            writer = (self.run_dir / WRITER).read_text()
+        except FileNotFoundError:
+            return None
+        if writer != self._writer:
+            if self._writer is not None:
+                self._writer_restarted()
+            self._writer = writer
         versions = _versions(self.run_dir)
         return versions[-1] if versions else None
 

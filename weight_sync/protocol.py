@@ -185,6 +185,10 @@ class Receiver:
     def __exit__(self, *exc):
         self.close()
 
+    def _writer_restarted(self) -> None:
+        """A new sender took over the run (e.g. a resumed run): its versions start afresh, forget ours."""
+        self.version, self._state, self._bad = None, None, set()
+
     def metrics(self) -> dict[str, float]:
         """The receiver-side `sync/*` metrics: the last pull's read and apply seconds, and the running counters."""
         return {"sync/read_s": self.transfer_s, "sync/apply_s": self.apply_s, "sync/refused": self.refused,

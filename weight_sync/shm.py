@@ -230,8 +230,8 @@ class ShmReceiver(Receiver):
         if ctl[_MAGIC_F] != _MAGIC:
             return None
         if ctl[_INSTANCE_F] != self._instance:
-            if self._instance is not None:  # a restarted writer (e.g. a resumed run) numbers versions afresh
-                self.version, self._state, self._bad = None, None, set()
+            if self._instance is not None:
+                self._writer_restarted()
             self._instance = int(ctl[_INSTANCE_F])
             self._maps = [None, None]
         self._ctl = ctl

@@ -37,13 +37,13 @@ def _state_dict(total_mb: int, rng) -> dict[str, np.ndarray]:
               ("self_attn.v_proj.weight", (hidden // 4, hidden)), ("self_attn.o_proj.weight", (hidden, hidden)),
               ("mlp.gate_proj.weight", (inter, hidden)), ("mlp.up_proj.weight", (inter, hidden)),
               ("mlp.down_proj.weight", (hidden, inter)), ("input_layernorm.weight", (hidden,))]
-    out, total, layer = {}, 0, 0
+    out, total, i = {}, 0, 0
     while total < total_mb << 20:
-        for name, shape in shapes:
-            a = (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16)
-            out[f"model.layers.{layer}.{name}"] = a
-            total += a.nbytes
-        layer += 1
+        name, shape = shapes[i % len(shapes)]
+        a = (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+        out[f"model.layers.{i // len(shapes)}.{name}"] = a
+        total += a.nbytes
+        i += 1
     return out
 
 

@@ -123,3 +123,14 @@ def test_ray_bad_arguments(ray_cluster):
         make_ray_sender(run_id="x", keep=0)
     with pytest.raises(ValueError, match="run_id"):
         make_ray_receiver(run_id="")
+
+
+def test_ray_restarted_sender_starts_a_new_epoch(ray_cluster, run_id):
+    first = make_ray_sender(run_id=run_id, delta=True)
+    receiver = make_ray_receiver(run_id=run_id, delta=True)
+    first.push({"w": np.full(10, 57, np.int32)}, 57)
+    assert receiver.pull()[0] == 57
+    resumed = make_ray_sender(run_id=run_id, delta=True)  # e.g. a resumed run, numbering from its checkpoint
+    resumed.push({"w": np.full(10, 40, np.int32)}, 40)
+    version, got = receiver.pull()
+    assert version == 40 and (got["w"] == 40).all()

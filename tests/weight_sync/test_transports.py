@@ -175,7 +175,7 @@ def test_disk_prunes_old_versions(run_id, tmp_path):
     sender, receiver = _pair("disk", run_id, tmp_path, keep=2)
     for v in range(5):
         sender.push({"w": np.full(4, v, np.int32)}, v)
-    kept = sorted(p.name for p in (tmp_path / run_id).iterdir())
+    kept = sorted(p.name for p in (tmp_path / run_id).iterdir() if p.name.startswith("v"))
     assert kept == ["v000000000003", "v000000000004"]
     assert receiver.pull()[1]["w"].tolist() == [4] * 4
 
@@ -239,3 +239,17 @@ def test_disk_version_readable_by_another_process(run_id, tmp_path):
     assert out[0] == "11"
     want = [f"{n} {state[n].dtype.name} {hashlib.sha256(state[n].tobytes()).hexdigest()}" for n in sorted(state)]
     assert out[1:1 + len(want)] == want
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_restarted_sender_starts_a_new_epoch(transport, run_id, tmp_path):
+    """A resumed run pushes lower version numbers than the crashed one: receivers must follow, not ignore them."""
+    sender, receiver = _pair(transport, run_id, tmp_path, delta=True)
+    sender.push({"w": np.full(100, 57, np.int32)}, 57)
+    assert receiver.pull()[0] == 57
+    sender.close()
+    resumed = make_sender(transport, run_id=run_id, root=tmp_path, delta=True)
+    with resumed, receiver:
+        resumed.push({"w": np.full(100, 40, np.int32)}, 40)
+        version, got = receiver.pull()
+        assert version == 40 and (got["w"] == 40).all()
