@@ -84,7 +84,9 @@ def _decode_program(params, cache, tok, pos, n_gen, finish, max_new, temp, top_k
     def step(carry, _):
         cache, tok, pos, n_gen, finish = carry
         active = finish == RUNNING
-        cache, logits = model.decode_step(mc, params, cache, tok, pos)
+        # attention reads only as far as the longest running row (finished / free rows are junk anyway)
+        kv_len = jnp.max(jnp.where(active, pos, 0)) + 1
+        cache, logits = model.decode_step(mc, params, cache, tok, pos, kv_len)
         new_tok, logp = sample(logits, temp, top_k, top_p, seed, rid, pos + 1)
         n_gen = n_gen + active.astype(jnp.int32)
         hit_stop = jnp.any(new_tok[:, None] == stop, axis=-1)
@@ -227,7 +229,9 @@ class JaxEngine:
                                  f"exceeds max_seq_len {self.cfg.max_seq_len}")
             if min(p) < 0 or max(p) >= self.model_cfg.vocab_size:
                 raise ValueError(f"prompt {i} has a token id outside the vocabulary [0, {self.model_cfg.vocab_size})")
-        stop = sorted(set(self.model_cfg.eos_token_ids) | set(sampling.stop_token_ids))
+        # like vLLM: the model's EOS ids stop a row unless ignore_eos; stop_token_ids always do
+        eos = () if getattr(sampling, "ignore_eos", False) else self.model_cfg.eos_token_ids
+        stop = sorted(set(eos) | set(sampling.stop_token_ids))
         if len(stop) > MAX_STOP_IDS:
             raise ValueError(f"{len(stop)} stop token ids (eos included), above the limit MAX_STOP_IDS={MAX_STOP_IDS}")
         row = np.full(MAX_STOP_IDS, -1, np.int32)

@@ -116,17 +116,63 @@ def prefill(cfg: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array, p
     return KVCache(tuple(new_k), tuple(new_v)), rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
 
-def decode_step(cfg: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array,
-                positions: jax.Array) -> tuple[KVCache, jax.Array]:
+# Decode reads a long cache in chunks of this many positions, and only as many chunks as the longest running row
+# needs: a step costs the context actually in use, not the cache's full max_len. A short cache (up to 2 chunks) is
+# read whole in one pass instead: on CPU the loop's sliced copies cost more than the positions they skip.
+DECODE_CHUNK = 128
+
+
+def _decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
+                      kv_len: jax.Array) -> jax.Array:
+    """Flash-decoding style attention: q [B, KV, G, hd] over cache rows [B, KV, T, hd], positions <= positions[b].
+
+    A while loop walks ceil(kv_len / chunk) chunks with an online softmax (running max, normaliser, accumulator),
+    so the trip count is data (no recompile) and the bytes read follow the longest live sequence.
+    """
+    b, n_kv, g, hd = q.shape
+    max_len = k_cache.shape[2]
+    if max_len <= 2 * DECODE_CHUNK:
+        mask = (jnp.arange(max_len)[None, :] <= positions[:, None])[:, None, None, :]
+        return _attend(q, k_cache, v_cache, mask, ("bkgd,bktd->bkgt", "bkgt,bktd->bkgd"))
+    chunk = DECODE_CHUNK
+    q = q.astype(F32) * hd ** -0.5
+
+    def body(i, carry):
+        m, l, acc = carry
+        # The last chunk may be clamped back inside the cache; the `>= i * chunk` mask skips positions seen already.
+        start = jnp.minimum(i * chunk, max_len - chunk)
+        k = jax.lax.dynamic_slice_in_dim(k_cache, start, chunk, axis=2)
+        v = jax.lax.dynamic_slice_in_dim(v_cache, start, chunk, axis=2)
+        idx = start + jnp.arange(chunk)
+        mask = ((idx[None, :] <= positions[:, None]) & (idx[None, :] >= i * chunk))[:, None, None, :]
+        s = jnp.einsum("bkgd,bktd->bkgt", q, k, precision=HIGHEST, preferred_element_type=F32)
+        s = jnp.where(mask, s, -1e30)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        corr = jnp.exp(m - m_new)
+        pv = jnp.einsum("bkgt,bktd->bkgd", p.astype(v.dtype), v, precision=HIGHEST, preferred_element_type=F32)
+        return m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + pv
+
+    init = (jnp.full((b, n_kv, g), -1e30, F32), jnp.zeros((b, n_kv, g), F32), jnp.zeros((b, n_kv, g, hd), F32))
+    n_chunks = (jnp.clip(kv_len, 1, max_len) + chunk - 1) // chunk
+    _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    return (acc / l[..., None]).astype(v_cache.dtype)
+
+
+def decode_step(cfg: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array, positions: jax.Array,
+                kv_len: jax.Array | None = None) -> tuple[KVCache, jax.Array]:
     """One token per row for rows 0..B-1 (row i is KV slot i): write its K/V at `positions[i]`, attend over the
     slot's first positions[i] + 1 entries, return the cache and fp32 logits [B, V].
 
+    kv_len: cache positions any row that matters needs (max position + 1 over live rows); attention reads only
+    that far. Rows beyond it get junk (the engine passes it over its running rows). None => max(positions) + 1.
     Only the first B slots are read (a static slice), so a small decode bucket costs a small fraction of the cache.
     """
     b = tokens.shape[0]
     rows = jnp.arange(b)
+    if kv_len is None:
+        kv_len = jnp.max(positions) + 1
     cos, sin = rope_cos_sin(positions, jnp.asarray(cfg.rope_inv_freq()), params["embed"].dtype)
-    mask = (jnp.arange(cache.max_len)[None, :] <= positions[:, None])[:, None, None, :]   # [B, 1, 1, T]
     x = params["embed"][tokens]
     new_k, new_v = [], []
     g = cfg.num_heads // cfg.num_kv_heads
@@ -136,7 +182,7 @@ def decode_step(cfg: ModelConfig, params: dict, cache: KVCache, tokens: jax.Arra
         k_cache = cache.k[i].at[rows, :, positions].set(k.astype(cache.k[i].dtype), mode="drop")
         v_cache = cache.v[i].at[rows, :, positions].set(v.astype(cache.v[i].dtype), mode="drop")
         q = q.reshape(b, cfg.num_kv_heads, g, cfg.head_dim)
-        attn = _attend(q, k_cache[:b], v_cache[:b], mask, ("bkgd,bktd->bkgt", "bkgt,bktd->bkgd"))
+        attn = _decode_attention(q, k_cache[:b], v_cache[:b], positions, kv_len)
         x = x + _linear(attn.reshape(b, cfg.q_size), layer["wo"], layer.get("bo"))
         x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
         new_k.append(k_cache)

@@ -98,3 +98,27 @@ def test_bad_weights_name_the_problem(tmp_path):
     extra = dict(named, **{"model.layers.7.mlp.up_proj.weight": np.zeros((3, 3), np.float32)})
     with pytest.raises(ValueError, match="model.layers.7.mlp.up_proj.weight"):
         params_from_named_arrays(cfg, extra)
+
+
+def test_long_cache_chunked_decode_matches_hf(tmp_path):
+    """A cache longer than two chunks takes the chunked online-softmax path, including a clamped last chunk
+    (max_len 320 = chunks at 0, 128 and 192-clamped-from-256)."""
+    import rollout.model as model
+    path = make_tiny_hf_model(tmp_path / "q3", "qwen3", tie=False, seed=4)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    cfg = ModelConfig.from_dir(str(path))
+    params = jax.tree.map(jnp.asarray, params_from_named_arrays(cfg, load_safetensors_dir(str(path)), "float32"))
+    assert 320 > 2 * model.DECODE_CHUNK
+    prompt = [int(t) for t in np.random.default_rng(1).integers(3, cfg.vocab_size, 250)]
+    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 320, cfg.head_dim, jnp.float32)
+    n = len(prompt) - 1                                   # the engine's split: all but the last token prefilled
+    cache, _ = jax.jit(functools.partial(prefill, cfg))(
+        params, cache, np.array(prompt[:-1], np.int32), np.arange(n, dtype=np.int32), np.zeros(n, np.int32),
+        np.zeros(n, np.int32))
+    step = jax.jit(functools.partial(decode_step, cfg))
+    seq, ours = list(prompt), []
+    for _ in range(40):
+        cache, logits = step(params, cache, np.array([seq[-1]], np.int32), np.array([len(seq) - 1], np.int32))
+        ours.append(np.asarray(logits)[0])
+        seq.append(int(np.argmax(ours[-1])))
+    np.testing.assert_allclose(np.stack(ours), _hf_logits(hf, seq)[len(prompt) - 1:-1], atol=1e-4, rtol=0)
