@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import save_file
 from safetensors import safe_open
 
-from weight_sync.manifest import CorruptVersion, Manifest, checksum, dtype_from_name
+from weight_sync.manifest import CorruptVersion, Manifest, checksum, dtype_from_name, fill_checksums
 from weight_sync.protocol import Message, Receiver, Sender
 from weight_sync.shm import _check_run_id
 
@@ -82,6 +82,7 @@ class DiskSender(Sender):
         final = self.run_dir / f"v{manifest.version:012d}"
         tmp = self.run_dir / f".tmp-v{manifest.version:012d}-{os.getpid()}"
         tmp.mkdir()
+        fill_checksums(manifest, blobs)
         save_file(dict(blobs), tmp / WEIGHTS)
         body = {"manifest": asdict(manifest), "safetensors_header_xxh3": _header_checksum(tmp / WEIGHTS)}
         (tmp / MANIFEST).write_bytes(_canonical({**body, "xxh3": checksum(_canonical(body))}))

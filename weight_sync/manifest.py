@@ -89,8 +89,8 @@ class TensorEntry:
     shape: list[int]
     encoding: str          # "raw": the tensor's bytes; "delta": a weight_sync.delta blob against base_version
     nbytes: int            # stored bytes (for raw: the tensor's bytes)
-    blob_xxh3: int         # checksum of the stored bytes
-    xxh3: int              # checksum of the reconstructed tensor's bytes
+    blob_xxh3: int | None  # checksum of the stored bytes (None until the transport has hashed a raw tensor)
+    xxh3: int | None       # checksum of the reconstructed tensor's bytes
     offset: int = 0        # where the stored bytes start inside a single-buffer payload (weight_sync.payload)
 
     @property
@@ -120,7 +120,8 @@ class Manifest:
             m = cls(entries=entries, **raw)
             for e in m.entries:
                 dtype_from_name(e.dtype)
-                if e.encoding not in ("raw", "delta") or e.nbytes < 0 or e.offset < 0:
+                if (e.encoding not in ("raw", "delta") or e.nbytes < 0 or e.offset < 0
+                        or not isinstance(e.blob_xxh3, int) or not isinstance(e.xxh3, int)):
                     raise ValueError(e.name)
                 if e.encoding == "raw" and e.nbytes != e.tensor_nbytes:
                     raise ValueError(e.name)
@@ -129,6 +130,13 @@ class Manifest:
         except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as exc:
             raise CorruptVersion(f"bad manifest: {exc}") from exc
         return m
+
+
+def fill_checksums(manifest: "Manifest", blobs: Mapping[str, np.ndarray]) -> None:
+    """Hash the raw tensors left unhashed by the sender (transports that cannot hash while they copy)."""
+    for e in manifest.entries:
+        if e.blob_xxh3 is None:
+            e.blob_xxh3 = e.xxh3 = checksum(blobs[e.name])
 
 
 def check_named_arrays(named_arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:

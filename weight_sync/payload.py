@@ -1,7 +1,7 @@
 """One weight version as one flat byte buffer: what the shm segments and the Ray object store carry.
 
     [magic "RLSYNC01" | u64 manifest length | u64 xxh3(manifest) | u64 total length]  header, 32 bytes
-    [manifest JSON]                                                                   weight_sync.manifest
+    [manifest JSON, space-padded to its reserved length]                              weight_sync.manifest
     [zero padding to 64] [entry 0 bytes] [zero padding to 64] [entry 1 bytes] ...     offsets relative to data start
 
 Entries start 64-byte aligned so the reader can hand out typed numpy views into the buffer (zero copy). Every byte
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
+import xxhash
 
 from weight_sync.manifest import CorruptVersion, Manifest, checksum
 
@@ -29,36 +30,62 @@ def _align(n: int) -> int:
 
 @dataclass
 class PayloadLayout:
-    manifest_json: bytes
+    manifest_capacity: int   # bytes reserved for the manifest JSON (space-padded): checksums are known only later
     data_start: int
     total: int
 
 
+_COPY_CHUNK = 256 << 10  # hash each chunk right after copying it, while it is still in cache: one pass over memory
+
+
 def plan_payload(manifest: Manifest) -> PayloadLayout:
-    """Assign each entry its (aligned) offset and return the sizes a writer needs before it writes."""
+    """Assign each entry its (aligned) offset and return the sizes a writer needs before it writes.
+
+    Checksums still unset (None, see Sender._encode) are filled in by write_payload, so the manifest's room is
+    sized for the widest checksum value."""
     offset = 0
     for e in manifest.entries:
         e.offset = offset
         offset = _align(offset + e.nbytes)
-    mjson = manifest.to_json()
-    data_start = _align(_HEADER.size + len(mjson))
+    unset = [(e, e.blob_xxh3, e.xxh3) for e in manifest.entries]
+    for e, _, _ in unset:
+        e.blob_xxh3 = e.xxh3 = 2**64 - 1
+    capacity = len(manifest.to_json())
+    for e, blob_h, h in unset:
+        e.blob_xxh3, e.xxh3 = blob_h, h
+    data_start = _align(_HEADER.size + capacity)
     end = manifest.entries[-1].offset + manifest.entries[-1].nbytes if manifest.entries else 0
-    return PayloadLayout(mjson, data_start, data_start + end)
+    return PayloadLayout(capacity, data_start, data_start + end)
+
+
+def _copy_and_hash(dst: np.ndarray, src: np.ndarray) -> int:
+    h = xxhash.xxh3_64()
+    for i in range(0, src.nbytes, _COPY_CHUNK):
+        chunk = dst[i:i + _COPY_CHUNK]
+        np.copyto(chunk, src[i:i + _COPY_CHUNK])
+        h.update(chunk)
+    return h.intdigest()
 
 
 def write_payload(dst: np.ndarray, layout: PayloadLayout, manifest: Manifest, blobs: Mapping[str, np.ndarray]) -> int:
-    """Write the payload into `dst` (a uint8 array at least `layout.total` long); returns the bytes written."""
+    """Write the payload into `dst` (a uint8 array at least `layout.total` long); returns the bytes written.
+
+    Data first, then the manifest (with the checksums computed while copying), then the header."""
     if dst.nbytes < layout.total:
         raise ValueError(f"payload of {layout.total} bytes does not fit a buffer of {dst.nbytes}")
-    mjson = layout.manifest_json
-    dst[:_HEADER.size] = np.frombuffer(_HEADER.pack(MAGIC, len(mjson), checksum(mjson), layout.total), np.uint8)
-    dst[_HEADER.size:_HEADER.size + len(mjson)] = np.frombuffer(mjson, np.uint8)
-    pos = _HEADER.size + len(mjson)
+    pos = _HEADER.size + layout.manifest_capacity
     for e in manifest.entries:
         start = layout.data_start + e.offset
         dst[pos:start] = 0
-        np.copyto(dst[start:start + e.nbytes], np.asarray(blobs[e.name]).reshape(-1).view(np.uint8))
+        src = np.asarray(blobs[e.name]).reshape(-1).view(np.uint8)
+        if e.blob_xxh3 is None:  # a raw tensor nobody has hashed yet
+            e.blob_xxh3 = e.xxh3 = _copy_and_hash(dst[start:start + e.nbytes], src)
+        else:
+            np.copyto(dst[start:start + e.nbytes], src)
         pos = start + e.nbytes
+    mjson = manifest.to_json().ljust(layout.manifest_capacity)  # JSON allows the trailing spaces
+    dst[_HEADER.size:_HEADER.size + len(mjson)] = np.frombuffer(mjson, np.uint8)
+    dst[:_HEADER.size] = np.frombuffer(_HEADER.pack(MAGIC, len(mjson), checksum(mjson), layout.total), np.uint8)
     return layout.total
 
 

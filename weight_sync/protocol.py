@@ -5,6 +5,7 @@ deltas, refusing corrupt versions while keeping the last good weights, and askin
 receiver's base does not match. A transport (shm, disk, Ray) only moves a `Manifest` plus its stored blobs:
 
     Sender._publish(manifest, blobs) -> bytes moved      Receiver._latest() -> newest version | None
+      (fills in raw entries' checksums)
     Sender._take_keyframe_request() -> bool              Receiver._read(version) -> Message | None
                                                           Receiver._request_keyframe()
 """
@@ -131,10 +132,9 @@ class Sender:
                 self._deltas_since_key += 1
                 return Manifest(version, self.version, entries), blobs, changed
         self._deltas_since_key = 0
-        entries = []
-        for name, a in arrays.items():
-            h = checksum(a)
-            entries.append(TensorEntry(name, dtype_name(a.dtype, name), list(a.shape), "raw", a.nbytes, h, h))
+        # Raw tensors are hashed by the transport while it copies them (payload.write_payload): one pass, not two.
+        entries = [TensorEntry(name, dtype_name(a.dtype, name), list(a.shape), "raw", a.nbytes, None, None)
+                   for name, a in arrays.items()]
         return Manifest(version, None, entries), arrays, changed
 
     def _remember(self, arrays: dict[str, np.ndarray], changed: dict[str, np.ndarray]) -> None:
