@@ -121,7 +121,8 @@ class Manifest:
             for e in m.entries:
                 dtype_from_name(e.dtype)
                 if (e.encoding not in ("raw", "delta") or e.nbytes < 0 or e.offset < 0
-                        or not isinstance(e.blob_xxh3, int) or not isinstance(e.xxh3, int)):
+                        or not isinstance(e.blob_xxh3, int) or not isinstance(e.xxh3, int)
+                        or not all(isinstance(d, int) and d >= 0 for d in e.shape)):
                     raise ValueError(e.name)
                 if e.encoding == "raw" and e.nbytes != e.tensor_nbytes:
                     raise ValueError(e.name)

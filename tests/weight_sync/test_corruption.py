@@ -110,3 +110,26 @@ def test_disk_refuses_any_flipped_byte(target, run_id, tmp_path):
     sender.push(_weights(5), size + 1)
     version, got = receiver.pull()
     assert version == size + 1 and all(got[n].tobytes() == a.tobytes() for n, a in _weights(5).items())
+
+
+@pytest.mark.parametrize("field,value", [("dtype", "complex64"), ("dtype", "object"), ("shape", [-4, -8]),
+                                         ("encoding", "xor"), ("nbytes", 7), ("xxh3", None), ("shape", "abc")])
+def test_well_framed_but_inconsistent_manifest_is_refused(field, value):
+    """A manifest whose checksum is right but whose content is not self-consistent is refused, not crashed on."""
+    import json
+    import struct
+
+    import xxhash
+
+    manifest, blobs = Sender()._encode(_weights(0), 0)[:2]
+    payload = encode_payload(manifest, blobs)
+    magic, mlen, _, total = struct.unpack("<8sQQQ", payload[:32].tobytes())
+    doc = json.loads(payload[32:32 + mlen].tobytes())
+    doc["entries"][0][field] = value
+    tampered = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode().ljust(mlen)
+    assert len(tampered) == mlen
+    payload[32:32 + mlen] = np.frombuffer(tampered, np.uint8)
+    payload[:32] = np.frombuffer(struct.pack("<8sQQQ", magic, mlen, xxhash.xxh3_64_intdigest(tampered), total),
+                                 np.uint8)
+    with pytest.raises(CorruptVersion):
+        read_payload(payload)
