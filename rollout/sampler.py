@@ -70,8 +70,9 @@ def _largest_key_where(ok) -> jax.Array:
     return lo
 
 
-def _keep_mask(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """[B, V] bool: the top-k tokens of x, then the smallest prefix of them (by probability) with mass >= top_p."""
+def _filter_threshold(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """[B] smallest kept value of x: top-k first, then the smallest prefix of those (by probability) whose mass
+    reaches top_p. Probability is monotone in x, so "x >= threshold" is the kept set."""
     vocab = x.shape[-1]
     key = _ordered_key(x)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
@@ -91,7 +92,8 @@ def _keep_mask(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
         jnp.any(top_p < 1.0),
         lambda: _largest_key_where(lambda t: jnp.sum(jnp.where(pbits >= t[..., None], probs, 0.0), -1) >= need),
         lambda: jnp.zeros(k.shape, jnp.uint32))
-    return in_top_k & (pbits >= cut[:, None])
+    keep = in_top_k & (pbits >= cut[:, None])
+    return jnp.min(jnp.where(keep, x, jnp.inf), axis=-1)
 
 
 def _cdf_block(vocab: int) -> int:
@@ -105,34 +107,45 @@ def _cdf_block(vocab: int) -> int:
     return 1 << max(3, round(math.log2(root)))
 
 
-def _inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
-    """Index i of each row with probability weights[i] / sum(weights), from one uniform u per row.
+def _pick(x: jax.Array, m: jax.Array, weights: jax.Array, u: jax.Array, greedy: jax.Array) -> jax.Array:
+    """[B] token per row: the inverse CDF of `weights` at u (sampled rows), or the first index of the row max m
+    (greedy rows).
 
-    Two levels so that no cumulative sum runs over the whole vocabulary: block sums, pick the block, then the token
-    inside it. Rounding can leave the target just past the last boundary; the last positive-weight token is then
-    taken, so a zero-weight (filtered) token is never returned.
+    Two levels so that no cumulative sum or index search runs over the whole vocabulary: per-block sums and maxima
+    pick a block, then the token is found inside that one block. Rounding can leave the CDF target just past the
+    last boundary; the last positive-weight token is then taken, so a zero-weight (filtered) token is never returned.
     """
     batch, vocab = weights.shape
     block = _cdf_block(vocab)
     blocks = -(-vocab // block)
     if blocks * block != vocab:
         weights = jnp.pad(weights, ((0, 0), (0, blocks * block - vocab)))
+        x = jnp.pad(x, ((0, 0), (0, blocks * block - vocab)), constant_values=-jnp.inf)
     w = weights.reshape(batch, blocks, block)
+    xb = x.reshape(batch, blocks, block)
     block_sums = jnp.sum(w, axis=-1)
+    block_ids = jnp.arange(blocks)
+
     block_cdf = jnp.cumsum(block_sums, axis=-1)
     target = u * block_cdf[:, -1]
     b = jnp.minimum(jnp.sum(block_cdf <= target[:, None], axis=-1), blocks - 1)
     # A chosen block has positive mass unless rounding pushed past the end: step back to the last non-empty one.
-    last_nonempty = jnp.max(jnp.where(block_sums > 0, jnp.arange(blocks), 0), axis=-1)
+    last_nonempty = jnp.max(jnp.where(block_sums > 0, block_ids, 0), axis=-1)
     b = jnp.where(jnp.take_along_axis(block_sums, b[:, None], -1)[:, 0] > 0, b, last_nonempty)
-    inside = jnp.take_along_axis(w, b[:, None, None], axis=1)[:, 0]                       # [B, block]
+    first_max_block = jnp.min(jnp.where(jnp.max(xb, axis=-1) == m[:, None], block_ids, blocks), axis=-1)
+    b = jnp.where(greedy, first_max_block, b)
+
+    inside_w = jnp.take_along_axis(w, b[:, None, None], axis=1)[:, 0]                      # [B, block]
+    inside_x = jnp.take_along_axis(xb, b[:, None, None], axis=1)[:, 0]
     before = jnp.take_along_axis(block_cdf - block_sums, b[:, None], -1)[:, 0]
-    cdf = before[:, None] + jnp.cumsum(inside, axis=-1)
+    cdf = before[:, None] + jnp.cumsum(inside_w, axis=-1)
     i = jnp.sum(cdf <= target[:, None], axis=-1)
-    last_positive = jnp.max(jnp.where(inside > 0, jnp.arange(block), 0), axis=-1)
+    in_block = jnp.arange(block)
+    last_positive = jnp.max(jnp.where(inside_w > 0, in_block, 0), axis=-1)
     i = jnp.where(i < block, i, last_positive)
-    i = jnp.where(jnp.take_along_axis(inside, jnp.minimum(i, block - 1)[:, None], -1)[:, 0] > 0, i, last_positive)
-    return b * block + i
+    i = jnp.where(jnp.take_along_axis(inside_w, jnp.minimum(i, block - 1)[:, None], -1)[:, 0] > 0, i, last_positive)
+    first_max = jnp.min(jnp.where(inside_x == m[:, None], in_block, block), axis=-1)
+    return b * block + jnp.where(greedy, first_max, i)
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, seed: jax.Array,
@@ -145,19 +158,21 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     top_p = top_p.astype(jnp.float32)
     greedy = temperature <= 0.0
 
-    x = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    t = jnp.where(greedy, 1.0, temperature)[:, None]
     filters = (~greedy) & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
-    x = jax.lax.cond(jnp.any(filters),
-                     lambda: jnp.where(_keep_mask(x, top_k, top_p) | ~filters[:, None], x, -jnp.inf),
-                     lambda: x)
+    # The cond takes the raw logits and returns a [B] threshold: a cond whose operand or result is the scaled
+    # [B, V] array gets it materialised, which cost more than the whole unfiltered sampler on CPU.
+    threshold = jax.lax.cond(
+        jnp.any(filters),
+        lambda lg: jnp.where(filters, _filter_threshold(lg / t, top_k, top_p), -jnp.inf),
+        lambda lg: jnp.full((batch,), -jnp.inf, jnp.float32),
+        logits)
+    x = logits / t
+    x = jnp.where(x >= threshold[:, None], x, -jnp.inf)
     m = jnp.max(x, axis=-1)
     weights = jnp.exp(x - m[:, None])                      # filtered tokens: exp(-inf) = 0
     log_z = m + jnp.log(jnp.sum(weights, axis=-1))
-
     u = _row_uniforms(seed, request_id.astype(jnp.int32), position.astype(jnp.int32))
-    # Greedy rows reuse the same search: with weight 1 on the row maxima, 0 elsewhere, and u = 0, the inverse CDF
-    # returns the first maximum, i.e. argmax (XLA's argmax is a slow variadic reduce on CPU).
-    weights = jnp.where(greedy[:, None], (x == m[:, None]).astype(jnp.float32), weights)
-    token = _inverse_cdf(weights, jnp.where(greedy, 0.0, u)).astype(jnp.int32)
+    token = _pick(x, m, weights, u, greedy).astype(jnp.int32)
     logprob = jnp.take_along_axis(x, token[:, None], axis=-1)[:, 0] - log_z
     return token, logprob

@@ -154,14 +154,18 @@ def test_mixed_rows_keep_exactly_the_filtered_set():
 
 
 def test_inverse_cdf_never_returns_a_zero_weight_token_at_the_top_edge():
-    from rollout.sampler import _inverse_cdf
+    from rollout.sampler import _pick
+
+    def _pick_sampled(weights, u):
+        x = jnp.where(jnp.asarray(weights) > 0, jnp.log(jnp.asarray(weights)), -jnp.inf)
+        return _pick(x, jnp.max(x, -1), jnp.asarray(weights), jnp.asarray(u), jnp.zeros(len(u), bool))
 
     weights = np.zeros((3, 64), np.float32)
     weights[0, [5, 20]] = [1.0, 3.0]
     weights[1, 0] = 1.0
     weights[2, [40, 41]] = [2.0, 1e-30]
     u = np.full(3, np.nextafter(np.float32(1), np.float32(0)), np.float32)   # the largest uniform below 1
-    idx = np.asarray(_inverse_cdf(jnp.asarray(weights), jnp.asarray(u)))
+    idx = np.asarray(_pick_sampled(weights, u))
     assert list(idx) == [20, 0, 41] or list(idx) == [20, 0, 40]
     assert np.all(weights[np.arange(3), idx] > 0)
-    np.testing.assert_array_equal(np.asarray(_inverse_cdf(jnp.asarray(weights), jnp.zeros(3))), [5, 0, 40])
+    np.testing.assert_array_equal(np.asarray(_pick_sampled(weights, np.zeros(3, np.float32))), [5, 0, 40])
