@@ -152,3 +152,5 @@ def test_bad_requests_name_the_limit(engine):
         engine.generate([[3, 500]], 1, sp)
     with pytest.raises(ValueError, match="dtype"):
         small_engine(os.devnull, dtype="float16")
+    with pytest.raises(ValueError, match="no-such-org/no-such-model"):   # not a dir, and the hub is offline
+        small_engine("no-such-org/no-such-model")

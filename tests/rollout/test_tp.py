@@ -26,7 +26,8 @@ def model_dir(tmp_path_factory):
 def _run(mc, host_params, tp, prompt, steps=8):
     mesh = make_mesh(tp)
     params = jax.device_put(host_params, param_shardings(mc, mesh, host_params))
-    cache = init_cache(mc.num_layers, 2, mc.num_kv_heads, 32, mc.head_dim, np.float32, cache_sharding(mesh))
+    # 320 positions: longer than two decode chunks, so the chunked attention loop runs on the sharded cache too
+    cache = init_cache(mc.num_layers, 2, mc.num_kv_heads, 320, mc.head_dim, np.float32, cache_sharding(mesh))
     n = len(prompt)
     cache, hidden = jax.jit(functools.partial(prefill, mc))(
         params, cache, np.array(prompt, np.int32), np.arange(n, dtype=np.int32), np.zeros(n, np.int32),
