@@ -21,7 +21,7 @@ import numpy as np
 import ray
 
 from weight_sync.manifest import Manifest
-from weight_sync.payload import encode_payload, read_payload
+from weight_sync.payload import plan_payload, read_payload, write_payload
 from weight_sync.protocol import Message, Receiver, Sender
 
 NAMESPACE = "rlloop"
@@ -74,12 +74,17 @@ class RaySender(Sender):
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.mailbox = get_mailbox(run_id, keep)
         ray.get(self.mailbox.new_writer.remote(keep))
+        self._staging: np.ndarray | None = None
 
     def _publish(self, manifest: Manifest, blobs: Mapping[str, np.ndarray]) -> int:
-        payload = encode_payload(manifest, blobs)
-        ref = ray.put(payload)
+        layout = plan_payload(manifest)
+        if self._staging is None or self._staging.nbytes < layout.total:
+            # Reused across versions: a fresh buffer per push would pay first-touch page faults every time.
+            self._staging = np.empty(layout.total + layout.total // 16, np.uint8)
+        write_payload(self._staging, layout, manifest, blobs)
+        ref = ray.put(self._staging[:layout.total])  # copied into the object store
         ray.get(self.mailbox.post.remote(manifest.version, [ref]))
-        return payload.nbytes
+        return layout.total
 
     def _take_keyframe_request(self) -> bool:
         return ray.get(self.mailbox.take_keyframe_request.remote())
