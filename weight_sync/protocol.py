@@ -230,6 +230,9 @@ class Receiver:
                     self._bad.add(base)
                     log.warning("weight_sync: refused version %d (%s)", base, exc)
             if prev is None:
+                if not self.delta and not self.keyframe_requests:
+                    log.warning("weight_sync: the sender sends deltas but this receiver has delta=False; every "
+                                "version will cost a keyframe request: set delta=True on both sides")
                 self.keyframe_requests += 1
                 self._request_keyframe()
                 return None
