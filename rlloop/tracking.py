@@ -107,7 +107,8 @@ def _mean(values: list[float]) -> float:
 def make_report(cfg: Config, rows: list[dict]) -> str:
     _, reward = _series(rows, "rollout/raw_reward")
     k = max(1, min(5, len(reward) // 3))
-    lines = [f"# {cfg.run.name}: {len(rows)} steps of GRPO on {cfg.model.path}", "",
+    steps = max(r["step"] for r in rows)
+    lines = [f"# {cfg.run.name}: {steps} steps of GRPO on {cfg.model.path}", "",
              f"- data: {cfg.data.path}; {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples "
              f"per step; rollout backend {cfg.rollout.backend}; sync {cfg.sync.transport}"
              f"{' + delta' if cfg.sync.delta else ''}",

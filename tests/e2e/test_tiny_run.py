@@ -65,8 +65,8 @@ def test_tiny_example_with_ray_learns_and_leaves_nothing_behind(tmp_path):
     assert [m["step"] for m in rows] == list(range(1, cfg.run.steps + 1))
     assert [m["rollout/weight_version"] for m in rows] == list(range(cfg.run.steps))
     assert all(m["perf/compiles"] == 0 for m in rows)  # warmup compiled every bucket
-    delta = [m for m in rows if not m["sync/keyframe"]]
-    assert delta and all(m["sync/bytes"] < m["sync/full_bytes"] for m in delta)
+    assert [m["sync/version"] for m in rows] == list(range(1, cfg.run.steps + 1))
+    assert rows[0]["sync/keyframe"] == 1 and all(m["sync/refused"] == 0 for m in rows)
     reward = [m["rollout/raw_reward"] for m in rows]
     k = 5
     assert sum(reward[-k:]) / k > sum(reward[:k]) / k + 0.3, reward  # it learns, visibly
