@@ -165,6 +165,7 @@ class Receiver:
         self.apply_s = 0.0
         self._state: dict[str, np.ndarray] | None = None  # owned arrays of `version` (delta mode only)
         self._bad: set[int] = set()
+        self._waiting_since: int | None = None  # newest version when we last asked for a keyframe
 
     # -- transport hooks --
     def _latest(self) -> int | None:
@@ -187,7 +188,7 @@ class Receiver:
 
     def _writer_restarted(self) -> None:
         """A new sender took over the run (e.g. a resumed run): its versions start afresh, forget ours."""
-        self.version, self._state, self._bad = None, None, set()
+        self.version, self._state, self._bad, self._waiting_since = None, None, set(), None
 
     def metrics(self) -> dict[str, float]:
         """The receiver-side `sync/*` metrics: the last pull's read and apply seconds, and the running counters."""
@@ -199,8 +200,9 @@ class Receiver:
         """The newest verified version newer than the last one returned, or None. Never raises on bad data."""
         for _ in range(5):
             latest = self._latest()
-            if latest is None or latest in self._bad or (self.version is not None and latest <= self.version):
-                return None
+            if (latest is None or latest in self._bad or latest == self._waiting_since
+                    or (self.version is not None and latest <= self.version)):
+                return None  # nothing new, refused before, or still waiting for the keyframe we asked for
             try:
                 return self._pull(latest)
             except TornRead:
@@ -235,6 +237,7 @@ class Receiver:
                                 "version will cost a keyframe request: set delta=True on both sides")
                 self.keyframe_requests += 1
                 self._request_keyframe()
+                self._waiting_since = chain[0].manifest.version
                 return None
             chain.append(prev)
         t1 = time.perf_counter()

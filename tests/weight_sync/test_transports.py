@@ -159,6 +159,7 @@ def test_receiver_with_wrong_base_requests_keyframe(transport, run_id, tmp_path)
             w[v] = -v
             sender.push({"w": w}, v)
         assert receiver.pull() is None and receiver.keyframe_requests == 1 and receiver.version == 0
+        assert receiver.pull() is None and receiver.keyframe_requests == 1  # asked once, waits for the answer
         w = w.copy()
         w[500] = 7
         assert sender.push({"w": w}, 4).keyframe, "the receiver's request must reach the sender"
