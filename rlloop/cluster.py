@@ -39,7 +39,8 @@ class Cluster:
         self.cfg, self.remote, self.owns_ray = cfg, cfg.cluster.use_ray, False
         self.pg = None
         sync = sync_args(cfg, run_id, run_dir)
-        engine = (cfg.rollout.backend, engine_args(cfg, cfg.data.max_prompt_len), sync, cfg.cluster.cpus_per_actor)
+        engine = (cfg.rollout.backend, engine_args(cfg, cfg.data.max_prompt_len), sync, cfg.cluster.cpus_per_actor,
+                  cfg.rollout.compile_cache_dir)
         world = cfg.cluster.train_chips
         ranks = [(trainer_args(cfg), r, world, sync, cfg.sync.keyframe_every, cfg.cluster.cpus_per_actor)
                  for r in range(world)]

@@ -75,6 +75,7 @@ class RolloutConfig(Section):
     prefill_buckets: list[PositiveInt] | None = None
     decode_buckets: list[PositiveInt] | None = None
     steps_per_dispatch: PositiveInt = 8
+    compile_cache_dir: str | None = "~/.cache/rlloop/jax"   # XLA's persistent cache: later runs skip most warmup
 
 
 class GRPOConfig(Section):

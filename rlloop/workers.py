@@ -68,11 +68,23 @@ def make_receiver(sync: dict):
     return make(sync["transport"], run_id=sync["run_id"], root=sync["root"], delta=sync["delta"])
 
 
+def use_compile_cache(path: str | None) -> None:
+    """Keep XLA programs on disk across runs: a bucket compiled once is loaded, not recompiled, next time."""
+    if path:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 class RolloutWorker:
-    def __init__(self, backend: str, engine_kwargs: dict, sync: dict, threads: int = 1):
+    def __init__(self, backend: str, engine_kwargs: dict, sync: dict, threads: int = 1,
+                 compile_cache_dir: str | None = None):
         limit_threads(threads)
         from rollout import make_engine
 
+        if backend == "jax":
+            use_compile_cache(compile_cache_dir)
         self.engine = make_engine(backend, **engine_kwargs)
         self.receiver = make_receiver(sync)
         self.version = 0
