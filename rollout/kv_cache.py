@@ -1,9 +1,11 @@
-"""The static KV cache: one K and one V buffer per layer, [slots, kv_heads, max_len, head_dim], allocated once.
+"""The static KV cache: per layer one K buffer [slots, kv_heads, head_dim, max_len] and one V buffer
+[slots, kv_heads, max_len, head_dim], allocated once.
 
 Sized by config (slots x max length) so its shape never changes; the engine donates it to every compiled call, so
 updates happen in place. Slot i holds one sequence (prompt + response); rows of a decode bucket map to slots 0..B-1.
-The [slots, kv_heads, T, head_dim] layout keeps each head's keys contiguous along T for the decode dot products
-and lets tensor parallelism shard the kv_heads axis.
+K is stored transposed (positions minor) so that both decode products, q.K^T over head_dim and p.V over positions,
+contract a non-minor axis and stream the cache contiguously (about 2x faster than [T, head_dim] K on CPU). The
+kv_heads axis comes first so tensor parallelism can shard it.
 """
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import jax.numpy as jnp
 
 
 class KVCache(NamedTuple):
-    k: tuple[jax.Array, ...]     # per layer [slots, kv_heads, max_len, head_dim]
-    v: tuple[jax.Array, ...]
+    k: tuple[jax.Array, ...]     # per layer [slots, kv_heads, head_dim, max_len]
+    v: tuple[jax.Array, ...]     # per layer [slots, kv_heads, max_len, head_dim]
 
     @property
     def num_slots(self) -> int:
@@ -23,7 +25,7 @@ class KVCache(NamedTuple):
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[2]
+        return self.v[0].shape[2]
 
     def nbytes(self) -> int:
         return sum(a.size * a.dtype.itemsize for a in self.k + self.v)
@@ -32,9 +34,9 @@ class KVCache(NamedTuple):
 def init_cache(num_layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int, dtype,
                sharding: jax.sharding.Sharding | None = None) -> KVCache:
     """Zero cache; with a sharding, each buffer is created directly in its sharded layout (no host copy)."""
-    shape = (slots, kv_heads, max_len, head_dim)
-    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return KVCache(tuple(make() for _ in range(num_layers)), tuple(make() for _ in range(num_layers)))
+    make_k = jax.jit(lambda: jnp.zeros((slots, kv_heads, head_dim, max_len), dtype), out_shardings=sharding)
+    make_v = jax.jit(lambda: jnp.zeros((slots, kv_heads, max_len, head_dim), dtype), out_shardings=sharding)
+    return KVCache(tuple(make_k() for _ in range(num_layers)), tuple(make_v() for _ in range(num_layers)))
 
 
 def copy_slots(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:

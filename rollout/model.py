@@ -111,7 +111,7 @@ def prefill(cfg: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array, p
         attn = _attend(q, k, v, mask[None, None], ("qkgd,tkd->kgqt", "kgqt,tkd->qkgd"))
         x = x + _linear(attn.reshape(x.shape[0], cfg.q_size), layer["wo"], layer.get("bo"))
         x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
-        new_k.append(cache.k[i].at[slots, :, positions].set(k.astype(cache.k[i].dtype), mode="drop"))
+        new_k.append(cache.k[i].at[slots, :, :, positions].set(k.astype(cache.k[i].dtype), mode="drop"))
         new_v.append(cache.v[i].at[slots, :, positions].set(v.astype(cache.v[i].dtype), mode="drop"))
     return KVCache(tuple(new_k), tuple(new_v)), rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
@@ -124,16 +124,17 @@ DECODE_CHUNK = 128
 
 def _decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
                       kv_len: jax.Array) -> jax.Array:
-    """Flash-decoding style attention: q [B, KV, G, hd] over cache rows [B, KV, T, hd], positions <= positions[b].
+    """Flash-decoding style attention: q [B, KV, G, hd] over cache rows (K [B, KV, hd, T], V [B, KV, T, hd]),
+    positions <= positions[b].
 
     A while loop walks ceil(kv_len / chunk) chunks with an online softmax (running max, normaliser, accumulator),
     so the trip count is data (no recompile) and the bytes read follow the longest live sequence.
     """
     b, n_kv, g, hd = q.shape
-    max_len = k_cache.shape[2]
+    max_len = v_cache.shape[2]
     if max_len <= 2 * DECODE_CHUNK:
         mask = (jnp.arange(max_len)[None, :] <= positions[:, None])[:, None, None, :]
-        return _attend(q, k_cache, v_cache, mask, ("bkgd,bktd->bkgt", "bkgt,bktd->bkgd"))
+        return _attend(q, k_cache, v_cache, mask, ("bkgd,bkdt->bkgt", "bkgt,bktd->bkgd"))
     chunk = DECODE_CHUNK
     q = q.astype(F32) * hd ** -0.5
 
@@ -141,11 +142,11 @@ def _decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, posi
         m, l, acc = carry
         # The last chunk may be clamped back inside the cache; the `>= i * chunk` mask skips positions seen already.
         start = jnp.minimum(i * chunk, max_len - chunk)
-        k = jax.lax.dynamic_slice_in_dim(k_cache, start, chunk, axis=2)
+        k = jax.lax.dynamic_slice_in_dim(k_cache, start, chunk, axis=3)
         v = jax.lax.dynamic_slice_in_dim(v_cache, start, chunk, axis=2)
         idx = start + jnp.arange(chunk)
         mask = ((idx[None, :] <= positions[:, None]) & (idx[None, :] >= i * chunk))[:, None, None, :]
-        s = jnp.einsum("bkgd,bktd->bkgt", q, k, precision=HIGHEST, preferred_element_type=F32)
+        s = jnp.einsum("bkgd,bkdt->bkgt", q, k, precision=HIGHEST, preferred_element_type=F32)
         s = jnp.where(mask, s, -1e30)
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[..., None])
@@ -179,7 +180,7 @@ def decode_step(cfg: ModelConfig, params: dict, cache: KVCache, tokens: jax.Arra
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
         q, k, v = _qkv(cfg, layer, h, cos, sin)
-        k_cache = cache.k[i].at[rows, :, positions].set(k.astype(cache.k[i].dtype), mode="drop")
+        k_cache = cache.k[i].at[rows, :, :, positions].set(k.astype(cache.k[i].dtype), mode="drop")
         v_cache = cache.v[i].at[rows, :, positions].set(v.astype(cache.v[i].dtype), mode="drop")
         q = q.reshape(b, cfg.num_kv_heads, g, cfg.head_dim)
         attn = _decode_attention(q, k_cache[:b], v_cache[:b], positions, kv_len)
