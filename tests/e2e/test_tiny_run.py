@@ -97,3 +97,24 @@ def test_ctrl_c_stops_cleanly_and_resume_continues(tmp_path):
     assert steps[-1] == 6 and steps == sorted(set(steps))
     assert steps[:len(done)] == done[:len(steps)] or steps[0] == 1
     assert not ray_processes() and shm_segments() <= before
+
+
+def test_ray_job_submit_runs_the_same_command(tmp_path):
+    """`ray job submit -- python -m rlloop.run ...` against a local head, as on a cluster."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1"}
+    env.pop("XLA_FLAGS", None)
+    port = 6390
+    subprocess.run(["ray", "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=true",
+                    "--dashboard-port=8275", "--disable-usage-stats"], env=env, check=True, capture_output=True)
+    try:
+        job = subprocess.run(
+            ["ray", "job", "submit", "--address", "http://127.0.0.1:8275", "--working-dir", str(ROOT), "--",
+             sys.executable, "-m", "rlloop.run", TINY, f"run.dir={tmp_path}", "run.steps=2", "run.eval_every=0",
+             "rollout.backend=hf", "tracking.progress=false"],
+            env=env, capture_output=True, text=True, timeout=600)
+        assert job.returncode == 0 and "succeeded" in job.stdout.lower(), job.stdout[-3000:] + job.stderr[-2000:]
+        assert [m["step"] for m in metrics(tmp_path)] == [1, 2]
+    finally:
+        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True)
+    assert not ray_processes()
