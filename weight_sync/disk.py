@@ -7,8 +7,8 @@
 
 A version is written under `.tmp-...` and renamed into place, so a reader on any host sees a whole version or none.
 The reader verifies everything before handing anything out: the manifest's own checksum (and that it is byte for
-byte the canonical JSON), the safetensors header's checksum, and each tensor's checksum, dtype and shape. Together
-these cover every byte of both files. Old versions beyond `keep` are pruned; a reader that loses the race with
+byte the canonical JSON), the safetensors header's checksum, and each tensor's checksum, shape and extent. Together
+these cover every byte of both files. It maps the file and hands out read-only views (zero copy). Old versions beyond `keep` are pruned; a reader that loses the race with
 pruning just sees no new version this time. Files are not fsync'ed: rename gives atomicity against a killed writer,
 and NFS-style shared filesystems flush on close; only a host power loss could tear a version, which the checksums
 then refuse.
@@ -16,6 +16,7 @@ then refuse.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import shutil
@@ -25,11 +26,9 @@ from pathlib import Path
 from typing import Mapping
 
 import numpy as np
-from safetensors import SafetensorError
 from safetensors.numpy import save_file
-from safetensors import safe_open
 
-from weight_sync.manifest import CorruptVersion, Manifest, checksum, dtype_from_name, fill_checksums
+from weight_sync.manifest import CorruptVersion, Manifest, checksum, fill_checksums
 from weight_sync.protocol import Message, Receiver, Sender
 from weight_sync.shm import _check_run_id
 
@@ -49,6 +48,23 @@ def _header_checksum(path: Path) -> int:
         if n > os.fstat(f.fileno()).st_size - 8:
             raise CorruptVersion("safetensors header length beyond the file")
         return checksum(head + f.read(n))
+
+
+def _map_safetensors(path: Path, header_xxh3: int) -> tuple[dict, np.ndarray]:
+    """A safetensors file mapped read-only: its header (checked against `header_xxh3`) and its data bytes.
+
+    safetensors.numpy copies every tensor into fresh memory; mapping the file instead hands out views of the page
+    cache (no copy, no first-touch page faults), which stay valid even after the version is pruned."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        (n,) = struct.unpack("<Q", head)
+        if n > os.fstat(f.fileno()).st_size - 8:
+            raise CorruptVersion("safetensors header length beyond the file")
+        header = f.read(n)
+        if checksum(head + header) != header_xxh3:
+            raise CorruptVersion("safetensors header checksum mismatch")
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    return json.loads(header), np.frombuffer(mapped, np.uint8)[8 + n:]
 
 
 def _versions(run_dir: Path) -> list[int]:
@@ -132,21 +148,26 @@ class DiskReceiver(Receiver):
             manifest = Manifest.from_json(_canonical(body["manifest"]))
             if manifest.version != version:
                 raise CorruptVersion(f"directory v{version} holds a manifest for version {manifest.version}")
-            if _header_checksum(vdir / WEIGHTS) != body["safetensors_header_xxh3"]:
-                raise CorruptVersion("safetensors header checksum mismatch")
-            blobs = {}
-            with safe_open(vdir / WEIGHTS, framework="numpy") as f:
-                if sorted(f.keys()) != sorted(e.name for e in manifest.entries):
-                    raise CorruptVersion("tensor names differ from the manifest")
-                for e in manifest.entries:
-                    arr = f.get_tensor(e.name)
-                    want = (dtype_from_name(e.dtype), e.shape) if e.encoding == "raw" else (np.uint8, [e.nbytes])
-                    if arr.dtype != want[0] or list(arr.shape) != want[1] or checksum(arr) != e.blob_xxh3:
-                        raise CorruptVersion(f"tensor {e.name!r} does not match its manifest entry")
-                    blobs[e.name] = arr.reshape(-1).view(np.uint8)
+            header, data = _map_safetensors(vdir / WEIGHTS, body["safetensors_header_xxh3"])
+            names = sorted(e.name for e in manifest.entries)
+            if sorted(k for k in header if k != "__metadata__") != names:
+                raise CorruptVersion("tensor names differ from the manifest")
+            blobs, end = {}, 0
+            for e in manifest.entries:
+                begin, stop = header[e.name]["data_offsets"]
+                shape = e.shape if e.encoding == "raw" else [e.nbytes]
+                if header[e.name]["shape"] != shape or stop - begin != e.nbytes or not 0 <= begin <= stop <= data.size:
+                    raise CorruptVersion(f"tensor {e.name!r} does not match its manifest entry")
+                view = data[begin:stop]
+                if checksum(view) != e.blob_xxh3:
+                    raise CorruptVersion(f"checksum mismatch in {e.name!r}")
+                blobs[e.name] = view
+                end = max(end, stop)
+            if end != data.size:
+                raise CorruptVersion("bytes after the last tensor")
         except FileNotFoundError:
             return None  # pruned while we read: not corruption, a newer version exists
-        except (SafetensorError, struct.error, OSError) as exc:
+        except (struct.error, OSError, ValueError, KeyError, TypeError) as exc:
             raise CorruptVersion(f"unreadable safetensors file: {exc}") from exc
         return Message(manifest, blobs)
 
