@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 
 from rlloop.config import Config
@@ -40,7 +41,7 @@ class Tracker:
         if mode == "auto":
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
         id_file = self.run_dir / "wandb_id"
-        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
         return wandb.init(project=self.cfg.tracking.project, entity=self.cfg.tracking.entity, name=self.cfg.run.name,
                           id=run_id, resume="allow", dir=str(self.run_dir), mode=mode,

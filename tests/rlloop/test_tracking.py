@@ -1,0 +1,42 @@
+"""Tracking: metrics.jsonl one line per step (trimmed on resume), curves and report, W&B offline without a key."""
+import json
+from pathlib import Path
+
+from rlloop.config import load_config
+from rlloop.tracking import Tracker
+
+TINY = str(Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml")
+
+
+def log_steps(tracker, steps):
+    for s in steps:
+        tracker.log(s, {"rollout/raw_reward": s / 10, "train/loss": 1.0 / s, "sync/bytes": 10.0, "sync/full_bytes": 40.0,
+                        "eval/tiny": 0.5} | ({"perf/step_s": 2.0} if s % 2 else {}))
+
+
+def test_metrics_jsonl_resume_curves_and_report(tmp_path):
+    cfg = load_config(TINY, ["tracking.progress=false"])
+    tracker = Tracker(cfg, tmp_path)
+    log_steps(tracker, [1, 2, 3, 4])
+    tracker.close()
+    tracker = Tracker(cfg, tmp_path, start_step=2)  # resumed from the step-2 checkpoint: 3 and 4 are redone
+    log_steps(tracker, [3, 4, 5])
+    tracker.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[2]["rollout/raw_reward"] == 0.3
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    report = (tmp_path / "report.md").read_text()
+    assert "5 steps" in report and "4.0x smaller" in report and "eval/tiny" in report
+
+
+def test_wandb_goes_offline_without_an_api_key(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = load_config(TINY, ["tracking.progress=false", "tracking.wandb=true"])
+    tracker = Tracker(cfg, tmp_path)
+    assert tracker.wandb.settings.mode == "offline"
+    log_steps(tracker, [1, 2])
+    tracker.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and (tmp_path / "wandb_id").read_text() in runs[0].name
