@@ -49,14 +49,6 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def num_params(self) -> int:
-        """Parameter count (embedding counted once when tied); used for the FLOP/byte estimates."""
-        d, f, L = self.hidden_size, self.intermediate_size, self.num_layers
-        attn = d * self.q_size + 2 * d * self.kv_size + self.q_size * d
-        per_layer = attn + 3 * d * f + 2 * d
-        head = 0 if self.tie_word_embeddings else self.vocab_size * d
-        return self.vocab_size * d + L * per_layer + d + head
-
     @classmethod
     def from_hf_dict(cls, hf: dict, generation_config: dict | None = None) -> "ModelConfig":
         model_type = hf.get("model_type", "")

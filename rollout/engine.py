@@ -112,7 +112,8 @@ class EngineConfig:
     decode_buckets: tuple[int, ...] | None = None    # None => powers of two (floor 8) up to max_batch
     steps_per_dispatch: int = 8
     tp: int = 1                     # devices in the engine's mesh
-    seed: int = 0                   # reserved: sampling keys come from SamplingParams.seed
+    seed: int = 0                   # mixed into every sampling key with SamplingParams.seed (0 => that seed as is),
+                                    # so engines given different seeds draw different samples for the same request
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -248,7 +249,7 @@ class JaxEngine:
         sched.add([Request(i, j, list(p), (i * 65537 + j) & 0x7FFFFFFF) for i, p in enumerate(prompts)
                    for j in range(n)])
         state = _SlotState(slots)
-        state.set_sampling(sampling, stop_row)
+        state.set_sampling(sampling, stop_row, self.cfg.seed)
         out_tok = np.zeros((slots, max_new), np.int32)
         out_lp = np.zeros((slots, max_new), np.float32)
         done: list[Completion] = []
@@ -272,7 +273,7 @@ class JaxEngine:
             st["dispatches"] += 1
             st["decode_rows"] += emitted.size
             st["decode_emitted"] += int(emitted.sum())
-            st["bytes"] += self.cfg.steps_per_dispatch * (param_bytes + b * self._kv_row_bytes())
+            st["bytes"] += self.cfg.steps_per_dispatch * (param_bytes + b * self._kv_read_per_row(state, b))
 
             # scatter this dispatch's tokens into the per-slot output buffers (vectorised: no per-token Python)
             step_idx = state.n_gen[None, :b] + np.cumsum(emitted, axis=0) - 1
@@ -314,6 +315,15 @@ class JaxEngine:
 
     def _kv_row_bytes(self) -> int:
         return self.cfg.max_seq_len * self._kv_token_bytes()
+
+    def _kv_read_per_row(self, state: "_SlotState", b: int) -> int:
+        """KV bytes one decode row reads per step: the whole row for a short cache, else the chunks in use."""
+        t = self.cfg.max_seq_len
+        if t > 2 * model.DECODE_CHUNK:
+            live = state.pos[:b][state.finish[:b] == RUNNING]
+            need = int(live.max()) + self.cfg.steps_per_dispatch if live.size else 1
+            t = min(t, -(-need // model.DECODE_CHUNK) * model.DECODE_CHUNK)
+        return t * self._kv_token_bytes()
 
     def _record_stats(self, st: dict, done: list[Completion], prompts, t_start: float, compiles_before: int) -> None:
         mc = self.model_cfg
@@ -363,9 +373,9 @@ class _SlotState:
         self.seed = np.zeros(slots, np.int32)
         self.stop = np.full((slots, MAX_STOP_IDS), -1, np.int32)
 
-    def set_sampling(self, sp: SamplingParams, stop_row: np.ndarray) -> None:
+    def set_sampling(self, sp: SamplingParams, stop_row: np.ndarray, engine_seed: int) -> None:
         self.temp[:], self.top_k[:], self.top_p[:] = sp.temperature, sp.top_k, sp.top_p
-        self.seed[:] = np.int64(sp.seed) & 0x7FFFFFFF
+        self.seed[:] = (int(sp.seed) + 1_000_003 * int(engine_seed)) & 0x7FFFFFFF
         self.stop[:] = stop_row
 
     def arm(self, slot: int, token: int, pos: int, max_new: int, rid: int) -> None:

@@ -77,6 +77,9 @@ def test_same_seed_same_tokens_whatever_the_batch(engine):
     np.testing.assert_allclose([c.logprobs for c in alone], [c.logprobs for c in crowded[:3]], atol=1e-6)
     reseeded = engine.generate([p], 3, SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=16, seed=12))
     assert [c.token_ids for c in reseeded] != [c.token_ids for c in alone]
+    # EngineConfig.seed is mixed in: a second engine (same compiled programs) with another seed samples differently
+    other_engine = small_engine(engine.cfg.model_path, seed=1)
+    assert [c.token_ids for c in other_engine.generate([p], 3, sp)] != [c.token_ids for c in alone]
 
 
 def test_continuous_batching_reuses_slots_and_matches_solo_runs(engine):
