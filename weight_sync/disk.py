@@ -54,7 +54,8 @@ def _map_safetensors(path: Path, header_xxh3: int) -> tuple[dict, np.ndarray]:
     """A safetensors file mapped read-only: its header (checked against `header_xxh3`) and its data bytes.
 
     safetensors.numpy copies every tensor into fresh memory; mapping the file instead hands out views of the page
-    cache (no copy, no first-touch page faults), which stay valid even after the version is pruned."""
+    cache (no copy, no first-touch page faults). On a local filesystem they stay valid after the version is pruned;
+    on NFS another host's prune can invalidate them, hence `borrowed` below."""
     with open(path, "rb") as f:
         head = f.read(8)
         (n,) = struct.unpack("<Q", head)
@@ -169,7 +170,9 @@ class DiskReceiver(Receiver):
             return None  # pruned while we read: not corruption, a newer version exists
         except (struct.error, OSError, ValueError, KeyError, TypeError) as exc:
             raise CorruptVersion(f"unreadable safetensors file: {exc}") from exc
-        return Message(manifest, blobs)
+        # borrowed: on a shared filesystem a mapped file pruned by the writer's host can vanish under us, so a delta
+        # receiver copies what it keeps; a returned version should be loaded (put on device) before `keep` more land.
+        return Message(manifest, blobs, borrowed=True)
 
     def _request_keyframe(self) -> None:
         (self.run_dir / KEYFRAME_REQUEST).touch()
