@@ -8,26 +8,30 @@ RNG state, so a call is reproducible but, unlike the JAX sampler, a row's draw d
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Mapping
 
 import numpy as np
 import torch
 import transformers
 
-from rollout.types import Completion, SamplingParams
+from rollout.types import Completion, RolloutEngine, SamplingParams
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def numpy_to_torch(array: np.ndarray) -> torch.Tensor:
     """numpy / ml_dtypes array -> torch tensor; bfloat16 goes through its raw bits (numpy has no native bf16)."""
-    array = np.asarray(array)
-    if array.dtype.name == "bfloat16":
-        return torch.from_numpy(np.ascontiguousarray(array).view(np.uint16).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(array))
+    array = np.ascontiguousarray(array)
+    with warnings.catch_warnings():
+        # Read-only arrays (mmap'd checkpoints, shared memory) are fine: the tensor is only copied from.
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        if array.dtype.name == "bfloat16":
+            return torch.from_numpy(array.view(np.uint16).view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(array)
 
 
-class HFEngine:
+class HFEngine(RolloutEngine):
     """`RolloutEngine` backed by a Hugging Face causal LM and `model.generate`."""
 
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu", max_batch: int = 64):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from rollout import SamplingParams, make_engine
+from rollout import RolloutEngine, SamplingParams, make_engine
 from rollout.hf_backend import HFEngine
 
 try:
@@ -139,7 +139,9 @@ def test_load_weights_bf16_is_bit_exact(model_dir):
     engine = HFEngine(model_dir, dtype="bfloat16")
     name = "model.layers.0.mlp.up_proj.weight"
     values = np.random.default_rng(0).normal(size=tuple(engine.model.state_dict()[name].shape)).astype(np.float32)
-    engine.load_weights({name: values.astype(ml_dtypes.bfloat16)}, version=1)
+    sent = values.astype(ml_dtypes.bfloat16)
+    sent.flags.writeable = False   # as from an mmap'd checkpoint or a shared-memory reader
+    engine.load_weights({name: sent}, version=1)
     got = engine.model.state_dict()[name].view(torch.int16).numpy().view(np.uint16)
     np.testing.assert_array_equal(got, values.astype(ml_dtypes.bfloat16).view(np.uint16))
 
@@ -169,4 +171,5 @@ def test_bad_requests_raise(engine, model_dir):
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="tpu_magic"):
         make_engine("tpu_magic", model_path=model_dir)
-    assert isinstance(make_engine("hf", model_path=model_dir, max_batch=2), HFEngine)
+    built = make_engine("hf", model_path=model_dir, max_batch=2)
+    assert isinstance(built, HFEngine) and isinstance(built, RolloutEngine)
