@@ -6,6 +6,10 @@
     got = receiver.pull()                                          # (version, {hf_name: np.ndarray}) or None
 
 The Ray object-store transport speaks the same protocol but lives in `rlloop.ray_sync` (Ray stays out of here).
+
+Arrays returned by pull() are zero-copy views (read-only for disk and Ray): load them onto the device before the
+sender pushes two more versions (shm reuses its two buffers; disk prunes beyond `keep`). A receiver made with
+delta=True keeps its own copy of the current weights, which deltas are applied to (copy-on-write, never in place).
 """
 from __future__ import annotations
 
