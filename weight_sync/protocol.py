@@ -211,6 +211,9 @@ class Receiver:
                 self.refused += 1
                 self._bad.add(latest)
                 log.warning("weight_sync: refused version %d (%s); keeping version %s", latest, exc, self.version)
+                if self.delta:  # the next deltas would build on what we refused: ask for a fresh start right away
+                    self.keyframe_requests += 1
+                    self._request_keyframe()
                 return None
         return None
 

@@ -65,6 +65,7 @@ def test_shm_refuses_flipped_keyframes_and_keeps_previous(run_id):
 
 
 def test_shm_delta_flip_is_refused_then_recovered_by_keyframe(run_id):
+    """A delta receiver that refuses a version asks for a keyframe at once, and the next push brings it."""
     rng = np.random.default_rng(2)
     sender = make_sender("shm", run_id=run_id, delta=True, keyframe_every=1_000_000)
     receiver = make_receiver("shm", run_id=run_id, delta=True)
@@ -82,13 +83,10 @@ def test_shm_delta_flip_is_refused_then_recovered_by_keyframe(run_id):
             buf, length = _latest_shm_payload(run_id)
             _flip(buf, int(rng.integers(0, length)), rng)
             assert receiver.pull() is None and receiver.version == v - 1
-            assert receiver.refused == trial + 1
+            assert receiver.refused == trial + 1 and receiver.keyframe_requests == trial + 1
             w["big"][trial + 100] = 1
             v += 1
-            sender.push(w, v)  # a delta on top of the refused version: the receiver asks for a keyframe
-            assert receiver.pull() is None and receiver.keyframe_requests == trial + 1
-            v += 1
-            assert sender.push(w, v).keyframe
+            assert sender.push(w, v).keyframe  # the refusal asked for one: no delta on top of a refused version
             version, got = receiver.pull()
             assert version == v and all(got[n].tobytes() == a.tobytes() for n, a in w.items())
             assert any(got[n].tobytes() != a.tobytes() for n, a in good.items())

@@ -282,3 +282,24 @@ def test_random_rounds_with_skipped_pulls_always_bit_exact(transport, run_id, tm
                 assert {n: a.tobytes() for n, a in got[1].items()} == history[got[0]], f"version {got[0]}"
     assert returned > 30 and receiver.refused == 0
     assert receiver.keyframe_requests > 0  # the skipped pulls did break delta chains: that path was exercised
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_wrong_base_is_caught_by_the_reconstruction_checksum_and_healed(transport, run_id, tmp_path):
+    """If the receiver's copy differs from what the sender diffed against (here: the caller scribbled on the
+    returned arrays), applying a delta gives wrong bits: the checksum refuses it and a keyframe repairs the state."""
+    sender, receiver = _pair(transport, run_id, tmp_path, delta=True, keyframe_every=100)
+    w = np.arange(4096, dtype=np.float32)
+    with sender, receiver:
+        sender.push({"w": w}, 0)
+        _, got = receiver.pull()
+        got["w"][5] = -1.0  # a delta receiver returns its own copy: writing to it changes the delta base
+        w = w.copy()
+        w[100] = 7.0
+        assert not sender.push({"w": w}, 1).keyframe
+        assert receiver.pull() is None and receiver.refused == 1 and receiver.version == 0
+        w = w.copy()
+        w[200] = 8.0
+        assert sender.push({"w": w}, 2).keyframe
+        version, got = receiver.pull()
+        assert version == 2 and got["w"].tobytes() == w.tobytes()
