@@ -9,7 +9,9 @@ The Ray object-store transport speaks the same protocol but lives in `rlloop.ray
 
 Arrays returned by pull() are zero-copy views (read-only for disk and Ray): load them onto the device before the
 sender pushes two more versions (shm reuses its two buffers; disk prunes beyond `keep`). A receiver made with
-delta=True keeps its own copy of the current weights, which deltas are applied to (copy-on-write, never in place).
+delta=True keeps its own copy of the current weights, which deltas are applied to (copy-on-write, never in place),
+and returns that copy: treat pulled arrays as read-only (a scribbled-on base is caught by the checksum of the next
+reconstruction, refused, and repaired by a keyframe).
 """
 from __future__ import annotations
 
