@@ -2,9 +2,9 @@
 
 `python -m rlloop.tiny [OUT_DIR]` rebuilds what ships in `rlloop/assets/tiny/` (deterministic for a given torch):
 - `model/`: a character-level tokenizer with a Qwen-style chat template and a ~0.1M-parameter `Qwen3ForCausalLM`,
-  warm-started by a short supervised pass on *noisy* answers (only `SFT_CORRECT` of the labels are right). The
-  policy therefore starts out answering correctly about half the time, and GRPO with the exact verifier has something
-  to fix: the tiny run visibly learns within a few minutes on two CPU cores.
+  warm-started by a short supervised pass on *noisy* answers (`SFT_MIX`: half right, the rest in the wrong format or
+  slightly wrong). The policy starts out scoring under half the time, and GRPO with DAPO's verifier has something to
+  fix, above all the format, which is the same for every prompt: the tiny run visibly learns within a few minutes.
 - `data/train.jsonl`, `data/eval.jsonl`: rows in the DAPO-Math-17k schema (`prompt` as a chat-message list,
   `reward_model.ground_truth`, `data_source`, `ability`, `extra_info`).
 """
@@ -25,7 +25,8 @@ CHAT_TEMPLATE = (
 # A shortened DAPO instruction: the real one is ~250 characters, a lot of prefill for a character-level toy.
 PROMPT_TEMPLATE = "Solve: {problem}\nThe last line of your response should be of the form Answer: $Answer"
 OPERAND_MAX = 19
-SFT_CORRECT = 0.5
+# The warm start's labels: right, right but in the wrong format (DAPO's rule scores it -1), or off by a little.
+SFT_MIX = {"correct": 0.5, "bad_format": 0.3, "wrong": 0.2}
 
 
 def make_tokenizer():
@@ -61,10 +62,13 @@ def split_pairs(seed: int = 0) -> tuple[list[tuple[int, int]], list[tuple[int, i
     return pairs[64:], pairs[:64]
 
 
-def noisy_answer(a: int, b: int, rng: random.Random) -> int:
-    if rng.random() < SFT_CORRECT:
-        return a + b
-    return max(0, a + b + rng.choice([-2, -1, 1, 2]))
+def noisy_answer(a: int, b: int, rng: random.Random) -> str:
+    kind = rng.choices(list(SFT_MIX), weights=list(SFT_MIX.values()))[0]
+    if kind == "correct":
+        return f"Answer: {a + b}"
+    if kind == "bad_format":
+        return f"The sum is {a + b}"
+    return f"Answer: {max(0, a + b + rng.choice([-2, -1, 1, 2]))}"
 
 
 def make_model(tok, train_pairs, steps: int = 600, seed: int = 0):
@@ -86,7 +90,7 @@ def make_model(tok, train_pairs, steps: int = 600, seed: int = 0):
         batch = rng.sample(train_pairs, 64)
         seqs, masks = [], []
         for a, b in batch:
-            answer = tok.encode(f"Answer: {noisy_answer(a, b, rng)}", add_special_tokens=False) + [tok.eos_token_id]
+            answer = tok.encode(noisy_answer(a, b, rng), add_special_tokens=False) + [tok.eos_token_id]
             seqs.append(list(prompts[(a, b)]) + answer)
             masks.append([0] * len(prompts[(a, b)]) + [1] * len(answer))
         width = max(map(len, seqs))
