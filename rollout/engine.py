@@ -72,9 +72,9 @@ def _prefill_program(params, cache, tokens, positions, segments, slots, *, mc, c
     return _constrain(cache, cache_sh)
 
 
-@partial(jax.jit, donate_argnums=0, static_argnames=("mc", "cache_sh"))
-def _copy_program(cache, src, dst, *, mc, cache_sh):
-    return _constrain(copy_slots(cache, src, dst), cache_sh)
+@partial(jax.jit, donate_argnums=0, static_argnames=("mc", "cache_sh", "length"))
+def _copy_program(cache, src, dst, *, mc, cache_sh, length):
+    return _constrain(copy_slots(cache, src, dst, length), cache_sh)
 
 
 @partial(jax.jit, donate_argnums=1, static_argnames=("mc", "cache_sh", "steps", "max_len"))
@@ -157,6 +157,8 @@ class JaxEngine:
         self.cache = init_cache(mc.num_layers, cfg.max_batch, mc.num_kv_heads, cfg.max_seq_len, mc.head_dim,
                                 self._dtype, cache_sharding(self.mesh))
         self._static = dict(mc=mc, cache_sh=cache_sharding(self.mesh))
+        # fan-out copies only the positions a prompt can occupy (prefill takes all but a prompt's last token)
+        self._copy_len = self.prefill_buckets[-1]
         self._stats: dict[str, float] = {}
 
     def _decode_dispatch(self, state: "_SlotState", b: int):
@@ -176,7 +178,7 @@ class JaxEngine:
             src = np.zeros(m, np.int32)
             dst = np.full(m, self.cfg.max_batch, np.int32)     # padding pairs write out of range: dropped
             src[:len(chunk)], dst[:len(chunk)] = zip(*chunk)
-            self.cache = _copy_program(self.cache, src, dst, **self._static)
+            self.cache = _copy_program(self.cache, src, dst, **self._static, length=self._copy_len)
             padded += m
         return padded
 
@@ -191,7 +193,8 @@ class JaxEngine:
             times[f"prefill/{p}"] = time.perf_counter() - t0
         for m in self.decode_buckets:
             t0 = time.perf_counter()
-            self.cache = _copy_program(self.cache, np.zeros(m, np.int32), np.full(m, s, np.int32), **self._static)
+            self.cache = _copy_program(self.cache, np.zeros(m, np.int32), np.full(m, s, np.int32), **self._static,
+                                       length=self._copy_len)
             jax.block_until_ready(self.cache)
             times[f"copy/{m}"] = time.perf_counter() - t0
         state = _SlotState(s)
@@ -304,7 +307,7 @@ class JaxEngine:
         if adm.copies:
             rows = self._run_copies(adm.copies)
             st["copy_rows"] += rows
-            st["bytes"] += 2 * rows * self._kv_row_bytes()
+            st["bytes"] += 2 * rows * self._copy_len * self._kv_token_bytes()
         for slot, req in zip(adm.slots, adm.requests):
             # The last prompt token is fed to the first decode step, which samples the first new token.
             state.arm(slot, req.prompt[-1], len(req.prompt) - 1, max_new, req.request_id)
@@ -312,9 +315,6 @@ class JaxEngine:
     def _kv_token_bytes(self) -> int:
         mc = self.model_cfg
         return 2 * mc.num_layers * mc.kv_size * self._dtype.itemsize
-
-    def _kv_row_bytes(self) -> int:
-        return self.cfg.max_seq_len * self._kv_token_bytes()
 
     def _kv_read_per_row(self, state: "_SlotState", b: int) -> int:
         """KV bytes one decode row reads per step: the whole row for a short cache, else the chunks in use."""

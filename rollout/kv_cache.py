@@ -39,11 +39,12 @@ def init_cache(num_layers: int, slots: int, kv_heads: int, max_len: int, head_di
     return KVCache(tuple(make_k() for _ in range(num_layers)), tuple(make_v() for _ in range(num_layers)))
 
 
-def copy_slots(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    """GRPO fan-out: copy whole slot rows src[i] -> dst[i] (a prompt's KV into its sample slots).
+def copy_slots(cache: KVCache, src: jax.Array, dst: jax.Array, length: int) -> KVCache:
+    """GRPO fan-out: copy the first `length` positions of slot rows src[i] -> dst[i] (a prompt's KV into its
+    sample slots). `length` is static: the longest prompt the engine accepts, often far below max_len.
 
-    Pairs with dst >= slots are padding and dropped. Rows are copied whole: positions past the prompt hold junk
-    that decode overwrites before it ever reads them (attention only sees positions <= the row's current one).
+    Pairs with dst >= slots are padding and dropped. Positions past a prompt's end hold junk that decode overwrites
+    before it ever reads them (attention only sees positions <= the row's current one).
     """
-    return KVCache(tuple(k.at[dst].set(k[src], mode="drop") for k in cache.k),
-                   tuple(v.at[dst].set(v[src], mode="drop") for v in cache.v))
+    return KVCache(tuple(k.at[dst, :, :, :length].set(k[src, :, :, :length], mode="drop") for k in cache.k),
+                   tuple(v.at[dst, :, :length].set(v[src, :, :length], mode="drop") for v in cache.v))
