@@ -103,8 +103,8 @@ class RolloutWorker:
         if got is not None:
             self.version, arrays = got
             self.engine.load_weights(arrays, self.version)
-        return {"sync/rollout_version": self.version, "sync/apply_s": time.perf_counter() - t0,
-                "sync/refused": getattr(self.receiver, "refused", 0)}
+        return {**self.receiver.metrics(), "sync/rollout_version": self.version,
+                "perf/pull_s": time.perf_counter() - t0}
 
     def close(self) -> None:
         self.receiver.close()
