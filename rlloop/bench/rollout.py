@@ -76,7 +76,8 @@ def model_shape(path: Path) -> dict:
     return {"params": params, "matmul_params": L * layer_matmul + V * d, "layers": L, "q": q, "kv": kv}
 
 
-def analytic_cost(shape: dict, prompt_lens: list[int], n: int, new_tokens: int, itemsize: int) -> tuple[float, float]:
+def analytic_cost(shape: dict, prompt_lens: list[int], n: int, new_tokens: int,
+                  itemsize: int) -> tuple[float, float]:
     """FLOPs and HBM/DRAM bytes of an ideal engine: prefill each prompt once, decode all rows together.
 
     FLOPs: 2 per matmul weight per token, plus QK^T and PV over the context. Bytes: every decode step reads all
