@@ -298,8 +298,7 @@ class JaxEngine:
 
     def _admit(self, adm: Admission, state: "_SlotState", max_new: int, st: dict, param_bytes: int) -> None:
         """Prefill each new prompt once (all but its last token), fan its KV out, and arm the slots for decode."""
-        for batch in pack_prefills([(s, p[:-1]) for s, p in adm.prefill], self.prefill_buckets,
-                                   self.cfg.max_batch, pick_bucket):
+        for batch in pack_prefills([(s, p[:-1]) for s, p in adm.prefill], self.prefill_buckets, self.cfg.max_batch):
             self._run_prefill(batch)
             st["prefill_tokens"] += batch.real_tokens
             st["prefill_padded"] += batch.tokens.size

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rollout.buckets import pick_bucket
+
 
 @dataclass
 class Request:
@@ -81,8 +83,8 @@ class Scheduler:
         return adm
 
 
-def pack_prefills(prefills: list[tuple[int, list[int]]], buckets: tuple[int, ...], num_slots: int,
-                  pick) -> list[PrefillBatch]:
+def pack_prefills(prefills: list[tuple[int, list[int]]], buckets: tuple[int, ...],
+                  num_slots: int) -> list[PrefillBatch]:
     """Pack (slot, tokens) pairs first-fit in order into batches no longer than the largest bucket."""
     batches, current, used = [], [], 0
     for slot, toks in prefills:
@@ -98,7 +100,7 @@ def pack_prefills(prefills: list[tuple[int, list[int]]], buckets: tuple[int, ...
     out = []
     for group in batches:
         real = sum(len(t) for _, t in group)
-        size = pick(buckets, real)
+        size = pick_bucket(buckets, real)
         tokens = np.zeros(size, np.int32)
         positions = np.zeros(size, np.int32)
         segments = np.full(size, -1, np.int32)
