@@ -185,3 +185,13 @@ def test_scheduler_prefills_each_prompt_once_and_packs_buckets():
     assert first_batch.tokens.tolist() == [1, 2, 3, 5] and first_batch.positions.tolist() == [0, 1, 2, 0]
     assert first_batch.segments.tolist() == [0, 0, 0, 1] and first_batch.slots.tolist() == [0, 0, 0, 2]
     assert batches[1].slots.tolist() == [1] * 7 + [3]       # padding targets slot 3 == num_slots: dropped
+
+
+def test_bfloat16_engine_logprobs_track_hf_fp32(tiny_qwen3_dir, hf):
+    eng = small_engine(tiny_qwen3_dir, dtype="bfloat16", prefill_buckets=(32,), decode_buckets=(8,))
+    prompts = _prompts(np.random.default_rng(5), 2)
+    out = eng.generate(prompts, 2, SamplingParams(temperature=1.0, max_new_tokens=12, seed=1))
+    for c in out:
+        ref = _hf_logprobs(hf, prompts[c.prompt_index], c.token_ids)
+        # bf16 weights / activations, fp32 logits: log-probs within bf16 rounding of the fp32 model's
+        assert np.max(np.abs(np.array(c.logprobs) - ref)) < 0.05
