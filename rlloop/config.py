@@ -50,6 +50,7 @@ class DataConfig(Section):
 
 class EvalConfig(Section):
     path: str | None = None               # None: no evaluation
+    name: str | None = None               # logged as eval/<name>; default: the file or dataset name
     split: str = "train"
     samples: PositiveInt = 16             # completions per prompt; the score is mean accuracy
     max_prompts: PositiveInt | None = None

@@ -48,7 +48,7 @@ def train(cfg: Config, resume: bool = False) -> Path:
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
     data, eval_data = load_data(cfg, tokenizer)
-    eval_name = Path(cfg.eval.path).stem if cfg.eval.path else None
+    eval_name = cfg.eval.name or (Path(cfg.eval.path).stem if cfg.eval.path else None)
     stop_ids = stop_token_ids(tokenizer, cfg.model.path)
     scorer = RewardScorer(cfg.reward.fn, timeout_s=cfg.reward.timeout_s, failure_reward=cfg.reward.failure_reward,
                           workers=cfg.reward.workers)
