@@ -135,3 +135,21 @@ def test_two_trainer_ranks_over_gloo_match_one(tmp_path):
     one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     for key in ("rollout/raw_reward", "train/loss", "train/grad_norm", "train/tokens", "train/entropy"):
         assert [m[key] for m in two] == pytest.approx([m[key] for m in one], rel=1e-4, abs=1e-7), key
+
+
+def test_a_killed_rollout_actor_stops_the_run_cleanly_and_resume_recovers(tmp_path):
+    before = shm_segments()
+    args = [f"run.dir={tmp_path}", "tracking.progress=false", "run.save_every=1", "run.eval_every=0",
+            "rollout.backend=hf", "run.steps=4"]
+    proc = run_cli(*args)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (tmp_path / "checkpoints" / "step_000001").exists():
+        time.sleep(0.5)
+    subprocess.run(["pkill", "-9", "-f", "ray::RolloutWorker"], check=True)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 1 and "actor died" in out and "--resume" in out, out[-3000:]
+    assert not ray_processes() and shm_segments() <= before
+    resume = run_cli(*args, "--resume")
+    out, _ = resume.communicate(timeout=600)
+    assert resume.returncode == 0, out[-3000:]
+    assert [m["step"] for m in metrics(tmp_path)][-1] == 4
