@@ -51,7 +51,11 @@ class Cluster:
             self.trainers = [TrainerWorker(*ranks[0])]
             self.trainers[0].setup()
             return
-        self._start(cfg, engine, ranks)
+        try:
+            self._start(cfg, engine, ranks)
+        except BaseException:
+            self.close()  # a half-built cluster must not leave actors or a local Ray behind
+            raise
 
     # ------------------------------------------------------------------ Ray
     def _start(self, cfg: Config, engine: tuple, ranks: list[tuple]) -> None:
@@ -126,7 +130,7 @@ class Cluster:
 
     def close(self) -> None:
         """Stop the workers (gracefully first, so shared memory is released), then Ray if we started it."""
-        workers = [self.rollout, *self.trainers] if hasattr(self, "trainers") else []
+        workers = [w for w in (getattr(self, "rollout", None), *getattr(self, "trainers", [])) if w is not None]
         if not self.remote:
             for w in workers:
                 w.close()
@@ -140,5 +144,5 @@ class Cluster:
             ray.kill(w)
         if self.pg is not None:
             ray.util.remove_placement_group(self.pg)
-        if self.owns_ray:
+        if self.owns_ray and ray.is_initialized():
             ray.shutdown()

@@ -10,6 +10,7 @@ import hashlib
 import json
 import re
 import time
+from contextlib import ExitStack, closing
 from pathlib import Path
 
 from rlloop.checkpoint import latest_checkpoint, load_state, save_checkpoint
@@ -50,21 +51,19 @@ def train(cfg: Config, resume: bool = False) -> Path:
     data, eval_data = load_data(cfg, tokenizer)
     eval_name = cfg.eval.name or (Path(cfg.eval.path).stem if cfg.eval.path else None)
     stop_ids = stop_token_ids(tokenizer, cfg.model.path)
-    scorer = RewardScorer(cfg.reward.fn, timeout_s=cfg.reward.timeout_s, failure_reward=cfg.reward.failure_reward,
-                          workers=cfg.reward.workers)
     ckpt = latest_checkpoint(run_dir) if resume else None
     start = load_state(ckpt)["step"] if ckpt else 0
-    cluster = tracker = None
-    try:
-        cluster = Cluster(cfg, str(run_dir), run_id_for(run_dir))
-        tracker = Tracker(cfg, run_dir, start)
+    with ExitStack() as stack:  # closed in reverse: tracker, cluster (actors, shm, Ray), reward workers
+        scorer = stack.enter_context(closing(RewardScorer(cfg.reward.fn, timeout_s=cfg.reward.timeout_s,
+                                                          failure_reward=cfg.reward.failure_reward,
+                                                          workers=cfg.reward.workers)))
+        cluster = stack.enter_context(closing(Cluster(cfg, str(run_dir), run_id_for(run_dir))))
+        tracker = stack.enter_context(closing(Tracker(cfg, run_dir, start)))
         if ckpt:  # model, optimizer and RNG from the checkpoint; the engine gets those weights; same data order
             cluster.load(str(ckpt / "trainer"))
             data.load_state_dict(load_state(ckpt)["data"])
             cluster.sync_weights(version=start)
-        warmup = cluster.warmup()
-        if warmup:
-            (run_dir / "warmup.json").write_text(json.dumps(warmup, indent=1))
+        (run_dir / "warmup.json").write_text(json.dumps(cluster.warmup(), indent=1))
         if eval_data is not None and start == 0 and cfg.run.eval_every:
             tracker.log(0, evaluate(cfg, eval_data, cluster, tokenizer, scorer, stop_ids, eval_name))
 
@@ -86,12 +85,6 @@ def train(cfg: Config, resume: bool = False) -> Path:
             tracker.log(step, metrics)
             if cfg.run.save_every and (step % cfg.run.save_every == 0 or step == cfg.run.steps):
                 save_checkpoint(run_dir, step, {"data": data.state_dict()}, cluster.save)
-    finally:
-        if tracker is not None:
-            tracker.close()
-        if cluster is not None:
-            cluster.close()
-        scorer.close()
     return run_dir
 
 
