@@ -121,20 +121,22 @@ def test_ray_job_submit_runs_the_same_command(tmp_path):
 
 
 def test_two_trainer_ranks_over_gloo_match_one(tmp_path):
-    """cluster.train_chips=2: two Ray trainer actors, torch.distributed over gloo, the same numbers as one rank."""
+    """cluster.train_chips=2: two Ray trainer actors, torch.distributed over gloo, weights through the Ray object
+    store: the same numbers as one rank in one process with shared memory."""
     import ray
 
     common = ["rollout.backend=hf", "tracking.progress=false", "run.save_every=0", "run.eval_every=0",
-              "run.steps=2", "rollout.prompts_per_step=4", "sync.transport=shm"]
+              "run.steps=2", "rollout.prompts_per_step=4"]
     ray.init(num_cpus=4, include_dashboard=False, configure_logging=False)  # 1 rollout + 2 ranks on 2 real cores
     try:
-        train(load_config(TINY, common + ["cluster.train_chips=2", f"run.dir={tmp_path / 'two'}"]))
+        train(load_config(TINY, common + ["cluster.train_chips=2", "sync.transport=ray", f"run.dir={tmp_path / 'two'}"]))
     finally:
         ray.shutdown()
     train(load_config(TINY, common + ["cluster.use_ray=false", f"run.dir={tmp_path / 'one'}"]))
     one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     for key in ("rollout/raw_reward", "train/loss", "train/grad_norm", "train/tokens", "train/entropy"):
         assert [m[key] for m in two] == pytest.approx([m[key] for m in one], rel=1e-4, abs=1e-7), key
+    assert [m["sync/rollout_version"] for m in two] == [1, 2]
 
 
 def test_a_killed_rollout_actor_stops_the_run_cleanly_and_resume_recovers(tmp_path):
