@@ -217,13 +217,16 @@ def bench_model(name: str, args, workdir: Path, peaks: dict) -> dict:
 
 
 def limit_cpu_threads(threads: int) -> None:
-    """Give torch and XLA the same number of CPU threads (must run before jax initialises its backend)."""
+    """Give torch and XLA the same number of CPU threads (must run before jax initialises its backend).
+
+    XLA:CPU sizes its thread pools from the cores the process may run on, so the process is pinned to `threads`
+    cores (an XLA flag alone left its matmuls on every core while torch had one)."""
     import torch
 
+    cores = sorted(os.sched_getaffinity(0))
+    if threads < len(cores):
+        os.sched_setaffinity(0, cores[:threads])
     torch.set_num_threads(threads)
-    if threads == 1:
-        flags = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()
 
 
 def parse_args(argv):
