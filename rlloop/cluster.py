@@ -91,7 +91,8 @@ class Cluster:
         try:
             return ray.get(getattr(worker, method).remote(*args))
         except ray.exceptions.RayActorError as e:
-            raise ClusterError(f"a {type(worker).__name__} actor died during {method}(); the last checkpoint is "
+            role = "rollout" if worker is self.rollout else "trainer"
+            raise ClusterError(f"the {role} actor died during {method}(); the last checkpoint is "
                                f"intact: rerun with --resume.\n{e}") from None
 
     def _call_all(self, workers: list, method: str, args: list[tuple]) -> list:

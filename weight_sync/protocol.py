@@ -56,7 +56,20 @@ class Message:
     borrowed: bool = False                            # blobs are views into a buffer the transport will reuse
 
 
-class Sender:
+class _Endpoint:
+    """Either end of a transport: a context manager whose `close` releases what the transport holds."""
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Sender(_Endpoint):
     """Base sender: the keyframe / delta policy. Subclasses implement `_publish` and `_take_keyframe_request`."""
 
     def __init__(self, *, delta: bool = False, keyframe_every: int = 10, worth_ratio: float = 0.5):
@@ -77,14 +90,6 @@ class Sender:
     def _take_keyframe_request(self) -> bool:
         return False
 
-    def close(self) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     # -- protocol --
     def push(self, named_arrays: Mapping[str, np.ndarray], version: int) -> SyncStats:
@@ -149,7 +154,7 @@ class Sender:
             self._last = {n: a.copy() for n, a in arrays.items()}
 
 
-class Receiver:
+class Receiver(_Endpoint):
     """Base receiver: verification, delta chains, refusal and keyframe requests. Subclasses move the bytes.
 
     Attributes after each pull: `version` (last returned), `refused` (versions that failed verification),
@@ -177,14 +182,6 @@ class Receiver:
     def _request_keyframe(self) -> None:
         pass
 
-    def close(self) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def _writer_restarted(self) -> None:
         """A new sender took over the run (e.g. a resumed run): its versions start afresh, forget ours."""
