@@ -137,10 +137,11 @@ class Cluster:
                 w.close()
             return
         import ray
-        try:
-            ray.get([w.close.remote() for w in workers], timeout=30)
-        except Exception:
-            pass  # a dead or stuck actor is killed below; stale segments are swept at the next start
+        # Wait for every close, not ray.get: a dead actor's error would return at once and the kill below would
+        # then cut short the live ones' cleanup (the trainer's shared-memory segments). Stuck ones are killed anyway;
+        # whatever they leave is swept at the next start.
+        refs = [w.close.remote() for w in workers]
+        ray.wait(refs, num_returns=len(refs), timeout=30)
         for w in workers:
             ray.kill(w)
         if self.pg is not None:
