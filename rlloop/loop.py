@@ -28,6 +28,31 @@ def run_id_for(run_dir: Path) -> str:
     return f"{re.sub(r'[^A-Za-z0-9_.-]', '-', run_dir.name)[:32]}-{digest}"
 
 
+class ModelError(ValueError):
+    """The model or tokenizer a config names cannot be loaded; the message names the key."""
+
+
+def load_tokenizer(cfg: Config):
+    """The tokenizer, after checking that model.path holds a model config: both fail here, in the driver, with the
+    key named, rather than as a traceback from inside an actor (the usual cause: a hub id with no network)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer_key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+    for key, loader in (("model.path", AutoConfig), (tokenizer_key, AutoTokenizer)):
+        source = cfg.model.tokenizer if key == "model.tokenizer" else cfg.model.path
+        local = Path(source).exists() or source.startswith(("/", "."))
+        if local and not Path(source).is_dir():
+            raise ModelError(f"{key}: {source!r} is not a directory")
+        try:
+            loaded = loader.from_pretrained(source)
+        except (OSError, ValueError) as e:
+            reason = " ".join(str(e).split())[:400] or type(e).__name__
+            hint = "" if local else (f"\n(offline? download it beforehand, e.g. `hf download {source}`, or set {key} "
+                                     "to a local directory)")
+            raise ModelError(f"{key}: cannot load {source!r}: {reason}{hint}") from None
+    return loaded
+
+
 def load_data(cfg: Config, tokenizer):
     d = cfg.data
     train = PromptData(d.path, tokenizer, split=d.split, prompt_key=d.prompt_key, answer_key=d.answer_key,
@@ -42,12 +67,10 @@ def load_data(cfg: Config, tokenizer):
 
 
 def train(cfg: Config, resume: bool = False) -> Path:
-    from transformers import AutoTokenizer
-
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+    tokenizer = load_tokenizer(cfg)
     data, eval_data = load_data(cfg, tokenizer)
     eval_name = cfg.eval.name or (Path(cfg.eval.path).stem if cfg.eval.path else None)
     stop_ids = stop_token_ids(tokenizer, cfg.model.path)

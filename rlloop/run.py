@@ -1,8 +1,8 @@
 """`python -m rlloop.run CONFIG.yaml [key.path=value ...] [--dry-run] [--resume]`: the user's entry point.
 
 The same command runs locally and as a Ray job (`ray job submit --working-dir . -- python -m rlloop.run ...`).
-Exit codes: 0 done, 1 an actor died or the cluster cannot host the plan, 2 bad config or data (the message names
-the key), 130 interrupted (resume with --resume).
+Exit codes: 0 done, 1 an actor died or the cluster cannot host the plan, 2 bad config, model or data (the
+message names the key), 130 interrupted (resume with --resume).
 """
 from __future__ import annotations
 
@@ -59,12 +59,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from rlloop.cluster import ClusterError
     from rlloop.data import DataError
-    from rlloop.loop import train
+    from rlloop.loop import ModelError, train
 
     try:
         run_dir = train(cfg, resume=args.resume)
     except DataError as e:
         print(f"data error: {e}", file=sys.stderr)
+        return 2
+    except ModelError as e:
+        print(f"model error: {e}", file=sys.stderr)
         return 2
     except ClusterError as e:
         print(f"cluster error: {e}", file=sys.stderr)

@@ -76,6 +76,20 @@ def test_missing_config_file(capsys):
     assert "config file not found" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("override,named", [
+    ("model.path={tmp}/missing", "model.path: '{tmp}/missing' is not a directory"),
+    ("model.path={tmp}/empty", "model.path: cannot load"),
+    ("model.tokenizer={tmp}/empty", "model.tokenizer: cannot load"),
+    ("model.path=no-such-org/no-such-model", "offline?"),  # a hub id without network (tests run offline)
+], ids=["missing-dir", "empty-dir", "empty-tokenizer-dir", "hub-id-offline"])
+def test_unloadable_model_exits_2_naming_the_key(tmp_path, override, named, capsys):
+    (tmp_path / "empty").mkdir()
+    override, named = override.format(tmp=tmp_path), named.format(tmp=tmp_path)
+    assert main([TINY, override, f"run.dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("model error: ") and named in err, err
+
+
 def test_inherit_cycle(tmp_path, capsys):
     write(tmp_path, "inherit: b.yaml\n", "a.yaml")
     write(tmp_path, "inherit: a.yaml\n", "b.yaml")
