@@ -39,6 +39,15 @@ def init_cache(num_layers: int, slots: int, kv_heads: int, max_len: int, head_di
     return KVCache(tuple(make_k() for _ in range(num_layers)), tuple(make_v() for _ in range(num_layers)))
 
 
+def write_layer(cache: KVCache, layer: int, slots: jax.Array, positions: jax.Array, k: jax.Array,
+                v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Layer `layer`'s K and V buffers with token t's k/v [N, kv_heads, head_dim] stored at (slots[t], positions[t]).
+    Tokens whose slot is >= the cache's slots are padding and dropped."""
+    k_buf, v_buf = cache.k[layer], cache.v[layer]
+    return (k_buf.at[slots, :, :, positions].set(k.astype(k_buf.dtype), mode="drop"),
+            v_buf.at[slots, :, positions].set(v.astype(v_buf.dtype), mode="drop"))
+
+
 def copy_slots(cache: KVCache, src: jax.Array, dst: jax.Array, length: int) -> KVCache:
     """GRPO fan-out: copy the first `length` positions of slot rows src[i] -> dst[i] (a prompt's KV into its
     sample slots). `length` is static: the longest prompt the engine accepts, often far below max_len.

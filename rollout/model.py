@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from rollout.config import ModelConfig
-from rollout.kv_cache import KVCache
+from rollout.kv_cache import KVCache, write_layer
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -87,6 +87,24 @@ def logits_from_hidden(params: dict, h: jax.Array) -> jax.Array:
     return jnp.einsum("nd,vd->nv", h, params["embed"], precision=HIGHEST, preferred_element_type=F32)
 
 
+def _forward(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Array, attend) -> jax.Array:
+    """Embedding, the layer stack and the final norm for N tokens; returns hidden states [N, D].
+
+    `attend(i, q, k, v)` is layer i's attention: q [N, KV, G, hd] (query heads grouped by the KV head they share),
+    k/v [N, KV, hd] for these tokens; it stores k/v in the cache as it needs and returns [N, KV, G, hd].
+    """
+    n = tokens.shape[0]
+    cos, sin = rope_cos_sin(positions, jnp.asarray(cfg.rope_inv_freq()), params["embed"].dtype)
+    x = params["embed"][tokens]
+    g = cfg.num_heads // cfg.num_kv_heads
+    for i, layer in enumerate(params["layers"]):
+        q, k, v = _qkv(cfg, layer, rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps), cos, sin)
+        attn = attend(i, q.reshape(n, cfg.num_kv_heads, g, cfg.head_dim), k, v)
+        x = x + _linear(attn.reshape(n, cfg.q_size), layer["wo"], layer.get("bo"))
+        x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+
+
 def prefill(cfg: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array, positions: jax.Array,
             segments: jax.Array, slots: jax.Array) -> tuple[KVCache, jax.Array]:
     """Run packed prompt tokens [P] through the model and write their K/V into the cache.
@@ -96,24 +114,18 @@ def prefill(cfg: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array, p
     Returns the updated cache and final-norm hidden states [P, D] (the engine does not need prefill logits: the
     last prompt token is fed to the first decode step, which samples from it).
     """
-    cos, sin = rope_cos_sin(positions, jnp.asarray(cfg.rope_inv_freq()), params["embed"].dtype)
     valid = slots < cache.num_slots
     # causal inside a segment, blind across segments and to padding
     mask = ((segments[:, None] == segments[None, :]) & (positions[None, :] <= positions[:, None])
             & valid[None, :])
-    x = params["embed"][tokens]
-    new_k, new_v = [], []
-    g = cfg.num_heads // cfg.num_kv_heads
-    for i, layer in enumerate(params["layers"]):
-        h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = _qkv(cfg, layer, h, cos, sin)
-        q = q.reshape(q.shape[0], cfg.num_kv_heads, g, cfg.head_dim)
-        attn = _attend(q, k, v, mask[None, None], ("qkgd,tkd->kgqt", "kgqt,tkd->qkgd"))
-        x = x + _linear(attn.reshape(x.shape[0], cfg.q_size), layer["wo"], layer.get("bo"))
-        x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
-        new_k.append(cache.k[i].at[slots, :, :, positions].set(k.astype(cache.k[i].dtype), mode="drop"))
-        new_v.append(cache.v[i].at[slots, :, positions].set(v.astype(cache.v[i].dtype), mode="drop"))
-    return KVCache(tuple(new_k), tuple(new_v)), rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    written = []
+
+    def attend(i, q, k, v):
+        written.append(write_layer(cache, i, slots, positions, k, v))
+        return _attend(q, k, v, mask[None, None], ("qkgd,tkd->kgqt", "kgqt,tkd->qkgd"))
+
+    h = _forward(cfg, params, tokens, positions, attend)
+    return KVCache(*map(tuple, zip(*written))), h
 
 
 # Decode reads a long cache in chunks of this many positions, and only as many chunks as the longest running row
@@ -173,20 +185,12 @@ def decode_step(cfg: ModelConfig, params: dict, cache: KVCache, tokens: jax.Arra
     rows = jnp.arange(b)
     if kv_len is None:
         kv_len = jnp.max(positions) + 1
-    cos, sin = rope_cos_sin(positions, jnp.asarray(cfg.rope_inv_freq()), params["embed"].dtype)
-    x = params["embed"][tokens]
-    new_k, new_v = [], []
-    g = cfg.num_heads // cfg.num_kv_heads
-    for i, layer in enumerate(params["layers"]):
-        h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = _qkv(cfg, layer, h, cos, sin)
-        k_cache = cache.k[i].at[rows, :, :, positions].set(k.astype(cache.k[i].dtype), mode="drop")
-        v_cache = cache.v[i].at[rows, :, positions].set(v.astype(cache.v[i].dtype), mode="drop")
-        q = q.reshape(b, cfg.num_kv_heads, g, cfg.head_dim)
-        attn = _decode_attention(q, k_cache[:b], v_cache[:b], positions, kv_len)
-        x = x + _linear(attn.reshape(b, cfg.q_size), layer["wo"], layer.get("bo"))
-        x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
-        new_k.append(k_cache)
-        new_v.append(v_cache)
-    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return KVCache(tuple(new_k), tuple(new_v)), logits_from_hidden(params, h)
+    written = []
+
+    def attend(i, q, k, v):
+        written.append(write_layer(cache, i, rows, positions, k, v))
+        k_buf, v_buf = written[-1]
+        return _decode_attention(q, k_buf[:b], v_buf[:b], positions, kv_len)
+
+    h = _forward(cfg, params, tokens, positions, attend)
+    return KVCache(*map(tuple, zip(*written))), logits_from_hidden(params, h)
