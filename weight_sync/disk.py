@@ -28,7 +28,8 @@ from typing import Mapping
 import numpy as np
 from safetensors.numpy import save_file
 
-from weight_sync.manifest import CorruptVersion, Manifest, checksum, fill_checksums
+from weight_sync.checksum import checksum, checksums
+from weight_sync.manifest import CorruptVersion, Manifest, fill_checksums
 from weight_sync.protocol import Message, Receiver, Sender
 from weight_sync.shm import _check_run_id
 
@@ -159,13 +160,13 @@ class DiskReceiver(Receiver):
                 shape = e.shape if e.encoding == "raw" else [e.nbytes]
                 if header[e.name]["shape"] != shape or stop - begin != e.nbytes or not 0 <= begin <= stop <= data.size:
                     raise CorruptVersion(f"tensor {e.name!r} does not match its manifest entry")
-                view = data[begin:stop]
-                if checksum(view) != e.blob_xxh3:
-                    raise CorruptVersion(f"checksum mismatch in {e.name!r}")
-                blobs[e.name] = view
+                blobs[e.name] = data[begin:stop]
                 end = max(end, stop)
             if end != data.size:
                 raise CorruptVersion("bytes after the last tensor")
+            for e, digest in zip(manifest.entries, checksums([blobs[e.name] for e in manifest.entries])):
+                if digest != e.blob_xxh3:
+                    raise CorruptVersion(f"checksum mismatch in {e.name!r}")
         except FileNotFoundError:
             return None  # pruned while we read: not corruption, a newer version exists
         except (struct.error, OSError, ValueError, KeyError, TypeError) as exc:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
-import xxhash
 
-from weight_sync.manifest import CorruptVersion, Manifest, checksum
+from weight_sync.checksum import byte_view, checksum, checksums, copy_with_checksums
+from weight_sync.manifest import CorruptVersion, Manifest
 
 MAGIC = b"RLSYNC01"
 _HEADER = struct.Struct("<8sQQQ")
@@ -33,9 +33,6 @@ class PayloadLayout:
     manifest_capacity: int   # bytes reserved for the manifest JSON (space-padded): checksums are known only later
     data_start: int
     total: int
-
-
-_COPY_CHUNK = 256 << 10  # hash each chunk right after copying it, while it is still in cache: one pass over memory
 
 
 def plan_payload(manifest: Manifest) -> PayloadLayout:
@@ -58,15 +55,6 @@ def plan_payload(manifest: Manifest) -> PayloadLayout:
     return PayloadLayout(capacity, data_start, data_start + end)
 
 
-def _copy_and_hash(dst: np.ndarray, src: np.ndarray) -> int:
-    h = xxhash.xxh3_64()
-    for i in range(0, src.nbytes, _COPY_CHUNK):
-        chunk = dst[i:i + _COPY_CHUNK]
-        np.copyto(chunk, src[i:i + _COPY_CHUNK])
-        h.update(chunk)
-    return h.intdigest()
-
-
 def write_payload(dst: np.ndarray, layout: PayloadLayout, manifest: Manifest, blobs: Mapping[str, np.ndarray]) -> int:
     """Write the payload into `dst` (a uint8 array at least `layout.total` long); returns the bytes written.
 
@@ -74,15 +62,16 @@ def write_payload(dst: np.ndarray, layout: PayloadLayout, manifest: Manifest, bl
     if dst.nbytes < layout.total:
         raise ValueError(f"payload of {layout.total} bytes does not fit a buffer of {dst.nbytes}")
     pos = _HEADER.size + layout.manifest_capacity
+    copies = []
     for e in manifest.entries:
         start = layout.data_start + e.offset
         dst[pos:start] = 0
-        src = np.asarray(blobs[e.name]).reshape(-1).view(np.uint8)
-        if e.blob_xxh3 is None:  # a raw tensor nobody has hashed yet
-            e.blob_xxh3 = e.xxh3 = _copy_and_hash(dst[start:start + e.nbytes], src)
-        else:
-            np.copyto(dst[start:start + e.nbytes], src)
+        # raw tensors nobody has hashed yet are hashed as they are copied: one pass over memory, not two
+        copies.append((dst[start:start + e.nbytes], byte_view(blobs[e.name]), e.blob_xxh3 is None))
         pos = start + e.nbytes
+    for e, digest in zip(manifest.entries, copy_with_checksums(copies)):
+        if digest is not None:
+            e.blob_xxh3 = e.xxh3 = digest
     mjson = manifest.to_json().ljust(layout.manifest_capacity)  # JSON allows the trailing spaces
     dst[_HEADER.size:_HEADER.size + len(mjson)] = np.frombuffer(mjson, np.uint8)
     dst[:_HEADER.size] = np.frombuffer(_HEADER.pack(MAGIC, len(mjson), checksum(mjson), layout.total), np.uint8)
@@ -120,11 +109,12 @@ def read_payload(buf, verify: bool = True) -> tuple[Manifest, dict[str, np.ndarr
         start = data_start + offset
         if buf[pos:start].any():
             raise CorruptVersion(f"non-zero padding before entry {e.name!r}")
-        view = buf[start:start + e.nbytes]
-        if verify and checksum(view) != e.blob_xxh3:
-            raise CorruptVersion(f"checksum mismatch in {e.name!r}")
-        views[e.name] = view
+        views[e.name] = buf[start:start + e.nbytes]
         pos, offset = start + e.nbytes, _align(offset + e.nbytes)
     if max(pos, data_start) != total:
         raise CorruptVersion("payload length disagrees with its entries")
+    if verify:
+        for e, digest in zip(manifest.entries, checksums([views[e.name] for e in manifest.entries])):
+            if digest != e.blob_xxh3:
+                raise CorruptVersion(f"checksum mismatch in {e.name!r}")
     return manifest, views

@@ -19,7 +19,8 @@ from typing import Callable, Mapping
 import numpy as np
 
 from weight_sync import delta as delta_codec
-from weight_sync.manifest import (CorruptVersion, Manifest, TensorEntry, bits_view, check_named_arrays, checksum,
+from weight_sync.checksum import checksum
+from weight_sync.manifest import (CorruptVersion, Manifest, TensorEntry, bits_view, check_named_arrays,
                                   dtype_from_name, dtype_name)
 
 log = logging.getLogger(__name__)
