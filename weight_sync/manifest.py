@@ -2,9 +2,9 @@
 
 Every transport (shm, disk, Ray) carries one `Manifest` per version. It names each tensor with its Hugging Face
 parameter name, its dtype (bf16 included, through ml_dtypes), its shape, how it is stored (`raw` bytes or a `delta`
-against the previous version), where its stored bytes lie, and two xxh3-64 checksums: one of the stored bytes
-(refuse before decoding) and one of the reconstructed tensor (refuse after applying a delta). A delta names the
-version it was computed against in `base_version`.
+against the previous version), where its stored bytes lie, and two checksums (`weight_sync.checksum`): one of the
+stored bytes (refuse before decoding) and one of the reconstructed tensor (refuse after applying a delta). A delta
+names the version it was computed against in `base_version`.
 
 Also here: turning what the trainer hands us (numpy, ml_dtypes or torch tensors) into numpy without extra copies.
 """
