@@ -9,9 +9,9 @@ A version is written under `.tmp-...` and renamed into place, so a reader on any
 The reader verifies everything before handing anything out: the manifest's own checksum (and that it is byte for
 byte the canonical JSON), the safetensors header's checksum, and each tensor's checksum, shape and extent. Together
 these cover every byte of both files. It maps the file and hands out read-only views (zero copy). Old versions
-beyond `keep` are pruned; a reader that loses the race with pruning just sees no new version this time. Files are not fsync'ed: rename gives atomicity against a killed writer,
-and NFS-style shared filesystems flush on close; only a host power loss could tear a version, which the checksums
-then refuse.
+beyond `keep` are pruned; a reader that loses the race with pruning just sees no new version this time. Files are
+not fsync'ed: rename gives atomicity against a killed writer, and NFS-style shared filesystems flush on close; only
+a host power loss could tear a version, which the checksums then refuse.
 """
 from __future__ import annotations
 
