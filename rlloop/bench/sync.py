@@ -31,7 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from weight_sync import make_receiver, make_sender
-from weight_sync.checksum import copy_with_checksums
+from weight_sync.checksum import byte_view, copy_with_checksums
 
 
 def _state_dict(total_mb: int, rng) -> dict[str, np.ndarray]:
@@ -62,8 +62,7 @@ def bench_full_sync(state: dict[str, np.ndarray], reps: int, root: str) -> dict[
     shm_rx_unverified.verify = False  # trusts the seqlock and the manifest checksum, skips the data checksums
     disk_tx = make_sender("disk", run_id=run_id, root=root, keep=1)
     disk_rx = make_receiver("disk", run_id=run_id, root=root)
-    copy_jobs = [(copy_dst[n].reshape(-1).view(np.uint8), a.reshape(-1).view(np.uint8), False)
-                 for n, a in state.items()]
+    copy_jobs = [(byte_view(copy_dst[n]), byte_view(a), False) for n, a in state.items()]
     best = {k: float("inf") for k in ("copy", "copy_parallel", "shm", "shm_push", "shm_pull",
                                       "shm_unverified", "disk", "raw_disk")}
 
