@@ -1,23 +1,38 @@
 """The rollout engine: turns prompts into sampled completions with per-token log-probs.
 
 Two backends share one protocol (`RolloutEngine`): `"jax"`, the bucketed compiled decoder (rollout.engine), and
-`"hf"`, a reference on `transformers.generate` (rollout.hf_backend). Imports stay lazy so that `import rollout`
-pulls in neither jax nor torch.
+`"hf"`, a reference on `transformers.generate` (rollout.hf_backend). Both are built from one `EngineConfig`
+(rollout.engine_config). Imports stay lazy so that `import rollout` pulls in neither jax nor torch.
 """
-from rollout.types import Completion, RolloutEngine, SamplingParams
+
+from rollout.engine_config import EngineConfig
+from rollout.types import DTYPES, Completion, RolloutEngine, SamplingParams, mix_seed, request_id
 
 BACKENDS = ("hf", "jax")
 
 
-def make_engine(backend: str, **kwargs) -> RolloutEngine:
-    """Build a rollout engine: `make_engine("hf", model_path=...)` or `make_engine("jax", model_path=..., ...)`."""
+def make_engine(backend: str, cfg: EngineConfig, device: str = "cpu") -> RolloutEngine:
+    """Build a rollout engine from `cfg`: "jax" uses all of it (on JAX's default devices); "hf" uses model_path,
+    dtype and max_batch, on torch device `device`."""
     if backend == "hf":
         from rollout.hf_backend import HFEngine
-        return HFEngine(**kwargs)
+
+        return HFEngine(cfg.model_path, dtype=cfg.dtype, device=device, max_batch=cfg.max_batch)
     if backend == "jax":
-        from rollout.engine import EngineConfig, JaxEngine
-        return JaxEngine(EngineConfig(**kwargs))
+        from rollout.engine import JaxEngine
+
+        return JaxEngine(cfg)
     raise ValueError(f"unknown rollout backend {backend!r}; expected one of {', '.join(BACKENDS)}")
 
 
-__all__ = ["SamplingParams", "Completion", "RolloutEngine", "make_engine", "BACKENDS"]
+__all__ = [
+    "SamplingParams",
+    "Completion",
+    "RolloutEngine",
+    "EngineConfig",
+    "make_engine",
+    "BACKENDS",
+    "DTYPES",
+    "mix_seed",
+    "request_id",
+]

@@ -1,9 +1,10 @@
 """Bucket sizes for the compiled programs: prefill by token count, decode (and KV fan-out) by batch size.
 
 Each bucket is one compiled program, built once in warmup; a request is padded up to the smallest bucket that fits
-(the DESIGN defaults of tpu-inference / JetStream: powers of two from 16 tokens for prefill, powers of two for
-decode batches, with a floor of 8 rows because a smaller decode batch costs the same weight reads anyway).
+(tpu-inference's and JetStream's defaults, docs/design.md §5.1: powers of two from 16 tokens for prefill, powers of
+two for decode batches, with a floor of 8 rows because a smaller decode batch costs the same weight reads anyway).
 """
+
 from __future__ import annotations
 
 import bisect

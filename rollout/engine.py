@@ -7,12 +7,15 @@ Three kinds of compiled programs, one per bucket, all built in `warmup()`:
 Every input is an array of a bucket's shape; the cache is donated and updated in place. Steady state therefore
 compiles nothing, and the engine counts XLA compiles (a jax.monitoring listener) so that tests can prove it.
 
-The host loop is thin: per dispatch it uploads a few [B] state arrays, reads back [K, B] tokens / log-probs / an
-emitted mask in one transfer, scatters them into per-slot output buffers with numpy, and recycles the slots of rows
-that finished (EOS / stop ids / max_new_tokens) for waiting samples.
+The host loop is thin: per dispatch it uploads the rows of a `DecodeState` (a few [B] arrays), reads back [K, B]
+tokens / log-probs / an emitted mask in one transfer, scatters them into per-slot output buffers with numpy, and
+recycles the slots of rows that finished (EOS / stop ids / max_new_tokens) for waiting samples. It keeps counters
+only; what they cost in FLOPs and bytes is rollout.cost's arithmetic.
 """
+
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -22,19 +25,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rollout import model
-from rollout.buckets import (default_decode_buckets, default_prefill_buckets, pick_bucket, validate_buckets)
-from rollout.config import ModelConfig
+from rollout import cost, model
+from rollout.buckets import default_decode_buckets, default_prefill_buckets, pick_bucket, validate_buckets
+from rollout.engine_config import EngineConfig
 from rollout.kv_cache import copy_slots, init_cache
+from rollout.model_config import ModelConfig
 from rollout.sampler import sample
 from rollout.scheduler import Admission, Request, Scheduler, pack_prefills
 from rollout.sharding import cache_sharding, check_tp, make_mesh, param_shardings
-from rollout.types import Completion, SamplingParams
-from rollout.weights import (DTYPES, load_safetensors_dir, param_shapes, params_from_named_arrays,
-                             resolve_model_dir)
+from rollout.types import Completion, SamplingParams, mix_seed, request_id
+from rollout.weights import load_safetensors_dir, params_from_named_arrays, resolve_model_dir, zero_weights
 
-MAX_STOP_IDS = 16             # stop ids per row are a fixed-width array (padded with -1) so they never recompile
-RUNNING, STOPPED, LENGTH, FREE = 0, 1, 2, 3   # per-slot finish state
+__all__ = ["EngineConfig", "JaxEngine", "DecodeState", "compile_count", "MAX_STOP_IDS"]
+
+MAX_STOP_IDS = 16  # stop ids per row are a fixed-width array (padded with -1) so they never recompile
+RUNNING, STOPPED, LENGTH, FREE = 0, 1, 2, 3  # per-slot finish state
 _FINISH_REASON = {STOPPED: "stop", LENGTH: "length"}
 
 # -- compile counting: every XLA backend compile in this process, whoever triggers it --------------------------------
@@ -55,10 +60,69 @@ def compile_count() -> int:
     """XLA compiles in this process so far (all jit programs, not only the engine's)."""
     return _compiles
 
+
+# -- the per-slot decode state ----------------------------------------------------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class DecodeState:
+    """Per-slot decode state, one entry (row) per KV slot.
+
+    The engine keeps a host copy of numpy arrays over all slots (`empty`, `arm`, `set_sampling` write into it),
+    uploads `rows(b)` for a decode bucket of b rows, and the decode program returns the updated device copy.
+    """
+
+    tok: np.ndarray  # [S] int32 the row's last token, fed to the next step
+    pos: np.ndarray  # [S] int32 that token's position
+    n_gen: np.ndarray  # [S] int32 tokens generated so far
+    finish: np.ndarray  # [S] int32 RUNNING / STOPPED / LENGTH / FREE
+    max_new: np.ndarray  # [S] int32
+    temp: np.ndarray  # [S] float32 sampling settings (rollout.sampler)
+    top_k: np.ndarray  # [S] int32
+    top_p: np.ndarray  # [S] float32
+    seed: np.ndarray  # [S] int32
+    rid: np.ndarray  # [S] int32 request id (rollout.types.request_id)
+    stop: np.ndarray  # [S, MAX_STOP_IDS] int32 stop ids, padded with -1
+
+    @classmethod
+    def empty(cls, slots: int) -> "DecodeState":
+        zeros = partial(np.zeros, slots)
+        return cls(
+            tok=zeros(np.int32),
+            pos=zeros(np.int32),
+            n_gen=zeros(np.int32),
+            finish=np.full(slots, FREE, np.int32),
+            max_new=zeros(np.int32),
+            temp=zeros(np.float32),
+            top_k=zeros(np.int32),
+            top_p=np.ones(slots, np.float32),
+            seed=zeros(np.int32),
+            rid=zeros(np.int32),
+            stop=np.full((slots, MAX_STOP_IDS), -1, np.int32),
+        )
+
+    def rows(self, b: int) -> "DecodeState":
+        """The first b rows (views), what a decode bucket of b rows uploads."""
+        return type(self)(*(getattr(self, f.name)[:b] for f in dataclasses.fields(self)))
+
+    def set_sampling(self, sp: SamplingParams, stop_row: np.ndarray, engine_seed: int) -> None:
+        self.temp[:], self.top_k[:], self.top_p[:] = sp.temperature, sp.top_k, sp.top_p
+        self.seed[:] = mix_seed(engine_seed, sp.seed)
+        self.stop[:] = stop_row
+
+    def arm(self, slot: int, token: int, pos: int, max_new: int, rid: int) -> None:
+        self.tok[slot], self.pos[slot], self.n_gen[slot] = token, pos, 0
+        self.finish[slot], self.max_new[slot], self.rid[slot] = RUNNING, max_new, rid
+
+    def update(self, b: int, tok, pos, n_gen, finish) -> None:
+        """Write a dispatch's results for rows 0..b-1 back into the host copy."""
+        self.tok[:b], self.pos[:b], self.n_gen[:b], self.finish[:b] = tok, pos, n_gen, finish
+
+
 # -- the compiled programs ------------------------------------------------------------------------------------------
 # Module-level jit with the model config, cache layout and loop sizes as static arguments: engines with the same
 # configuration (a restarted engine, several engines in one process, tests) share compiled programs. Array shapes
 # select the bucket. The cache is donated, so XLA updates it in place.
+
 
 def _constrain(cache, cache_sh):
     # Pin the cache's layout so each output matches the next call's input (GSPMD could otherwise choose another
@@ -78,51 +142,40 @@ def _copy_program(cache, src, dst, *, mc, cache_sh, length):
 
 
 @partial(jax.jit, donate_argnums=1, static_argnames=("mc", "cache_sh", "steps", "max_len"))
-def _decode_program(params, cache, tok, pos, n_gen, finish, max_new, temp, top_k, top_p, seed, rid, stop, *,
-                    mc, cache_sh, steps, max_len):
-    """`steps` decode steps for rows 0..B-1 in one on-device scan; finished rows ride along masked."""
+def _decode_program(params, cache, state: DecodeState, *, mc, cache_sh, steps, max_len):
+    """`steps` decode steps for rows 0..B-1 in one on-device scan; finished rows ride along masked.
+
+    Returns the cache, the state after the last step, and per step [steps, B] tokens, log-probs and emitted masks.
+    """
+    s = state
+
     def step(carry, _):
         cache, tok, pos, n_gen, finish = carry
         active = finish == RUNNING
         # attention reads only as far as the longest running row (finished / free rows are junk anyway)
         kv_len = jnp.max(jnp.where(active, pos, 0)) + 1
         cache, logits = model.decode_step(mc, params, cache, tok, pos, kv_len)
-        new_tok, logp = sample(logits, temp, top_k, top_p, seed, rid, pos + 1)
+        new_tok, logp = sample(logits, s.temp, s.top_k, s.top_p, s.seed, s.rid, pos + 1)
         n_gen = n_gen + active.astype(jnp.int32)
-        hit_stop = jnp.any(new_tok[:, None] == stop, axis=-1)
+        hit_stop = jnp.any(new_tok[:, None] == s.stop, axis=-1)
         # the new token sits at pos + 1; the sequence is full once that is the cache's last position
-        ended = jnp.where(hit_stop, STOPPED, jnp.where((n_gen >= max_new) | (pos + 1 >= max_len - 1), LENGTH, RUNNING))
+        ended = jnp.where(
+            hit_stop, STOPPED, jnp.where((n_gen >= s.max_new) | (pos + 1 >= max_len - 1), LENGTH, RUNNING)
+        )
         finish = jnp.where(active, ended, finish)
         tok = jnp.where(active, new_tok, tok)
         pos = jnp.where(active, pos + 1, pos)
         return (cache, tok, pos, n_gen, finish), (new_tok, logp, active)
 
-    carry, (toks, logps, emitted) = jax.lax.scan(step, (cache, tok, pos, n_gen, finish), None, length=steps)
-    cache, tok, pos, n_gen, finish = carry
-    return _constrain(cache, cache_sh), tok, pos, n_gen, finish, toks, logps, emitted
-
-
-@dataclass
-class EngineConfig:
-    model_path: str                 # HF dir or hub id with config.json (+ safetensors weights)
-    dtype: str = "bfloat16"         # "float32" | "bfloat16" (compute/params dtype; logits/sampling in fp32)
-    max_batch: int = 64             # KV slots
-    max_seq_len: int = 1024         # prompt + response
-    prefill_buckets: tuple[int, ...] | None = None   # None => powers of two from 16 up to max_seq_len - 1
-    decode_buckets: tuple[int, ...] | None = None    # None => powers of two (floor 8) up to max_batch
-    steps_per_dispatch: int = 8
-    tp: int = 1                     # devices in the engine's mesh
-    seed: int = 0                   # mixed into every sampling key with SamplingParams.seed (0 => that seed as is),
-                                    # so engines given different seeds draw different samples for the same request
-
-    def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        for name in ("max_batch", "steps_per_dispatch", "tp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_seq_len < 2:
-            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+    init = (cache, s.tok, s.pos, s.n_gen, s.finish)
+    (cache, tok, pos, n_gen, finish), (toks, logps, emitted) = jax.lax.scan(step, init, None, length=steps)
+    return (
+        _constrain(cache, cache_sh),
+        dataclasses.replace(s, tok=tok, pos=pos, n_gen=n_gen, finish=finish),
+        toks,
+        logps,
+        emitted,
+    )
 
 
 class JaxEngine:
@@ -132,17 +185,19 @@ class JaxEngine:
         self.model_cfg = mc = ModelConfig.from_dir(self.model_dir)
         check_tp(mc, cfg.tp)
         self.prefill_buckets = validate_buckets(
-            "prefill_buckets", cfg.prefill_buckets or default_prefill_buckets(cfg.max_seq_len - 1), cfg.max_seq_len - 1)
+            "prefill_buckets", cfg.prefill_buckets or default_prefill_buckets(cfg.max_seq_len - 1), cfg.max_seq_len - 1
+        )
         self.decode_buckets = validate_buckets(
-            "decode_buckets", cfg.decode_buckets or default_decode_buckets(cfg.max_batch), cfg.max_batch)
+            "decode_buckets", cfg.decode_buckets or default_decode_buckets(cfg.max_batch), cfg.max_batch
+        )
         if self.decode_buckets[-1] != cfg.max_batch:
             raise ValueError(f"decode_buckets must end at max_batch={cfg.max_batch}, got {self.decode_buckets}")
         self.mesh = make_mesh(cfg.tp)
-        self._dtype = jnp.dtype(DTYPES[cfg.dtype])
+        self._itemsize = jnp.dtype(cfg.dtype).itemsize
 
         # Weights: the safetensors in model_path when there are any, else zeros until load_weights() (the RL loop
         # pushes the trainer's weights); generate() refuses to run on the zeros.
-        self._shardings = param_shardings(mc, self.mesh, param_shapes(mc))
+        self._shardings = param_shardings(mc, self.mesh)
         self.weight_version: int | None = None
         try:
             named = load_safetensors_dir(self.model_dir)
@@ -151,33 +206,47 @@ class JaxEngine:
         if named is not None:
             self.load_weights(named, 0)
         else:
-            zeros = jax.tree.map(lambda s: np.zeros(s, self._dtype), param_shapes(mc),
-                                 is_leaf=lambda x: isinstance(x, tuple))
-            self.params = jax.device_put(zeros, self._shardings)
-        self.cache = init_cache(mc.num_layers, cfg.max_batch, mc.num_kv_heads, cfg.max_seq_len, mc.head_dim,
-                                self._dtype, cache_sharding(self.mesh))
+            self.params = jax.device_put(zero_weights(mc, cfg.dtype), self._shardings)
+        self.cache = init_cache(
+            mc.num_layers,
+            cfg.max_batch,
+            mc.num_kv_heads,
+            cfg.max_seq_len,
+            mc.head_dim,
+            jnp.dtype(cfg.dtype),
+            cache_sharding(self.mesh),
+        )
         self._static = dict(mc=mc, cache_sh=cache_sharding(self.mesh))
         # fan-out copies only the positions a prompt can occupy (prefill takes all but a prompt's last token)
         self._copy_len = self.prefill_buckets[-1]
         self._stats: dict[str, float] = {}
 
-    def _decode_dispatch(self, state: "_SlotState", b: int):
-        return _decode_program(self.params, self.cache, *state.device_args(b), **self._static,
-                               steps=self.cfg.steps_per_dispatch, max_len=self.cfg.max_seq_len)
+    def _decode_dispatch(self, state: DecodeState, b: int):
+        """Run one decode dispatch on rows 0..b-1; the cache is replaced, the rest is returned (on device)."""
+        self.cache, new, toks, logps, emitted = _decode_program(
+            self.params,
+            self.cache,
+            state.rows(b),
+            **self._static,
+            steps=self.cfg.steps_per_dispatch,
+            max_len=self.cfg.max_seq_len,
+        )
+        return new, toks, logps, emitted
 
     def _run_prefill(self, batch) -> None:
-        self.cache = _prefill_program(self.params, self.cache, batch.tokens, batch.positions, batch.segments,
-                                      batch.slots, **self._static)
+        self.cache = _prefill_program(
+            self.params, self.cache, batch.tokens, batch.positions, batch.segments, batch.slots, **self._static
+        )
 
     def _run_copies(self, pairs: list[tuple[int, int]]) -> int:
         """Copy KV rows in chunks of the largest bucket; returns the padded pair count."""
         padded, top = 0, self.decode_buckets[-1]
         for i in range(0, len(pairs), top):
-            chunk = pairs[i:i + top]
+            chunk = pairs[i : i + top]
             m = pick_bucket(self.decode_buckets, len(chunk))
             src = np.zeros(m, np.int32)
-            dst = np.full(m, self.cfg.max_batch, np.int32)     # padding pairs write out of range: dropped
-            src[:len(chunk)], dst[:len(chunk)] = zip(*chunk)
+            dst = np.full(m, self.cfg.max_batch, np.int32)  # padding pairs write out of range: dropped
+            src[: len(chunk)], dst[: len(chunk)] = zip(*chunk)
             self.cache = _copy_program(self.cache, src, dst, **self._static, length=self._copy_len)
             padded += m
         return padded
@@ -193,16 +262,16 @@ class JaxEngine:
             times[f"prefill/{p}"] = time.perf_counter() - t0
         for m in self.decode_buckets:
             t0 = time.perf_counter()
-            self.cache = _copy_program(self.cache, np.zeros(m, np.int32), np.full(m, s, np.int32), **self._static,
-                                       length=self._copy_len)
+            self.cache = _copy_program(
+                self.cache, np.zeros(m, np.int32), np.full(m, s, np.int32), **self._static, length=self._copy_len
+            )
             jax.block_until_ready(self.cache)
             times[f"copy/{m}"] = time.perf_counter() - t0
-        state = _SlotState(s)
+        state = DecodeState.empty(s)
         for b in self.decode_buckets:
             t0 = time.perf_counter()
             out = self._decode_dispatch(state, b)
-            self.cache = out[0]
-            jax.block_until_ready(out)
+            jax.block_until_ready((self.cache, out))
             times[f"decode/{b}"] = time.perf_counter() - t0
         return times
 
@@ -229,8 +298,10 @@ class JaxEngine:
             if len(p) > limit:
                 raise ValueError(f"prompt {i} has {len(p)} tokens, above the largest prefill bucket {limit}")
             if len(p) + sampling.max_new_tokens > self.cfg.max_seq_len:
-                raise ValueError(f"prompt {i} ({len(p)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
-                                 f"exceeds max_seq_len {self.cfg.max_seq_len}")
+                raise ValueError(
+                    f"prompt {i} ({len(p)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
+                    f"exceeds max_seq_len {self.cfg.max_seq_len}"
+                )
             if min(p) < 0 or max(p) >= self.model_cfg.vocab_size:
                 raise ValueError(f"prompt {i} has a token id outside the vocabulary [0, {self.model_cfg.vocab_size})")
         # like vLLM: the model's EOS ids stop a row unless ignore_eos; stop_token_ids always do
@@ -239,7 +310,7 @@ class JaxEngine:
         if len(stop) > MAX_STOP_IDS:
             raise ValueError(f"{len(stop)} stop token ids (eos included), above the limit MAX_STOP_IDS={MAX_STOP_IDS}")
         row = np.full(MAX_STOP_IDS, -1, np.int32)
-        row[:len(stop)] = stop
+        row[: len(stop)] = stop
         return row
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Completion]:
@@ -249,34 +320,47 @@ class JaxEngine:
         slots, max_new = self.cfg.max_batch, sampling.max_new_tokens
         sched = Scheduler(slots)
         # the sampling key of a sample depends on (seed, prompt_index, sample_index, position) only
-        sched.add([Request(i, j, list(p), (i * 65537 + j) & 0x7FFFFFFF) for i, p in enumerate(prompts)
-                   for j in range(n)])
-        state = _SlotState(slots)
+        sched.add([Request(i, j, list(p), request_id(i, j)) for i, p in enumerate(prompts) for j in range(n)])
+        state = DecodeState.empty(slots)
         state.set_sampling(sampling, stop_row, self.cfg.seed)
         out_tok = np.zeros((slots, max_new), np.int32)
         out_lp = np.zeros((slots, max_new), np.float32)
         done: list[Completion] = []
-        st = dict(prefill_s=0.0, decode_s=0.0, prefill_tokens=0, prefill_padded=0, decode_rows=0, decode_emitted=0,
-                  copy_rows=0, dispatches=0, bytes=0.0)
-        param_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.params))
+        st = dict(
+            prefill_s=0.0,
+            decode_s=0.0,
+            prefill_tokens=0,
+            prefill_padded=0,
+            decode_rows=0,
+            decode_emitted=0,
+            copy_rows=0,
+            dispatches=0,
+            bytes=0.0,
+        )
 
         while sched.has_work():
             adm = sched.admit()
             if adm.requests:
                 t0 = time.perf_counter()
-                self._admit(adm, state, max_new, st, param_bytes)
+                self._admit(adm, state, max_new, st)
                 jax.block_until_ready(self.cache)
                 st["prefill_s"] += time.perf_counter() - t0
             b = pick_bucket(self.decode_buckets, sched.extent())
             t0 = time.perf_counter()
-            out = self._decode_dispatch(state, b)
-            self.cache = out[0]
-            tok, pos, n_gen, finish, toks, logps, emitted = jax.device_get(out[1:])
+            new, toks, logps, emitted = self._decode_dispatch(state, b)
+            tok, pos, n_gen, finish, toks, logps, emitted = jax.device_get(
+                (new.tok, new.pos, new.n_gen, new.finish, toks, logps, emitted)
+            )
             st["decode_s"] += time.perf_counter() - t0
             st["dispatches"] += 1
             st["decode_rows"] += emitted.size
             st["decode_emitted"] += int(emitted.sum())
-            st["bytes"] += self.cfg.steps_per_dispatch * (param_bytes + b * self._kv_read_per_row(state, b))
+            # KV read: counted at the longest running row's position after this dispatch's last step
+            live = state.pos[:b][state.finish[:b] == RUNNING]
+            kv_len = int(live.max()) + self.cfg.steps_per_dispatch if live.size else 1
+            st["bytes"] += cost.decode_bytes(
+                self.model_cfg, self._itemsize, self.cfg.steps_per_dispatch, b, self.cfg.max_seq_len, kv_len
+            )
 
             # scatter this dispatch's tokens into the per-slot output buffers (vectorised: no per-token Python)
             step_idx = state.n_gen[None, :b] + np.cumsum(emitted, axis=0) - 1
@@ -287,103 +371,65 @@ class JaxEngine:
 
             for slot in np.nonzero((finish == STOPPED) | (finish == LENGTH))[0]:
                 req, k = sched.release(int(slot)), int(n_gen[slot])
-                done.append(Completion(req.prompt_index, req.sample_index, out_tok[slot, :k].tolist(),
-                                       out_lp[slot, :k].tolist(), _FINISH_REASON[int(finish[slot])],
-                                       self.weight_version))
+                done.append(
+                    Completion(
+                        req.prompt_index,
+                        req.sample_index,
+                        out_tok[slot, :k].tolist(),
+                        out_lp[slot, :k].tolist(),
+                        _FINISH_REASON[int(finish[slot])],
+                        self.weight_version,
+                    )
+                )
                 state.finish[slot] = FREE
 
         done.sort(key=lambda c: (c.prompt_index, c.sample_index))
         self._record_stats(st, done, prompts, t_start, compiles_before)
         return done
 
-    def _admit(self, adm: Admission, state: "_SlotState", max_new: int, st: dict, param_bytes: int) -> None:
+    def _admit(self, adm: Admission, state: DecodeState, max_new: int, st: dict) -> None:
         """Prefill each new prompt once (all but its last token), fan its KV out, and arm the slots for decode."""
         for batch in pack_prefills([(s, p[:-1]) for s, p in adm.prefill], self.prefill_buckets, self.cfg.max_batch):
             self._run_prefill(batch)
             st["prefill_tokens"] += batch.real_tokens
             st["prefill_padded"] += batch.tokens.size
-            st["bytes"] += param_bytes + batch.tokens.size * self._kv_token_bytes()
+            st["bytes"] += cost.prefill_bytes(self.model_cfg, self._itemsize, batch.tokens.size)
         if adm.copies:
             rows = self._run_copies(adm.copies)
             st["copy_rows"] += rows
-            st["bytes"] += 2 * rows * self._copy_len * self._kv_token_bytes()
+            st["bytes"] += cost.copy_bytes(self.model_cfg, self._itemsize, rows, self._copy_len)
         for slot, req in zip(adm.slots, adm.requests):
             # The last prompt token is fed to the first decode step, which samples the first new token.
             state.arm(slot, req.prompt[-1], len(req.prompt) - 1, max_new, req.request_id)
 
-    def _kv_token_bytes(self) -> int:
-        mc = self.model_cfg
-        return 2 * mc.num_layers * mc.kv_size * self._dtype.itemsize
-
-    def _kv_read_per_row(self, state: "_SlotState", b: int) -> int:
-        """KV bytes one decode row reads per step: the whole row for a short cache, else the chunks in use."""
-        t = self.cfg.max_seq_len
-        if t > 2 * model.DECODE_CHUNK:
-            live = state.pos[:b][state.finish[:b] == RUNNING]
-            need = int(live.max()) + self.cfg.steps_per_dispatch if live.size else 1
-            t = min(t, -(-need // model.DECODE_CHUNK) * model.DECODE_CHUNK)
-        return t * self._kv_token_bytes()
-
     def _record_stats(self, st: dict, done: list[Completion], prompts, t_start: float, compiles_before: int) -> None:
-        mc = self.model_cfg
         gen = sum(len(c.token_ids) for c in done)
-        # matmul FLOPs per token (the LM head runs in decode only) plus attention over the actual context
-        d = mc.hidden_size
-        body = mc.num_layers * (2 * d * mc.q_size + 2 * d * mc.kv_size + 3 * d * mc.intermediate_size)
-        head = mc.vocab_size * mc.hidden_size
-        attn = 4 * mc.num_layers * mc.q_size
-        flops = 2.0 * body * st["prefill_tokens"]
-        for c in done:
-            lp = len(prompts[c.prompt_index])
-            k = len(c.token_ids)
-            flops += attn * (lp - 1) * lp / 2                              # prefill of lp - 1 tokens
-            flops += (2.0 * (body + head)) * k + attn * (k * lp + k * (k - 1) / 2)
+        flops = cost.generate_flops(
+            self.model_cfg, st["prefill_tokens"], ((len(prompts[c.prompt_index]), len(c.token_ids)) for c in done)
+        )
         busy = st["prefill_s"] + st["decode_s"]
         wall = time.perf_counter() - t_start
         padded = st["prefill_padded"] + st["decode_rows"]
         self._stats = dict(
-            compiles=float(compile_count() - compiles_before), total_compiles=float(compile_count()),
+            compiles=float(compile_count() - compiles_before),
+            total_compiles=float(compile_count()),
             pad_frac=(padded - st["prefill_tokens"] - st["decode_emitted"]) / max(padded, 1),
-            prefill_s=st["prefill_s"], decode_s=st["decode_s"], wall_s=wall, tok_s=gen / max(wall, 1e-9),
-            gen_tokens=float(gen), prompt_tokens=float(sum(len(prompts[c.prompt_index]) for c in done)),
-            prefill_tokens=float(st["prefill_tokens"]), dispatches=float(st["dispatches"]),
-            copy_rows=float(st["copy_rows"]), flops=flops, bytes=st["bytes"],
-            flop_s=flops / max(busy, 1e-9), bytes_s=st["bytes"] / max(busy, 1e-9),
-            weight_version=float(self.weight_version))
+            prefill_s=st["prefill_s"],
+            decode_s=st["decode_s"],
+            wall_s=wall,
+            tok_s=gen / max(wall, 1e-9),
+            gen_tokens=float(gen),
+            prompt_tokens=float(sum(len(prompts[c.prompt_index]) for c in done)),
+            prefill_tokens=float(st["prefill_tokens"]),
+            dispatches=float(st["dispatches"]),
+            copy_rows=float(st["copy_rows"]),
+            flops=flops,
+            bytes=st["bytes"],
+            flop_s=flops / max(busy, 1e-9),
+            bytes_s=st["bytes"] / max(busy, 1e-9),
+            weight_version=float(self.weight_version),
+        )
 
     def stats(self) -> dict[str, float]:
         """Figures of the last generate() (see _record_stats) plus total_compiles over the process."""
         return dict(self._stats) if self._stats else {"compiles": 0.0, "total_compiles": float(compile_count())}
-
-
-class _SlotState:
-    """Host copies of the per-slot decode state; uploaded sliced to the decode bucket on every dispatch."""
-
-    def __init__(self, slots: int):
-        self.tok = np.zeros(slots, np.int32)
-        self.pos = np.zeros(slots, np.int32)
-        self.n_gen = np.zeros(slots, np.int32)
-        self.finish = np.full(slots, FREE, np.int32)
-        self.max_new = np.zeros(slots, np.int32)
-        self.rid = np.zeros(slots, np.int32)
-        self.temp = np.zeros(slots, np.float32)
-        self.top_k = np.zeros(slots, np.int32)
-        self.top_p = np.ones(slots, np.float32)
-        self.seed = np.zeros(slots, np.int32)
-        self.stop = np.full((slots, MAX_STOP_IDS), -1, np.int32)
-
-    def set_sampling(self, sp: SamplingParams, stop_row: np.ndarray, engine_seed: int) -> None:
-        self.temp[:], self.top_k[:], self.top_p[:] = sp.temperature, sp.top_k, sp.top_p
-        self.seed[:] = (int(sp.seed) + 1_000_003 * int(engine_seed)) & 0x7FFFFFFF
-        self.stop[:] = stop_row
-
-    def arm(self, slot: int, token: int, pos: int, max_new: int, rid: int) -> None:
-        self.tok[slot], self.pos[slot], self.n_gen[slot] = token, pos, 0
-        self.finish[slot], self.max_new[slot], self.rid[slot] = RUNNING, max_new, rid
-
-    def device_args(self, b: int) -> tuple:
-        return (self.tok[:b], self.pos[:b], self.n_gen[:b], self.finish[:b], self.max_new[:b], self.temp[:b],
-                self.top_k[:b], self.top_p[:b], self.seed[:b], self.rid[:b], self.stop[:b])
-
-    def update(self, b: int, tok, pos, n_gen, finish) -> None:
-        self.tok[:b], self.pos[:b], self.n_gen[:b], self.finish[:b] = tok, pos, n_gen, finish

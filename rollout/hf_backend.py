@@ -5,6 +5,7 @@ processed scores (`output_scores=True` returns the logits after temperature / to
 that was actually sampled from). Sampling draws from torch's RNG seeded with `SamplingParams.seed` inside a forked
 RNG state, so a call is reproducible but, unlike the JAX sampler, a row's draw depends on the rest of its batch.
 """
+
 from __future__ import annotations
 
 import time
@@ -15,9 +16,8 @@ import numpy as np
 import torch
 import transformers
 
-from rollout.types import Completion, RolloutEngine, SamplingParams
-
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from rollout.model_config import eos_token_ids
+from rollout.types import DTYPES, Completion, RolloutEngine, SamplingParams
 
 
 def numpy_to_torch(array: np.ndarray) -> torch.Tensor:
@@ -35,28 +35,30 @@ class HFEngine(RolloutEngine):
     """`RolloutEngine` backed by a Hugging Face causal LM and `model.generate`."""
 
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu", max_batch: int = 64):
-        if dtype not in _TORCH_DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(_TORCH_DTYPES)}")
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.device = torch.device(device)
         self.max_batch = max_batch
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=_TORCH_DTYPES[dtype])
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
         cfg = self.model.config
         self.vocab_size = cfg.vocab_size
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         self.pad_token_id = pad[0] if isinstance(pad, (list, tuple)) else int(pad)
-        # The model's own EOS ids, read the way the JAX engine reads them: generation_config.json, else config.json.
-        eos = getattr(self.model.generation_config, "eos_token_id", None)
-        eos = cfg.eos_token_id if eos is None else eos
-        eos = [] if eos is None else eos if isinstance(eos, (list, tuple)) else [eos]
-        self.eos_token_ids = tuple(int(e) for e in eos)
+        # The model's own EOS ids, read by the function the JAX engine's model config uses: generation_config.json
+        # (as transformers loaded it), else config.json.
+        self.eos_token_ids = eos_token_ids(cfg.to_dict(), self.model.generation_config.to_dict())
         # Replace the checkpoint's generation defaults (Qwen3 ships T=0.6, top_k=20, ...) and its eos ids: every
         # knob comes from SamplingParams, and rows stop only on the ids `stop_ids(sampling)` returns.
         self.model.generation_config = transformers.GenerationConfig(pad_token_id=self.pad_token_id)
         self.weight_version = 0
         self._stats = {"tokens": 0.0, "seconds": 0.0, "tok_s": 0.0, "weight_version": 0.0}
+
+    def warmup(self) -> dict[str, float]:
+        """Nothing to compile: transformers runs eagerly."""
+        return {}
 
     # ------------------------------------------------------------------ generate
 
@@ -82,14 +84,18 @@ class HFEngine(RolloutEngine):
         with torch.random.fork_rng(devices=fork_devices), torch.inference_mode():
             torch.manual_seed(sampling.seed)
             for lo in range(0, len(rows), self.max_batch):
-                chunk = rows[lo:lo + self.max_batch]
+                chunk = rows[lo : lo + self.max_batch]
                 completions += self._generate_batch([prompts[p] for p, _ in chunk], chunk, sampling)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
         tokens = sum(len(c.token_ids) for c in completions)
-        self._stats = {"tokens": float(tokens), "seconds": seconds, "tok_s": tokens / max(seconds, 1e-9),
-                       "weight_version": float(self.weight_version)}
+        self._stats = {
+            "tokens": float(tokens),
+            "seconds": seconds,
+            "tok_s": tokens / max(seconds, 1e-9),
+            "weight_version": float(self.weight_version),
+        }
         return completions
 
     def _generate_batch(self, batch_prompts, row_ids, sampling: SamplingParams) -> list[Completion]:
@@ -97,21 +103,29 @@ class HFEngine(RolloutEngine):
         input_ids = torch.full((len(batch_prompts), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
         for r, prompt in enumerate(batch_prompts):  # left padding: every row's next token lands in the last column
-            input_ids[r, width - len(prompt):] = torch.tensor(prompt)
-            attention_mask[r, width - len(prompt):] = 1
+            input_ids[r, width - len(prompt) :] = torch.tensor(prompt)
+            attention_mask[r, width - len(prompt) :] = 1
         stop_ids = self.stop_ids(sampling)
-        kwargs = dict(max_new_tokens=sampling.max_new_tokens, min_new_tokens=0, eos_token_id=list(stop_ids) or None,
-                      pad_token_id=self.pad_token_id, output_scores=True, return_dict_in_generate=True)
+        kwargs = dict(
+            max_new_tokens=sampling.max_new_tokens,
+            min_new_tokens=0,
+            eos_token_id=list(stop_ids) or None,
+            pad_token_id=self.pad_token_id,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
         if sampling.greedy:
             kwargs.update(do_sample=False)
         else:
             # top_k=0 and top_p=1.0 switch HF's warpers off (its own top_k default is 50).
-            kwargs.update(do_sample=True, temperature=sampling.temperature,
-                          top_k=max(sampling.top_k, 0), top_p=sampling.top_p)
-        out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                                  **kwargs)
-        generated = out.sequences[:, width:].cpu()                                       # [rows, steps]
-        scores = torch.stack(out.scores, dim=1).float()                                  # [rows, steps, V]
+            kwargs.update(
+                do_sample=True, temperature=sampling.temperature, top_k=max(sampling.top_k, 0), top_p=sampling.top_p
+            )
+        out = self.model.generate(
+            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), **kwargs
+        )
+        generated = out.sequences[:, width:].cpu()  # [rows, steps]
+        scores = torch.stack(out.scores, dim=1).float()  # [rows, steps, V]
         logprobs = torch.log_softmax(scores, dim=-1).gather(-1, generated.to(scores.device)[..., None])[..., 0]
         logprobs = logprobs.cpu()
 
@@ -122,11 +136,16 @@ class HFEngine(RolloutEngine):
             # Finished rows are padded after their stop token; the pad id can be a real token, so cut by position.
             end = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
             tokens = tokens[:end]
-            completions.append(Completion(
-                prompt_index=prompt_index, sample_index=sample_index, token_ids=tokens,
-                logprobs=logprobs[r, :end].tolist(),
-                finish_reason="stop" if tokens and tokens[-1] in stops else "length",
-                weight_version=self.weight_version))
+            completions.append(
+                Completion(
+                    prompt_index=prompt_index,
+                    sample_index=sample_index,
+                    token_ids=tokens,
+                    logprobs=logprobs[r, :end].tolist(),
+                    finish_reason="stop" if tokens and tokens[-1] in stops else "length",
+                    weight_version=self.weight_version,
+                )
+            )
         return completions
 
     # ------------------------------------------------------------------ weights
@@ -141,8 +160,9 @@ class HFEngine(RolloutEngine):
         for name, array in named_arrays.items():
             tensor = numpy_to_torch(array)
             if tuple(tensor.shape) != tuple(state[name].shape):
-                raise ValueError(f"shape mismatch for {name}: got {tuple(tensor.shape)}, "
-                                 f"model has {tuple(state[name].shape)}")
+                raise ValueError(
+                    f"shape mismatch for {name}: got {tuple(tensor.shape)}, model has {tuple(state[name].shape)}"
+                )
             tensors[name] = tensor
         # Tied parameters (lm_head.weight / embed_tokens.weight) share storage: a checkpoint may carry either or
         # both, but if it carries both they must agree, or one would be silently overwritten by the other.

@@ -12,13 +12,16 @@ so that fp32 really means fp32 on accelerators that would otherwise use bf16 pas
 Prefill is *packed*: several prompts share one token-count bucket, told apart by a segment id per token; attention
 is causal inside a segment and blind across segments. Decode handles one token per row, row i living in KV slot i.
 """
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from rollout.config import ModelConfig
+from rollout.cost import DECODE_CHUNK, decode_chunks, reads_whole_cache
 from rollout.kv_cache import KVCache, write_layer
+from rollout.model_config import ModelConfig
+from rollout.weights import LayerWeights, Weights
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -51,22 +54,22 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def _qkv(cfg: ModelConfig, layer: dict, h: jax.Array, cos: jax.Array, sin: jax.Array):
+def _qkv(cfg: ModelConfig, layer: LayerWeights, h: jax.Array, cos: jax.Array, sin: jax.Array):
     """Projections for N tokens: q [N, H, hd], k/v [N, KV, hd], with q/k norm (Qwen3) and RoPE applied."""
     n = h.shape[0]
-    q = _linear(h, layer["wq"], layer.get("bq")).reshape(n, cfg.num_heads, cfg.head_dim)
-    k = _linear(h, layer["wk"], layer.get("bk")).reshape(n, cfg.num_kv_heads, cfg.head_dim)
-    v = _linear(h, layer["wv"], layer.get("bv")).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+    q = _linear(h, layer.wq, layer.bq).reshape(n, cfg.num_heads, cfg.head_dim)
+    k = _linear(h, layer.wk, layer.bk).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+    v = _linear(h, layer.wv, layer.bv).reshape(n, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
-        q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+        q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def _mlp(layer: dict, x: jax.Array) -> jax.Array:
-    gate = _linear(x, layer["w_gate"], layer.get("b_gate"))
-    up = _linear(x, layer["w_up"], layer.get("b_up"))
-    return _linear(jax.nn.silu(gate) * up, layer["w_down"], layer.get("b_down"))
+def _mlp(layer: LayerWeights, x: jax.Array) -> jax.Array:
+    gate = _linear(x, layer.w_gate, layer.b_gate)
+    up = _linear(x, layer.w_up, layer.b_up)
+    return _linear(jax.nn.silu(gate) * up, layer.w_down, layer.b_down)
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, subscripts: tuple[str, str]) -> jax.Array:
@@ -80,33 +83,40 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, subscript
     return jnp.einsum(subscripts[1], probs, v, precision=HIGHEST, preferred_element_type=F32).astype(v.dtype)
 
 
-def logits_from_hidden(params: dict, h: jax.Array) -> jax.Array:
+def logits_from_hidden(params: Weights, h: jax.Array) -> jax.Array:
     """fp32 logits [N, V] from final hidden states [N, D] (tied models reuse the embedding)."""
-    if "lm_head" in params:
-        return jnp.matmul(h, params["lm_head"], precision=HIGHEST, preferred_element_type=F32)
-    return jnp.einsum("nd,vd->nv", h, params["embed"], precision=HIGHEST, preferred_element_type=F32)
+    if params.lm_head is not None:
+        return jnp.matmul(h, params.lm_head, precision=HIGHEST, preferred_element_type=F32)
+    return jnp.einsum("nd,vd->nv", h, params.embed, precision=HIGHEST, preferred_element_type=F32)
 
 
-def _forward(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Array, attend) -> jax.Array:
+def _forward(cfg: ModelConfig, params: Weights, tokens: jax.Array, positions: jax.Array, attend) -> jax.Array:
     """Embedding, the layer stack and the final norm for N tokens; returns hidden states [N, D].
 
     `attend(i, q, k, v)` is layer i's attention: q [N, KV, G, hd] (query heads grouped by the KV head they share),
     k/v [N, KV, hd] for these tokens; it stores k/v in the cache as it needs and returns [N, KV, G, hd].
     """
     n = tokens.shape[0]
-    cos, sin = rope_cos_sin(positions, jnp.asarray(cfg.rope_inv_freq()), params["embed"].dtype)
-    x = params["embed"][tokens]
+    cos, sin = rope_cos_sin(positions, jnp.asarray(cfg.rope_inv_freq()), params.embed.dtype)
+    x = params.embed[tokens]
     g = cfg.num_heads // cfg.num_kv_heads
-    for i, layer in enumerate(params["layers"]):
-        q, k, v = _qkv(cfg, layer, rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps), cos, sin)
+    for i, layer in enumerate(params.layers):
+        q, k, v = _qkv(cfg, layer, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), cos, sin)
         attn = attend(i, q.reshape(n, cfg.num_kv_heads, g, cfg.head_dim), k, v)
-        x = x + _linear(attn.reshape(n, cfg.q_size), layer["wo"], layer.get("bo"))
-        x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+        x = x + _linear(attn.reshape(n, cfg.q_size), layer.wo, layer.bo)
+        x = x + _mlp(layer, rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps))
+    return rms_norm(x, params.final_norm, cfg.rms_norm_eps)
 
 
-def prefill(cfg: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array, positions: jax.Array,
-            segments: jax.Array, slots: jax.Array) -> tuple[KVCache, jax.Array]:
+def prefill(
+    cfg: ModelConfig,
+    params: Weights,
+    cache: KVCache,
+    tokens: jax.Array,
+    positions: jax.Array,
+    segments: jax.Array,
+    slots: jax.Array,
+) -> tuple[KVCache, jax.Array]:
     """Run packed prompt tokens [P] through the model and write their K/V into the cache.
 
     positions [P]: position of each token in its own prompt; segments [P]: which prompt a token belongs to;
@@ -116,8 +126,7 @@ def prefill(cfg: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array, p
     """
     valid = slots < cache.num_slots
     # causal inside a segment, blind across segments and to padding
-    mask = ((segments[:, None] == segments[None, :]) & (positions[None, :] <= positions[:, None])
-            & valid[None, :])
+    mask = (segments[:, None] == segments[None, :]) & (positions[None, :] <= positions[:, None]) & valid[None, :]
     written = []
 
     def attend(i, q, k, v):
@@ -128,30 +137,26 @@ def prefill(cfg: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array, p
     return KVCache(*map(tuple, zip(*written))), h
 
 
-# Decode reads a long cache in chunks of this many positions, and only as many chunks as the longest running row
-# needs: a step costs the context actually in use, not the cache's full max_len. A short cache (up to 2 chunks) is
-# read whole in one pass instead: on CPU the loop's sliced copies cost more than the positions they skip.
-DECODE_CHUNK = 128
-
-
-def _decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
-                      kv_len: jax.Array) -> jax.Array:
+def _decode_attention(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, kv_len: jax.Array
+) -> jax.Array:
     """Flash-decoding style attention: q [B, KV, G, hd] over cache rows (K [B, KV, hd, T], V [B, KV, T, hd]),
     positions <= positions[b].
 
     A while loop walks ceil(kv_len / chunk) chunks with an online softmax (running max, normaliser, accumulator),
-    so the trip count is data (no recompile) and the bytes read follow the longest live sequence.
+    so the trip count is data (no recompile) and the bytes read follow the longest live sequence. A short cache is
+    read whole instead (the chunk rule is rollout.cost's, which the engine's byte count follows).
     """
     b, n_kv, g, hd = q.shape
     max_len = v_cache.shape[2]
-    if max_len <= 2 * DECODE_CHUNK:
+    if reads_whole_cache(max_len):
         mask = (jnp.arange(max_len)[None, :] <= positions[:, None])[:, None, None, :]
         return _attend(q, k_cache, v_cache, mask, ("bkgd,bkdt->bkgt", "bkgt,bktd->bkgd"))
     chunk = DECODE_CHUNK
-    q = q.astype(F32) * hd ** -0.5
+    q = q.astype(F32) * hd**-0.5
 
     def body(i, carry):
-        m, l, acc = carry
+        m, denom, acc = carry
         # The last chunk may be clamped back inside the cache; the `>= i * chunk` mask skips positions seen already.
         start = jnp.minimum(i * chunk, max_len - chunk)
         k = jax.lax.dynamic_slice_in_dim(k_cache, start, chunk, axis=3)
@@ -164,16 +169,22 @@ def _decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, posi
         p = jnp.exp(s - m_new[..., None])
         corr = jnp.exp(m - m_new)
         pv = jnp.einsum("bkgt,bktd->bkgd", p.astype(v.dtype), v, precision=HIGHEST, preferred_element_type=F32)
-        return m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + pv
+        return m_new, denom * corr + p.sum(axis=-1), acc * corr[..., None] + pv
 
     init = (jnp.full((b, n_kv, g), -1e30, F32), jnp.zeros((b, n_kv, g), F32), jnp.zeros((b, n_kv, g, hd), F32))
-    n_chunks = (jnp.clip(kv_len, 1, max_len) + chunk - 1) // chunk
-    _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
-    return (acc / l[..., None]).astype(v_cache.dtype)
+    n_chunks = decode_chunks(jnp.clip(kv_len, 1, max_len))
+    _, denom, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    return (acc / denom[..., None]).astype(v_cache.dtype)
 
 
-def decode_step(cfg: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array, positions: jax.Array,
-                kv_len: jax.Array | None = None) -> tuple[KVCache, jax.Array]:
+def decode_step(
+    cfg: ModelConfig,
+    params: Weights,
+    cache: KVCache,
+    tokens: jax.Array,
+    positions: jax.Array,
+    kv_len: jax.Array | None = None,
+) -> tuple[KVCache, jax.Array]:
     """One token per row for rows 0..B-1 (row i is KV slot i): write its K/V at `positions[i]`, attend over the
     slot's first positions[i] + 1 entries, return the cache and fp32 logits [B, V].
 

@@ -29,6 +29,7 @@ Semantics:
   softmax(logits / T) restricted and renormalised to the kept set. For greedy rows (T == 0) it is
   log_softmax(logits) at the argmax (the model's own probability of the greedy token, unfiltered).
 """
+
 from __future__ import annotations
 
 import math
@@ -62,7 +63,7 @@ def _largest_key_where(ok, batch: int) -> jax.Array:
     def step(_, lo_hi):
         lo, hi = lo_hi
         span = hi - lo
-        mid = lo + (span >> 1) + (span & 1)          # upper midpoint, no uint32 overflow
+        mid = lo + (span >> 1) + (span & 1)  # upper midpoint, no uint32 overflow
         good = ok(mid)
         return jnp.where(good, mid, lo), jnp.where(good, hi, mid - 1)
 
@@ -80,9 +81,11 @@ def _filter_threshold(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.A
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     # k-th largest key: the largest t with at least k keys >= t. Each search costs 32 passes over [B, V], so it is
     # skipped (cutoff 0 keeps everything) when no row asks for it.
-    kth = jax.lax.cond(jnp.any(k < vocab),
-                       lambda: _largest_key_where(lambda t: jnp.sum(key >= t[..., None], axis=-1) >= k, batch),
-                       lambda: jnp.zeros(k.shape, jnp.uint32))
+    kth = jax.lax.cond(
+        jnp.any(k < vocab),
+        lambda: _largest_key_where(lambda t: jnp.sum(key >= t[..., None], axis=-1) >= k, batch),
+        lambda: jnp.zeros(k.shape, jnp.uint32),
+    )
     in_top_k = key >= kth[:, None]
     m = jnp.max(x, axis=-1, keepdims=True)
     probs = jnp.where(in_top_k, jnp.exp(x - m), 0.0)
@@ -92,9 +95,9 @@ def _filter_threshold(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.A
     pbits = jax.lax.bitcast_convert_type(probs, jnp.uint32)
     cut = jax.lax.cond(
         jnp.any(top_p < 1.0),
-        lambda: _largest_key_where(lambda t: jnp.sum(jnp.where(pbits >= t[..., None], probs, 0.0), -1) >= need,
-                                   batch),
-        lambda: jnp.zeros(k.shape, jnp.uint32))
+        lambda: _largest_key_where(lambda t: jnp.sum(jnp.where(pbits >= t[..., None], probs, 0.0), -1) >= need, batch),
+        lambda: jnp.zeros(k.shape, jnp.uint32),
+    )
     keep = in_top_k & (pbits >= cut[:, None])
     return jnp.min(jnp.where(keep, x, jnp.inf), axis=-1)
 
@@ -138,7 +141,7 @@ def _pick(x: jax.Array, m: jax.Array, weights: jax.Array, u: jax.Array, greedy: 
     first_max_block = jnp.min(jnp.where(jnp.max(xb, axis=-1) == m[:, None], block_ids, blocks), axis=-1)
     b = jnp.where(greedy, first_max_block, b)
 
-    inside_w = jnp.take_along_axis(w, b[:, None, None], axis=1)[:, 0]                      # [B, block]
+    inside_w = jnp.take_along_axis(w, b[:, None, None], axis=1)[:, 0]  # [B, block]
     inside_x = jnp.take_along_axis(xb, b[:, None, None], axis=1)[:, 0]
     before = jnp.take_along_axis(block_cdf - block_sums, b[:, None], -1)[:, 0]
     cdf = before[:, None] + jnp.cumsum(inside_w, axis=-1)
@@ -151,8 +154,15 @@ def _pick(x: jax.Array, m: jax.Array, weights: jax.Array, u: jax.Array, greedy: 
     return b * block + jnp.where(greedy, first_max, i)
 
 
-def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, seed: jax.Array,
-           request_id: jax.Array, position: jax.Array) -> tuple[jax.Array, jax.Array]:
+def sample(
+    logits: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    seed: jax.Array,
+    request_id: jax.Array,
+    position: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row. Shapes: logits [B, V]; all others [B]. Returns (token_ids int32, logprobs f32)."""
     logits = logits.astype(jnp.float32)
     batch, vocab = logits.shape
@@ -169,11 +179,12 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
         jnp.any(filters),
         lambda lg: jnp.where(filters, _filter_threshold(lg / t, top_k, top_p), -jnp.inf),
         lambda lg: jnp.full((batch,), -jnp.inf, jnp.float32),
-        logits)
+        logits,
+    )
     x = logits / t
     x = jnp.where(x >= threshold[:, None], x, -jnp.inf)
     m = jnp.max(x, axis=-1)
-    weights = jnp.exp(x - m[:, None])                      # filtered tokens: exp(-inf) = 0
+    weights = jnp.exp(x - m[:, None])  # filtered tokens: exp(-inf) = 0
     log_z = m + jnp.log(jnp.sum(weights, axis=-1))
     u = _row_uniforms(seed, request_id.astype(jnp.int32), position.astype(jnp.int32))
     token = _pick(x, m, weights, u, greedy).astype(jnp.int32)

@@ -6,6 +6,7 @@ A prompt is prefilled once per admission wave into the slot of its first admitte
 samples get a copy of that KV (GRPO fan-out). If a sample of the same prompt is still running from an earlier wave,
 its slot already holds the prompt's KV (decode never writes below the prompt's end), so it is copied from instead.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -22,12 +23,13 @@ class Request:
     prompt_index: int
     sample_index: int
     prompt: list[int]
-    request_id: int             # feeds the sampling key: depends only on (prompt_index, sample_index)
+    request_id: int  # feeds the sampling key: depends only on (prompt_index, sample_index)
 
 
 @dataclass
 class PrefillBatch:
     """One packed prefill call: arrays of length `bucket`; padding tokens target slot `num_slots` (dropped)."""
+
     tokens: np.ndarray
     positions: np.ndarray
     segments: np.ndarray
@@ -37,10 +39,10 @@ class PrefillBatch:
 
 @dataclass
 class Admission:
-    slots: list[int]                      # newly owned slots, aligned with `requests`
+    slots: list[int]  # newly owned slots, aligned with `requests`
     requests: list[Request]
     prefill: list[tuple[int, list[int]]]  # (leader slot, prompt tokens to prefill)
-    copies: list[tuple[int, int]]         # (source slot, destination slot)
+    copies: list[tuple[int, int]]  # (source slot, destination slot)
 
 
 class Scheduler:
@@ -48,7 +50,7 @@ class Scheduler:
         self.num_slots = num_slots
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
-        self._free = list(range(num_slots))   # min-heap: lowest slot first
+        self._free = list(range(num_slots))  # min-heap: lowest slot first
 
     def add(self, requests: list[Request]) -> None:
         self.waiting.extend(requests)
@@ -83,8 +85,9 @@ class Scheduler:
         return adm
 
 
-def pack_prefills(prefills: list[tuple[int, list[int]]], buckets: tuple[int, ...],
-                  num_slots: int) -> list[PrefillBatch]:
+def pack_prefills(
+    prefills: list[tuple[int, list[int]]], buckets: tuple[int, ...], num_slots: int
+) -> list[PrefillBatch]:
     """Pack (slot, tokens) pairs first-fit in order into batches no longer than the largest bucket."""
     batches, current, used = [], [], 0
     for slot, toks in prefills:
@@ -108,10 +111,10 @@ def pack_prefills(prefills: list[tuple[int, list[int]]], buckets: tuple[int, ...
         at = 0
         for seg, (slot, toks) in enumerate(group):
             n = len(toks)
-            tokens[at:at + n] = toks
-            positions[at:at + n] = np.arange(n)
-            segments[at:at + n] = seg
-            slots[at:at + n] = slot
+            tokens[at : at + n] = toks
+            positions[at : at + n] = np.arange(n)
+            segments[at : at + n] = seg
+            slots[at : at + n] = slot
             at += n
         out.append(PrefillBatch(tokens, positions, segments, slots, real))
     return out

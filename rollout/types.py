@@ -1,21 +1,40 @@
-"""Plain data types every rollout backend speaks: sampling settings, one finished completion, the engine protocol.
+"""Plain data types every rollout backend speaks: sampling settings, one finished completion, the engine protocol,
+the supported dtypes and the seed arithmetic.
 
 These are the only rollout types that cross package boundaries (the RL loop builds `SamplingParams` and consumes
 `Completion`s), so they hold plain Python values and import nothing heavy.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Protocol, runtime_checkable
+from typing import Literal, Mapping, Protocol, get_args, runtime_checkable
 
 import numpy as np
+
+# Parameter / compute dtypes both backends support, by name; each library maps the name to its own dtype
+# (`np.dtype(name)` once ml_dtypes is imported, `jnp.dtype(name)`, `getattr(torch, name)`).
+DType = Literal["float32", "bfloat16"]
+DTYPES: tuple[str, ...] = get_args(DType)
+
+
+def mix_seed(base: int, offset: int) -> int:
+    """A deterministic 31-bit combination of two seeds: the engine mixes its own seed with a request's, and the RL
+    loop derives its per-step seeds from the run seed the same way."""
+    return (int(base) * 1_000_003 + int(offset)) & 0x7FFFFFFF
+
+
+def request_id(prompt_index: int, sample_index: int) -> int:
+    """The id a sample's sampling key is folded from: a function of (prompt_index, sample_index) only, so a sample
+    draws the same tokens whatever else shares its batch."""
+    return (int(prompt_index) * 65537 + int(sample_index)) & 0x7FFFFFFF
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0      # 0 => greedy
-    top_p: float = 1.0            # 1.0 => off; applied inside the top-k set (vLLM / HF order)
-    top_k: int = -1               # -1 (or any value <= 0) => off
+    temperature: float = 1.0  # 0 => greedy
+    top_p: float = 1.0  # 1.0 => off; applied inside the top-k set (vLLM / HF order)
+    top_k: int = -1  # -1 (or any value <= 0) => off
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
@@ -44,11 +63,11 @@ class SamplingParams:
 
 @dataclass
 class Completion:
-    prompt_index: int             # index into the prompts list given to generate()
-    sample_index: int             # 0..n-1 within its group
-    token_ids: list[int]          # generated tokens (includes the stop token if one ended it)
-    logprobs: list[float]         # log-prob of each generated token under the distribution actually sampled from
-    finish_reason: str            # "stop" | "length"
+    prompt_index: int  # index into the prompts list given to generate()
+    sample_index: int  # 0..n-1 within its group
+    token_ids: list[int]  # generated tokens (includes the stop token if one ended it)
+    logprobs: list[float]  # log-prob of each generated token under the distribution actually sampled from
+    finish_reason: str  # "stop" | "length"
     weight_version: int
 
 
@@ -59,7 +78,10 @@ class RolloutEngine(Protocol):
     `generate` returns `len(prompts) * n` completions ordered by (prompt_index, sample_index).
     `load_weights` takes numpy / ml_dtypes arrays keyed by Hugging Face parameter names.
     `stats` describes the last `generate` call (tokens, seconds, tokens/s, and backend-specific counters).
+    `warmup` builds whatever the backend compiles and returns seconds per compiled bucket ({} if it compiles nothing).
     """
+
+    def warmup(self) -> dict[str, float]: ...
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Completion]: ...
 

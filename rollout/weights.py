@@ -1,83 +1,160 @@
-"""Hugging Face parameter names -> the JAX decoder's pytree: the one place that knows the name mapping.
+"""The decoder's weights: one table declaring every tensor, the typed pytree built from it, and the HF-name loading.
 
 Weights arrive as a flat dict of numpy / ml_dtypes arrays keyed by HF names, either from the weight-sync layer or
-read from the safetensors files of a model dir. The decoder wants per-layer dicts of matrices laid out for `x @ W`
-(HF stores nn.Linear weights as [out, in], so they are transposed here, once, on the host).
-
-Pytree: {"embed": [V, D], "final_norm": [D], "lm_head": [D, V] (untied only), "layers": [ {name: array}, ... ]}
+read from the safetensors files of a model dir. The decoder wants `Weights`: matrices laid out for `x @ W` (HF stores
+nn.Linear weights as [out, in], so they are transposed here, once, on the host), and None for the tensors a family
+does not have. Everything per tensor (HF name, layout, shape, tensor-parallel split, presence) is declared once in
+`TOP_PARAMS` / `LAYER_PARAMS`; validation, conversion, zero weights and shardings (rollout.sharding) derive from it.
 """
+
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
-import ml_dtypes
+import jax
+import ml_dtypes  # noqa: F401  (registers "bfloat16" with numpy, so np.dtype("bfloat16") works)
 import numpy as np
 
-from rollout.config import ModelConfig
+from rollout.model_config import ModelConfig
+from rollout.types import DTYPES
 
-# decoder name -> (HF name inside `model.layers.{i}.`, transpose?)
-_LAYER_NAMES = {
-    "attn_norm": ("input_layernorm.weight", False),
-    "wq": ("self_attn.q_proj.weight", True),
-    "wk": ("self_attn.k_proj.weight", True),
-    "wv": ("self_attn.v_proj.weight", True),
-    "wo": ("self_attn.o_proj.weight", True),
-    "bq": ("self_attn.q_proj.bias", False),
-    "bk": ("self_attn.k_proj.bias", False),
-    "bv": ("self_attn.v_proj.bias", False),
-    "bo": ("self_attn.o_proj.bias", False),
-    "q_norm": ("self_attn.q_norm.weight", False),
-    "k_norm": ("self_attn.k_norm.weight", False),
-    "mlp_norm": ("post_attention_layernorm.weight", False),
-    "w_gate": ("mlp.gate_proj.weight", True),
-    "w_up": ("mlp.up_proj.weight", True),
-    "w_down": ("mlp.down_proj.weight", True),
-    "b_gate": ("mlp.gate_proj.bias", False),
-    "b_up": ("mlp.up_proj.bias", False),
-    "b_down": ("mlp.down_proj.bias", False),
-}
+
+@dataclass(frozen=True)
+class Param:
+    """One decoder tensor."""
+
+    field: str  # its field in Weights / LayerWeights
+    hf_name: str  # HF name; for a layer tensor, the part after "model.layers.{i}."
+    dims: tuple[str, ...]  # the decoder's shape, as ModelConfig sizes (see `dim_sizes`)
+    tp_axis: int | None = None  # the axis split over the tensor-parallel mesh (None: replicated)
+    transposed: bool = False  # HF stores it [out, in] (nn.Linear), the decoder [in, out]
+    when: Callable[[ModelConfig], bool] = lambda cfg: True  # the family switch that makes it present
+
+    def shape(self, cfg: ModelConfig) -> tuple[int, ...]:
+        sizes = dim_sizes(cfg)
+        return tuple(sizes[d] for d in self.dims)
+
+    def hf_shape(self, cfg: ModelConfig) -> tuple[int, ...]:
+        return self.shape(cfg)[::-1] if self.transposed else self.shape(cfg)
+
+
+def dim_sizes(cfg: ModelConfig) -> dict[str, int]:
+    return {
+        "vocab": cfg.vocab_size,
+        "d": cfg.hidden_size,
+        "q": cfg.q_size,
+        "kv": cfg.kv_size,
+        "head_dim": cfg.head_dim,
+        "mlp": cfg.intermediate_size,
+    }
+
+
+# Megatron-style tensor parallelism: q/k/v and gate/up split by output columns, o/down by input rows, the untied LM
+# head by vocab; embeddings, norms and output biases are replicated.
+TOP_PARAMS = (
+    Param("embed", "model.embed_tokens.weight", ("vocab", "d")),
+    Param("final_norm", "model.norm.weight", ("d",)),
+    # A tied model reuses the embedding; its state_dict may still list lm_head.weight (skipped on load).
+    Param(
+        "lm_head",
+        "lm_head.weight",
+        ("d", "vocab"),
+        tp_axis=1,
+        transposed=True,
+        when=lambda cfg: not cfg.tie_word_embeddings,
+    ),
+)
+LAYER_PARAMS = (
+    Param("attn_norm", "input_layernorm.weight", ("d",)),
+    Param("wq", "self_attn.q_proj.weight", ("d", "q"), tp_axis=1, transposed=True),
+    Param("wk", "self_attn.k_proj.weight", ("d", "kv"), tp_axis=1, transposed=True),
+    Param("wv", "self_attn.v_proj.weight", ("d", "kv"), tp_axis=1, transposed=True),
+    Param("wo", "self_attn.o_proj.weight", ("q", "d"), tp_axis=0, transposed=True),
+    Param("mlp_norm", "post_attention_layernorm.weight", ("d",)),
+    Param("w_gate", "mlp.gate_proj.weight", ("d", "mlp"), tp_axis=1, transposed=True),
+    Param("w_up", "mlp.up_proj.weight", ("d", "mlp"), tp_axis=1, transposed=True),
+    Param("w_down", "mlp.down_proj.weight", ("mlp", "d"), tp_axis=0, transposed=True),
+    Param("bq", "self_attn.q_proj.bias", ("q",), tp_axis=0, when=lambda cfg: cfg.qkv_bias),
+    Param("bk", "self_attn.k_proj.bias", ("kv",), tp_axis=0, when=lambda cfg: cfg.qkv_bias),
+    Param("bv", "self_attn.v_proj.bias", ("kv",), tp_axis=0, when=lambda cfg: cfg.qkv_bias),
+    Param("bo", "self_attn.o_proj.bias", ("d",), when=lambda cfg: cfg.o_bias),
+    Param("q_norm", "self_attn.q_norm.weight", ("head_dim",), when=lambda cfg: cfg.qk_norm),
+    Param("k_norm", "self_attn.k_norm.weight", ("head_dim",), when=lambda cfg: cfg.qk_norm),
+    Param("b_gate", "mlp.gate_proj.bias", ("mlp",), tp_axis=0, when=lambda cfg: cfg.mlp_bias),
+    Param("b_up", "mlp.up_proj.bias", ("mlp",), tp_axis=0, when=lambda cfg: cfg.mlp_bias),
+    Param("b_down", "mlp.down_proj.bias", ("d",), when=lambda cfg: cfg.mlp_bias),
+)
 # Names a checkpoint may carry that the decoder does not need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer; the optional tensors are None in families without them."""
+
+    attn_norm: jax.Array
+    wq: jax.Array  # [D, H * hd]
+    wk: jax.Array  # [D, KV * hd]
+    wv: jax.Array
+    wo: jax.Array  # [H * hd, D]
+    mlp_norm: jax.Array
+    w_gate: jax.Array  # [D, F]
+    w_up: jax.Array
+    w_down: jax.Array  # [F, D]
+    bq: jax.Array | None = None  # q/k/v biases: Qwen2, Llama with attention_bias
+    bk: jax.Array | None = None
+    bv: jax.Array | None = None
+    bo: jax.Array | None = None  # Llama with attention_bias
+    q_norm: jax.Array | None = None  # Qwen3's per-head RMSNorm [hd]
+    k_norm: jax.Array | None = None
+    b_gate: jax.Array | None = None  # Llama with mlp_bias
+    b_up: jax.Array | None = None
+    b_down: jax.Array | None = None
 
 
-def layer_param_names(cfg: ModelConfig) -> list[str]:
-    """Decoder names present in each layer for this config (the family switches decide the optional ones)."""
-    names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
-    if cfg.qkv_bias:
-        names += ["bq", "bk", "bv"]
-    if cfg.o_bias:
-        names += ["bo"]
-    if cfg.qk_norm:
-        names += ["q_norm", "k_norm"]
-    if cfg.mlp_bias:
-        names += ["b_gate", "b_up", "b_down"]
-    return names
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Weights:
+    embed: jax.Array  # [V, D]
+    final_norm: jax.Array  # [D]
+    layers: tuple[LayerWeights, ...]
+    lm_head: jax.Array | None = None  # [D, V]; None when tied to the embedding
+
+
+# The table and the pytree must name the same tensors: checked at import, so a field added to one fails at once.
+assert {p.field for p in TOP_PARAMS} | {"layers"} == {f.name for f in dataclasses.fields(Weights)}
+assert {p.field for p in LAYER_PARAMS} == {f.name for f in dataclasses.fields(LayerWeights)}
+
+
+def layer_prefix(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+def build_weights(cfg: ModelConfig, make: Callable[[Param, str], object]) -> Weights:
+    """A Weights whose present tensors are `make(param, full HF name)`, the absent ones None."""
+
+    def fields(params, prefix=""):
+        return {p.field: make(p, prefix + p.hf_name) for p in params if p.when(cfg)}
+
+    layers = tuple(LayerWeights(**fields(LAYER_PARAMS, layer_prefix(i))) for i in range(cfg.num_layers))
+    return Weights(layers=layers, **fields(TOP_PARAMS))
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF name -> HF shape for every tensor the decoder reads."""
-    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    per_layer = {
-        "attn_norm": (d,), "mlp_norm": (d,), "wq": (cfg.q_size, d), "wk": (cfg.kv_size, d), "wv": (cfg.kv_size, d),
-        "wo": (d, cfg.q_size), "bq": (cfg.q_size,), "bk": (cfg.kv_size,), "bv": (cfg.kv_size,), "bo": (d,),
-        "q_norm": (hd,), "k_norm": (hd,), "w_gate": (f, d), "w_up": (f, d), "w_down": (d, f),
-        "b_gate": (f,), "b_up": (f,), "b_down": (d,),
-    }
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    """HF name -> HF shape for every tensor the decoder reads (the top-level ones first, then layer by layer)."""
+    shapes = {p.hf_name: p.hf_shape(cfg) for p in TOP_PARAMS if p.when(cfg)}
     for i in range(cfg.num_layers):
-        for name in layer_param_names(cfg):
-            shapes[f"model.layers.{i}.{_LAYER_NAMES[name][0]}"] = per_layer[name]
+        shapes.update({layer_prefix(i) + p.hf_name: p.hf_shape(cfg) for p in LAYER_PARAMS if p.when(cfg)})
     return shapes
 
 
-def params_from_named_arrays(cfg: ModelConfig, named: Mapping[str, np.ndarray], dtype: str = "float32") -> dict:
-    """Validate HF-named arrays against `cfg` and build the decoder pytree (host numpy arrays in `dtype`).
+def params_from_named_arrays(cfg: ModelConfig, named: Mapping[str, np.ndarray], dtype: str = "float32") -> Weights:
+    """Validate HF-named arrays against `cfg` and build the decoder's Weights (host numpy arrays in `dtype`).
 
     Raises ValueError naming the first missing, misshapen or unknown tensor; nothing is built until all are valid.
     """
@@ -95,37 +172,19 @@ def params_from_named_arrays(cfg: ModelConfig, named: Mapping[str, np.ndarray], 
             # A tied model's state_dict still lists lm_head.weight (the same tensor as the embedding): skip it.
             raise ValueError(f"unexpected weight {name!r} for a {cfg.family} model with {cfg.num_layers} layers")
 
-    np_dtype = DTYPES[dtype]
+    np_dtype = np.dtype(dtype)
 
-    def get(name: str, transpose: bool = False) -> np.ndarray:
-        arr = np.asarray(named[name])
+    def get(param: Param, name: str) -> np.ndarray:
         # Cast before transposing (a cheaper copy in bf16) and make the result contiguous for the device transfer.
-        arr = arr.astype(np_dtype, copy=False)
-        return np.ascontiguousarray(arr.T if transpose else arr)
+        arr = np.asarray(named[name]).astype(np_dtype, copy=False)
+        return np.ascontiguousarray(arr.T if param.transposed else arr)
 
-    params = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight"), "layers": []}
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = get("lm_head.weight", transpose=True)
-    for i in range(cfg.num_layers):
-        params["layers"].append({name: get(f"model.layers.{i}.{_LAYER_NAMES[name][0]}", _LAYER_NAMES[name][1])
-                                 for name in layer_param_names(cfg)})
-    return params
+    return build_weights(cfg, get)
 
 
-def param_shapes(cfg: ModelConfig) -> dict:
-    """The decoder pytree's shapes (tuples as leaves), for building zero weights before any load."""
-    hf = expected_shapes(cfg)
-    tree = {"embed": hf["model.embed_tokens.weight"], "final_norm": hf["model.norm.weight"], "layers": []}
-    if not cfg.tie_word_embeddings:
-        tree["lm_head"] = hf["lm_head.weight"][::-1]
-    for i in range(cfg.num_layers):
-        layer = {}
-        for name in layer_param_names(cfg):
-            hf_name, transpose = _LAYER_NAMES[name]
-            shape = hf[f"model.layers.{i}.{hf_name}"]
-            layer[name] = shape[::-1] if transpose else shape
-        tree["layers"].append(layer)
-    return tree
+def zero_weights(cfg: ModelConfig, dtype: str) -> Weights:
+    """All-zero host weights of the right shapes: what an engine holds before its first load_weights()."""
+    return build_weights(cfg, lambda p, _: np.zeros(p.shape(cfg), np.dtype(dtype)))
 
 
 def resolve_model_dir(model_path: str) -> str:
@@ -133,16 +192,20 @@ def resolve_model_dir(model_path: str) -> str:
     if os.path.isdir(model_path):
         return model_path
     from huggingface_hub import snapshot_download
+
     try:
         return snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"])
     except Exception as e:  # offline, unknown repo, ...: one error that names what was asked for
-        raise ValueError(f"model_path {model_path!r} is not a local dir and could not be fetched from the hub: "
-                         f"{type(e).__name__}: {e}") from e
+        raise ValueError(
+            f"model_path {model_path!r} is not a local dir and could not be fetched from the hub: "
+            f"{type(e).__name__}: {e}"
+        ) from e
 
 
 def load_safetensors_dir(path: str) -> dict[str, np.ndarray]:
     """All tensors of the `*.safetensors` files in a dir (bf16 comes back as ml_dtypes.bfloat16)."""
     from safetensors.numpy import load_file
+
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in model dir {path!r}")

@@ -5,13 +5,12 @@ matmul for FLOP/s and a large jitted elementwise pass (read once, write once) fo
 after a compile+warmup run. Cached per process and dtype, because benchmarks ask repeatedly and a measurement costs
 seconds. `python -m rlloop.bench peaks` prints the numbers.
 """
+
 from __future__ import annotations
 
 import functools
 import json
 import time
-
-import numpy as np
 
 # Sizes per platform: big enough to leave the caches and amortise dispatch, small enough to take ~1 s on a CPU.
 _MATMUL_N = {"cpu": 1024, "gpu": 8192, "tpu": 8192}
@@ -53,15 +52,23 @@ def measure_peaks(dtype: str = "float32") -> dict[str, float]:
         x = scale(x).block_until_ready()
         copy_s = min(copy_s, time.perf_counter() - start)
     del x
-    return {"matmul_flops": 2.0 * n ** 3 / matmul_s, "mem_bytes_per_s": 2.0 * elems * jdtype.itemsize / copy_s,
-            "platform": platform, "device_kind": getattr(device, "device_kind", platform), "dtype": dtype,
-            "matmul_n": n, "copy_bytes": int(elems * jdtype.itemsize)}
+    return {
+        "matmul_flops": 2.0 * n**3 / matmul_s,
+        "mem_bytes_per_s": 2.0 * elems * jdtype.itemsize / copy_s,
+        "platform": platform,
+        "device_kind": getattr(device, "device_kind", platform),
+        "dtype": dtype,
+        "matmul_n": n,
+        "copy_bytes": int(elems * jdtype.itemsize),
+    }
 
 
 def main(argv: list[str]) -> None:
     dtypes = argv or ["float32"]
     results = [measure_peaks(d) for d in dtypes]
     for r in results:
-        print(f"{r['device_kind']} {r['dtype']}: matmul {r['matmul_flops'] / 1e9:.1f} GFLOP/s, "
-              f"memory {r['mem_bytes_per_s'] / 1e9:.1f} GB/s")
+        print(
+            f"{r['device_kind']} {r['dtype']}: matmul {r['matmul_flops'] / 1e9:.1f} GFLOP/s, "
+            f"memory {r['mem_bytes_per_s'] / 1e9:.1f} GB/s"
+        )
     print(json.dumps({"bench": "peaks", "results": results}))

@@ -1,15 +1,17 @@
 """Rollout throughput: the JAX bucketed decoder vs `transformers.generate` on the same weights and requests.
 
-    python -m rlloop.bench rollout [--quick] [--models tiny,30m] [--prompts 8] [--n 8] [--new-tokens 128] [--repeats 3] [--threads 1]
+    python -m rlloop.bench rollout [--quick] [--models tiny,30m] [--prompts 8] [--n 8] [--new-tokens 128]
+                                   [--repeats 3] [--threads 1]
 
 Both engines load one saved HF checkpoint, get the same prompts, the same sampling settings (T=1, no top-k/top-p)
 and no stop ids; the benchmark checkpoints carry no EOS id and requests set ignore_eos, so every row generates
-exactly --new-tokens tokens. Models: "tiny" (the embedded example model)
-and "30m", a random Qwen3 of ~31M parameters (vocab 32000, hidden 384, 12 layers, 6 heads / 2 KV heads of 64,
-MLP 1024, tied head). MFU / MBU divide the run's FLOPs / bytes by the peaks that `rlloop.bench.peaks` measures on
-the same device. Timings are best-of---repeats (default 3), the engines taking turns within each round so that
-load from other processes on a shared machine hits both alike. The last line is one JSON object.
+exactly --new-tokens tokens. Models: "tiny" (the embedded example model) and "30m", a random Qwen3 of ~31M
+parameters (vocab 32000, hidden 384, 12 layers, 6 heads / 2 KV heads of 64, MLP 1024, tied head). MFU / MBU divide
+the run's FLOPs / bytes, as the JAX engine counts them with `rollout.cost`, by the peaks that `rlloop.bench.peaks`
+measures on the same device. Timings are best-of---repeats (default 3), the engines taking turns within each round
+so that load from other processes on a shared machine hits both alike. The last line is one JSON object.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,14 +24,30 @@ from pathlib import Path
 
 import numpy as np
 
+from rollout.types import DTYPES
+
 TINY_ASSET = Path(__file__).resolve().parents[1] / "assets" / "tiny" / "model"
 
 # name -> Qwen3 config overrides; "tiny" is only used when the shipped asset is missing.
 MODEL_SPECS = {
-    "tiny": dict(vocab_size=99, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=32),
-    "30m": dict(vocab_size=32000, hidden_size=384, intermediate_size=1024, num_hidden_layers=12,
-                num_attention_heads=6, num_key_value_heads=2, head_dim=64),
+    "tiny": dict(
+        vocab_size=99,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    ),
+    "30m": dict(
+        vocab_size=32000,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=12,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
 }
 
 
@@ -38,9 +56,16 @@ def save_random_qwen3(path: Path, seed: int = 0, **overrides) -> Path:
     import transformers
 
     torch.manual_seed(seed)
-    cfg = transformers.Qwen3Config(rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
-                                   max_position_embeddings=4096, bos_token_id=1, eos_token_id=None, pad_token_id=0,
-                                   **overrides)
+    cfg = transformers.Qwen3Config(
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=None,
+        pad_token_id=0,
+        **overrides,
+    )
     transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
     return without_eos(path)
 
@@ -64,39 +89,6 @@ def model_dir(name: str, workdir: Path) -> Path:
     return save_random_qwen3(workdir / name, **MODEL_SPECS[name])
 
 
-def model_shape(path: Path) -> dict:
-    """Parameter counts and attention sizes from the HF config, for the FLOP / byte model."""
-    cfg = json.loads((path / "config.json").read_text())
-    d, f, L, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    hd = cfg.get("head_dim") or d // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    layer_matmul = d * q + 2 * d * kv + q * d + 3 * d * f
-    tied = cfg.get("tie_word_embeddings", False)
-    params = V * d + L * (layer_matmul + 2 * d + 2 * hd) + d + (0 if tied else V * d)
-    # Every decoded token multiplies through all layers and the LM head; the embedding lookup is not a matmul.
-    return {"params": params, "matmul_params": L * layer_matmul + V * d, "layers": L, "q": q, "kv": kv}
-
-
-def analytic_cost(shape: dict, prompt_lens: list[int], n: int, new_tokens: int,
-                  itemsize: int) -> tuple[float, float]:
-    """FLOPs and HBM/DRAM bytes of an ideal engine: prefill each prompt once, decode all rows together.
-
-    FLOPs: 2 per matmul weight per token, plus QK^T and PV over the context. Bytes: every decode step reads all
-    weights once and each row's KV up to its position; prefill reads the weights once.
-    """
-    L, q, kv = shape["layers"], shape["q"], shape["kv"]
-    flops = 0.0
-    kv_bytes = 0.0
-    for p in prompt_lens:
-        flops += 2 * shape["matmul_params"] * p + 2 * L * q * p * p   # causal attention ~ p^2 / 2 pairs, x4 flops
-        for t in range(new_tokens):
-            ctx = p + t + 1
-            flops += n * (2 * shape["matmul_params"] + 4 * L * q * ctx)
-            kv_bytes += n * 2 * L * kv * ctx * itemsize
-    weight_bytes = shape["params"] * itemsize * (new_tokens + 1)
-    return flops, weight_bytes + kv_bytes
-
-
 def make_prompts(num_prompts: int, vocab: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(3, vocab, size=int(rng.integers(min_len, max_len + 1))).tolist() for _ in range(num_prompts)]
@@ -111,7 +103,7 @@ def hf_runners(path: Path, prompts, n, sampling, dtype: str) -> dict:
     from rollout.hf_backend import HFEngine
 
     engine = HFEngine(str(path), dtype=dtype, max_batch=len(prompts) * n)
-    engine.generate(prompts[:1], 1, type(sampling)(max_new_tokens=2))   # torch's first-call costs, not counted
+    engine.generate(prompts[:1], 1, type(sampling)(max_new_tokens=2))  # torch's first-call costs, not counted
     rows = [p for p in prompts for _ in range(n)]
     width = max(len(p) for p in rows)
     input_ids = torch.tensor([[engine.pad_token_id] * (width - len(p)) + p for p in rows])
@@ -123,10 +115,17 @@ def hf_runners(path: Path, prompts, n, sampling, dtype: str) -> dict:
     def hf_plain() -> int:
         torch.manual_seed(sampling.seed)
         with torch.inference_mode():
-            seq = engine.model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
-                                        temperature=sampling.temperature, top_k=0, top_p=1.0,
-                                        max_new_tokens=sampling.max_new_tokens, eos_token_id=None,
-                                        pad_token_id=engine.pad_token_id)
+            seq = engine.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                do_sample=True,
+                temperature=sampling.temperature,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=sampling.max_new_tokens,
+                eos_token_id=None,
+                pad_token_id=engine.pad_token_id,
+            )
         return (seq.shape[1] - width) * seq.shape[0]
 
     return {"hf": hf, "hf_plain": hf_plain}
@@ -134,11 +133,13 @@ def hf_runners(path: Path, prompts, n, sampling, dtype: str) -> dict:
 
 def jax_runner(path: Path, prompts, n, sampling, dtype: str):
     """(timed closure, warmup report) for the JAX engine; the closure records the stats of its last run."""
-    from rollout.engine import EngineConfig, JaxEngine
+    from rollout.engine import JaxEngine
+    from rollout.engine_config import EngineConfig
 
     max_seq_len = max(len(p) for p in prompts) + sampling.max_new_tokens
-    engine = JaxEngine(EngineConfig(model_path=str(path), dtype=dtype, max_batch=len(prompts) * n,
-                                    max_seq_len=max_seq_len))
+    engine = JaxEngine(
+        EngineConfig(model_path=str(path), dtype=dtype, max_batch=len(prompts) * n, max_seq_len=max_seq_len)
+    )
     start = time.perf_counter()
     engine.warmup()
     warm = {"warmup_s": time.perf_counter() - start, "compiles_after_warmup": 0.0}
@@ -169,50 +170,76 @@ def best_of(runners: dict, repeats: int, expected_tokens: int) -> dict[str, floa
 
 
 def bench_model(name: str, args, workdir: Path, peaks: dict) -> dict:
+    from rollout.cost import param_count
+    from rollout.model_config import ModelConfig
     from rollout.types import SamplingParams
 
     path = model_dir(name, workdir)
-    shape = model_shape(path)
-    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-    prompts = make_prompts(args.prompts, vocab, args.min_prompt_len, args.max_prompt_len, seed=0)
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, stop_token_ids=(), seed=0,
-                              ignore_eos=True)
+    mc = ModelConfig.from_dir(str(path))
+    params = param_count(mc)
+    prompts = make_prompts(args.prompts, mc.vocab_size, args.min_prompt_len, args.max_prompt_len, seed=0)
+    sampling = SamplingParams(
+        temperature=1.0, max_new_tokens=args.new_tokens, stop_token_ids=(), seed=0, ignore_eos=True
+    )
     expected_tokens = len(prompts) * args.n * args.new_tokens
 
     try:
         jax_run, jax_info = jax_runner(path, prompts, args.n, sampling, args.dtype)
     except ImportError as e:  # the JAX engine not built yet / broken: still report the baseline, say why
         print(f"[{name}] JAX engine unavailable ({e}); reporting the HF baseline only", flush=True)
-        hf_s = best_of({"hf": hf_runners(path, prompts, args.n, sampling, args.dtype)["hf"]}, args.repeats,
-                       expected_tokens)["hf"]
-        return {"model": name, "params": shape["params"], "hf_tok_s": expected_tokens / hf_s, "jax_tok_s": None,
-                "error": f"rollout.engine: {e}"}
+        hf_s = best_of(
+            {"hf": hf_runners(path, prompts, args.n, sampling, args.dtype)["hf"]}, args.repeats, expected_tokens
+        )["hf"]
+        return {
+            "model": name,
+            "params": params,
+            "hf_tok_s": expected_tokens / hf_s,
+            "jax_tok_s": None,
+            "error": f"rollout.engine: {e}",
+        }
     runners = {"jax": jax_run, **hf_runners(path, prompts, args.n, sampling, args.dtype)}
     best = best_of(runners, args.repeats, expected_tokens)
-    stats = jax_info["stats"]     # of the last run; its timings are not the best ones, its counts are the same
+    stats = jax_info["stats"]  # of the last run; its timings are not the best ones, its counts are the same
     jx = {"seconds": best["jax"], "tok_s": expected_tokens / best["jax"]}
-    hf = {"seconds": best["hf"], "tok_s": expected_tokens / best["hf"],
-          "plain_tok_s": expected_tokens / best["hf_plain"]}
+    hf = {
+        "seconds": best["hf"],
+        "tok_s": expected_tokens / best["hf"],
+        "plain_tok_s": expected_tokens / best["hf_plain"],
+    }
 
-    itemsize = 2 if args.dtype in ("bfloat16", "float16") else 4
-    flops, nbytes = analytic_cost(shape, [len(p) for p in prompts], args.n, args.new_tokens, itemsize)
-    # Prefer the engine's own accounting when it reports one; it knows what it actually computed.
-    flops = stats.get("flops") or flops
-    nbytes = stats.get("bytes") or nbytes
-    result = {"model": name, "params": shape["params"], "rows": len(prompts) * args.n,
-              "new_tokens": args.new_tokens, "jax_tok_s": jx["tok_s"], "hf_tok_s": hf["tok_s"],
-              "speedup": jx["tok_s"] / hf["tok_s"], "hf_plain_generate_tok_s": hf["plain_tok_s"],
-              "speedup_vs_plain_generate": jx["tok_s"] / hf["plain_tok_s"], "mfu": flops / jx["seconds"] / peaks["matmul_flops"],
-              "mbu": nbytes / jx["seconds"] / peaks["mem_bytes_per_s"],
-              "compiles_after_warmup": jax_info["compiles_after_warmup"], "warmup_s": jax_info["warmup_s"],
-              "pad_frac": stats["pad_frac"], "jax_s": jx["seconds"], "hf_s": hf["seconds"],
-              "prefill_s": stats["prefill_s"], "decode_s": stats["decode_s"], "repeats": args.repeats,
-              "flops": flops, "bytes": nbytes}
-    print(f"[{name}] params {shape['params'] / 1e6:.1f}M rows {result['rows']} x {args.new_tokens} tokens: "
-          f"jax {jx['tok_s']:.0f} tok/s, hf {hf['tok_s']:.0f} tok/s (plain generate {hf['plain_tok_s']:.0f}), "
-          f"speedup {result['speedup']:.2f}x, "
-          f"warmup {jax_info['warmup_s']:.1f}s, compiles after warmup {result['compiles_after_warmup']}, "
-          f"MFU {result['mfu']:.1%}, MBU {result['mbu']:.1%}, pad {result['pad_frac']:.1%}", flush=True)
+    # The engine's own accounting (rollout.cost over what it actually computed and read).
+    flops, nbytes = stats["flops"], stats["bytes"]
+    result = {
+        "model": name,
+        "params": params,
+        "rows": len(prompts) * args.n,
+        "new_tokens": args.new_tokens,
+        "jax_tok_s": jx["tok_s"],
+        "hf_tok_s": hf["tok_s"],
+        "speedup": jx["tok_s"] / hf["tok_s"],
+        "hf_plain_generate_tok_s": hf["plain_tok_s"],
+        "speedup_vs_plain_generate": jx["tok_s"] / hf["plain_tok_s"],
+        "mfu": flops / jx["seconds"] / peaks["matmul_flops"],
+        "mbu": nbytes / jx["seconds"] / peaks["mem_bytes_per_s"],
+        "compiles_after_warmup": jax_info["compiles_after_warmup"],
+        "warmup_s": jax_info["warmup_s"],
+        "pad_frac": stats["pad_frac"],
+        "jax_s": jx["seconds"],
+        "hf_s": hf["seconds"],
+        "prefill_s": stats["prefill_s"],
+        "decode_s": stats["decode_s"],
+        "repeats": args.repeats,
+        "flops": flops,
+        "bytes": nbytes,
+    }
+    print(
+        f"[{name}] params {params / 1e6:.1f}M rows {result['rows']} x {args.new_tokens} tokens: "
+        f"jax {jx['tok_s']:.0f} tok/s, hf {hf['tok_s']:.0f} tok/s (plain generate {hf['plain_tok_s']:.0f}), "
+        f"speedup {result['speedup']:.2f}x, "
+        f"warmup {jax_info['warmup_s']:.1f}s, compiles after warmup {result['compiles_after_warmup']}, "
+        f"MFU {result['mfu']:.1%}, MBU {result['mbu']:.1%}, pad {result['pad_frac']:.1%}",
+        flush=True,
+    )
     return result
 
 
@@ -238,11 +265,19 @@ def parse_args(argv):
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--min-prompt-len", type=int, default=16)
     ap.add_argument("--max-prompt-len", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3,
-                    help="timed runs per engine after an untimed one; the best is reported (quick: 2)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--threads", type=int, default=0,
-                    help="CPU threads for torch and XLA alike (0: all cores). 1 gives stable numbers on a shared box")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed runs per engine after an untimed one; the best is reported (quick: 2)",
+    )
+    ap.add_argument("--dtype", default="float32", choices=DTYPES)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="CPU threads for torch and XLA alike (0: all cores). 1 gives stable numbers on a shared box",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.prompts, args.n, args.new_tokens, args.repeats = 4, 4, 32, 2
@@ -258,11 +293,24 @@ def main(argv: list[str]) -> None:
     from rlloop.bench.peaks import measure_peaks
 
     peaks = measure_peaks(args.dtype)
-    print(f"peaks ({peaks['device_kind']}, {args.dtype}): matmul {peaks['matmul_flops'] / 1e9:.1f} GFLOP/s, "
-          f"memory {peaks['mem_bytes_per_s'] / 1e9:.1f} GB/s", flush=True)
+    print(
+        f"peaks ({peaks['device_kind']}, {args.dtype}): matmul {peaks['matmul_flops'] / 1e9:.1f} GFLOP/s, "
+        f"memory {peaks['mem_bytes_per_s'] / 1e9:.1f} GB/s",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix="rlloop_bench_rollout_") as tmp:
         results = [bench_model(name, args, Path(tmp), peaks) for name in args.models.split(",")]
-    print(json.dumps({"bench": "rollout", "device": peaks["device_kind"], "cpus": os.cpu_count(),
-                      "threads": args.threads or os.cpu_count(),
-                      "dtype": args.dtype, "peak_matmul_flops": peaks["matmul_flops"],
-                      "peak_mem_bytes_per_s": peaks["mem_bytes_per_s"], "results": results}))
+    print(
+        json.dumps(
+            {
+                "bench": "rollout",
+                "device": peaks["device_kind"],
+                "cpus": os.cpu_count(),
+                "threads": args.threads or os.cpu_count(),
+                "dtype": args.dtype,
+                "peak_matmul_flops": peaks["matmul_flops"],
+                "peak_mem_bytes_per_s": peaks["mem_bytes_per_s"],
+                "results": results,
+            }
+        )
+    )

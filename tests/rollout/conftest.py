@@ -1,4 +1,5 @@
 """Fixtures for the JAX engine tests: tiny HF models on disk and small-bucket engines (few programs to compile)."""
+
 import pytest
 
 from tests.conftest import make_tiny_hf_model
@@ -6,8 +7,16 @@ from tests.conftest import make_tiny_hf_model
 
 def small_engine(model_path, **overrides):
     from rollout.engine import EngineConfig, JaxEngine
-    kw = dict(model_path=str(model_path), dtype="float32", max_batch=8, max_seq_len=64, prefill_buckets=(16, 32),
-              decode_buckets=(4, 8), steps_per_dispatch=4)
+
+    kw = dict(
+        model_path=str(model_path),
+        dtype="float32",
+        max_batch=8,
+        max_seq_len=64,
+        prefill_buckets=(16, 32),
+        decode_buckets=(4, 8),
+        steps_per_dispatch=4,
+    )
     kw.update(overrides)
     return JaxEngine(EngineConfig(**kw))
 

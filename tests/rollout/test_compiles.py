@@ -1,5 +1,6 @@
 """Steady state compiles nothing: after warmup, hundreds of requests of random shapes and settings (and a weight
 swap) run on the programs built in warmup. The counter itself is checked to see compiles."""
+
 import numpy as np
 
 from rollout.buckets import default_decode_buckets, default_prefill_buckets
@@ -16,14 +17,24 @@ def _random_sampling(rng, max_new):
         top_p=float(rng.choice([1.0, 0.9, 0.5])),
         max_new_tokens=max_new,
         stop_token_ids=tuple(int(t) for t in rng.integers(3, 128, rng.integers(0, 4))),
-        seed=int(rng.integers(0, 2**31 - 1)))
+        seed=int(rng.integers(0, 2**31 - 1)),
+    )
 
 
 def test_zero_compiles_after_warmup_over_200_requests(tiny_qwen3_dir):
     eng = small_engine(tiny_qwen3_dir, prefill_buckets=(8, 16, 32), decode_buckets=(2, 4, 8))
     times = eng.warmup()
-    assert set(times) == {"prefill/8", "prefill/16", "prefill/32", "decode/2", "decode/4", "decode/8",
-                          "copy/2", "copy/4", "copy/8"}
+    assert set(times) == {
+        "prefill/8",
+        "prefill/16",
+        "prefill/32",
+        "decode/2",
+        "decode/4",
+        "decode/8",
+        "copy/2",
+        "copy/4",
+        "copy/8",
+    }
     assert all(t > 0 for t in times.values())
     weights = load_safetensors_dir(str(tiny_qwen3_dir))
     rng = np.random.default_rng(0)
@@ -45,7 +56,7 @@ def test_zero_compiles_after_warmup_over_200_requests(tiny_qwen3_dir):
 
 
 def test_compile_counter_sees_an_unwarmed_bucket(tiny_qwen3_dir):
-    eng = small_engine(tiny_qwen3_dir, prefill_buckets=(16, 32), decode_buckets=(3, 8))   # decode/3: never built
+    eng = small_engine(tiny_qwen3_dir, prefill_buckets=(16, 32), decode_buckets=(3, 8))  # decode/3: never built
     eng.generate([[5, 6, 7]], 1, SamplingParams(max_new_tokens=2))
     assert eng.stats()["compiles"] >= 1
     assert eng.stats()["total_compiles"] >= eng.stats()["compiles"]

@@ -1,5 +1,6 @@
 """JaxEngine behaviour against HF transformers: greedy tokens and log-probs, batch-independent sampling, continuous
 batching with slot reuse, stop ids, weight swaps and input errors."""
+
 import os
 import shutil
 
@@ -11,8 +12,8 @@ import transformers
 from rollout.engine import compile_count
 from rollout.types import SamplingParams
 from rollout.weights import load_safetensors_dir
-from tests.rollout.conftest import small_engine
 from tests.conftest import make_tiny_hf_model
+from tests.rollout.conftest import small_engine
 
 EOS = 2
 
@@ -28,15 +29,21 @@ def hf(tiny_qwen3_dir):
 
 def _hf_greedy(model, prompt, max_new):
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new, do_sample=False, eos_token_id=EOS, pad_token_id=0)
-    toks = out[0, len(prompt):].tolist()
-    return toks[:toks.index(EOS) + 1] if EOS in toks else toks
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=EOS,
+            pad_token_id=0,
+        )
+    toks = out[0, len(prompt) :].tolist()
+    return toks[: toks.index(EOS) + 1] if EOS in toks else toks
 
 
 def _hf_logprobs(model, prompt, completion, temperature=1.0):
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1].double() / temperature
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].double() / temperature
     return torch.log_softmax(logits, -1)[torch.arange(len(completion)), torch.tensor(completion)].numpy()
 
 
@@ -45,7 +52,7 @@ def _prompts(rng, count, lo=1, hi=30, vocab=128):
 
 
 def test_greedy_matches_hf_generate(engine, hf):
-    prompts = _prompts(np.random.default_rng(0), 3) + [[7]]       # a one-token prompt prefills nothing
+    prompts = _prompts(np.random.default_rng(0), 3) + [[7]]  # a one-token prompt prefills nothing
     out = engine.generate(prompts, 2, SamplingParams(temperature=0.0, max_new_tokens=24))
     assert [(c.prompt_index, c.sample_index) for c in out] == [(i, j) for i in range(4) for j in range(2)]
     refs = [_hf_greedy(hf, p, 24) for p in prompts]
@@ -61,7 +68,7 @@ def test_greedy_matches_hf_generate(engine, hf):
 def test_sampled_logprobs_are_hf_logprobs_of_the_tempered_distribution(engine, hf):
     prompts = _prompts(np.random.default_rng(1), 3)
     out = engine.generate(prompts, 3, SamplingParams(temperature=0.7, max_new_tokens=20, seed=3))
-    assert len({tuple(c.token_ids) for c in out}) > 3            # samples of one prompt differ
+    assert len({tuple(c.token_ids) for c in out}) > 3  # samples of one prompt differ
     for c in out:
         ref = _hf_logprobs(hf, prompts[c.prompt_index], c.token_ids, temperature=0.7)
         np.testing.assert_allclose(c.logprobs, ref, atol=1e-4)
@@ -74,11 +81,12 @@ def test_same_seed_same_tokens_whatever_the_batch(engine):
     # take their prompt KV from that sibling's slot (the scheduler's copy-from-holder path)
     sp = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=16, seed=11, stop_token_ids=tuple(range(3, 15)))
     alone = engine.generate([p], 3, sp)
-    crowded = engine.generate([p] + others, 3, sp)                # 21 samples through 8 slots, other buckets
+    crowded = engine.generate([p] + others, 3, sp)  # 21 samples through 8 slots, other buckets
     assert [c.token_ids for c in alone] == [c.token_ids for c in crowded[:3]]
     assert {c.finish_reason for c in crowded} == {"stop", "length"}
-    np.testing.assert_allclose(sum((c.logprobs for c in alone), []), sum((c.logprobs for c in crowded[:3]), []),
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        sum((c.logprobs for c in alone), []), sum((c.logprobs for c in crowded[:3]), []), atol=1e-6
+    )
     reseeded = engine.generate([p], 3, SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=16, seed=12))
     assert [c.token_ids for c in reseeded] != [c.token_ids for c in alone]
     # EngineConfig.seed is mixed in: a second engine (same compiled programs) with another seed samples differently
@@ -90,27 +98,29 @@ def test_continuous_batching_reuses_slots_and_matches_solo_runs(engine):
     rng = np.random.default_rng(3)
     prompts = _prompts(rng, 7, hi=32)
     sp = SamplingParams(temperature=0.0, max_new_tokens=30)
-    together = engine.generate(prompts, 3, sp)                     # 21 samples, 8 slots
+    together = engine.generate(prompts, 3, sp)  # 21 samples, 8 slots
     assert len(together) == 21
     st = engine.stats()
     assert st["gen_tokens"] == sum(len(c.token_ids) for c in together)
     assert 0.0 <= st["pad_frac"] < 1.0 and st["compiles"] == 0
     for i, p in enumerate(prompts):
         solo = engine.generate([p], 1, sp)[0]
-        assert all(c.token_ids == solo.token_ids for c in together[3 * i:3 * i + 3])
+        assert all(c.token_ids == solo.token_ids for c in together[3 * i : 3 * i + 3])
 
 
 def test_stop_token_ids_and_max_new_tokens(engine):
     prompt = [5, 9, 17, 33]
     free = engine.generate([prompt], 1, SamplingParams(temperature=0.0, max_new_tokens=12))[0]
     assert len(free.token_ids) <= 12
-    stop_at = max(i for i, t in enumerate(free.token_ids) if t not in free.token_ids[:i])   # a first occurrence
-    stopped = engine.generate([prompt], 1, SamplingParams(temperature=0.0, max_new_tokens=12,
-                                                         stop_token_ids=(free.token_ids[stop_at],)))[0]
-    assert stopped.token_ids == free.token_ids[:stop_at + 1] and stopped.finish_reason == "stop"
+    stop_at = max(i for i, t in enumerate(free.token_ids) if t not in free.token_ids[:i])  # a first occurrence
+    stopped = engine.generate(
+        [prompt], 1, SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(free.token_ids[stop_at],))
+    )[0]
+    assert stopped.token_ids == free.token_ids[: stop_at + 1] and stopped.finish_reason == "stop"
     short = engine.generate([prompt], 1, SamplingParams(temperature=0.0, max_new_tokens=3))[0]
-    assert short.token_ids == free.token_ids[:3] and short.finish_reason == ("stop" if EOS in short.token_ids
-                                                                            else "length")
+    assert short.token_ids == free.token_ids[:3] and short.finish_reason == (
+        "stop" if EOS in short.token_ids else "length"
+    )
 
 
 def test_load_weights_swaps_model_without_compiling(tmp_path, engine, hf, tiny_qwen3_dir):
@@ -128,7 +138,7 @@ def test_load_weights_swaps_model_without_compiling(tmp_path, engine, hf, tiny_q
         engine.load_weights(bad, version=6)
     assert engine.generate([prompt], 1, sp)[0] == c
     assert compile_count() == before
-    engine.load_weights(load_safetensors_dir(str(tiny_qwen3_dir)), version=0)    # restore for other tests
+    engine.load_weights(load_safetensors_dir(str(tiny_qwen3_dir)), version=0)  # restore for other tests
     assert engine.generate([prompt], 1, sp)[0].token_ids == _hf_greedy(hf, prompt, 10)
 
 
@@ -136,7 +146,7 @@ def test_engine_from_config_only_dir_waits_for_weights(tmp_path, hf, tiny_qwen3_
     cfg_only = tmp_path / "cfg_only"
     cfg_only.mkdir()
     shutil.copy(os.path.join(tiny_qwen3_dir, "config.json"), cfg_only / "config.json")
-    eng = small_engine(cfg_only)       # same config as the warmed `engine`: shares its compiled programs
+    eng = small_engine(cfg_only)  # same config as the warmed `engine`: shares its compiled programs
     with pytest.raises(ValueError, match="no weights loaded"):
         eng.generate([[1, 2, 3]], 1, SamplingParams(max_new_tokens=4))
     eng.load_weights(load_safetensors_dir(str(tiny_qwen3_dir)), version=3)
@@ -159,19 +169,20 @@ def test_bad_requests_name_the_limit(engine):
         engine.generate([[3, 500]], 1, sp)
     with pytest.raises(ValueError, match="dtype"):
         small_engine(os.devnull, dtype="float16")
-    with pytest.raises(ValueError, match="no-such-org/no-such-model"):   # not a dir, and the hub is offline
+    with pytest.raises(ValueError, match="no-such-org/no-such-model"):  # not a dir, and the hub is offline
         small_engine("no-such-org/no-such-model")
 
 
 def test_scheduler_prefills_each_prompt_once_and_packs_buckets():
     from rollout.scheduler import Request, Scheduler, pack_prefills
+
     a, b = [1, 2, 3, 4], [5, 6]
     sched = Scheduler(3)
     sched.add([Request(0, j, a, j) for j in range(4)] + [Request(1, 0, b, 9)])
-    first = sched.admit()                                   # 3 slots: a's leader + 2 copies
+    first = sched.admit()  # 3 slots: a's leader + 2 copies
     assert first.slots == [0, 1, 2] and first.prefill == [(0, a)] and first.copies == [(0, 1), (0, 2)]
     sched.release(1)
-    second = sched.admit()                                  # a's 4th sample copies from a running sibling
+    second = sched.admit()  # a's 4th sample copies from a running sibling
     assert second.slots == [1] and second.prefill == [] and len(second.copies) == 1
     assert second.copies[0][0] in (0, 2) and second.copies[0][1] == 1
     assert sched.extent() == 3
@@ -180,11 +191,11 @@ def test_scheduler_prefills_each_prompt_once_and_packs_buckets():
     third = sched.admit()
     assert third.slots == [0] and third.prefill == [(0, b)] and not sched.waiting
     batches = pack_prefills([(0, a[:-1]), (2, b[:-1]), (1, [7] * 7)], (4, 8), num_slots=3)
-    assert [bt.tokens.size for bt in batches] == [4, 8]     # 3 + 1 tokens fill bucket 4; 7 tokens go to bucket 8
+    assert [bt.tokens.size for bt in batches] == [4, 8]  # 3 + 1 tokens fill bucket 4; 7 tokens go to bucket 8
     first_batch = batches[0]
     assert first_batch.tokens.tolist() == [1, 2, 3, 5] and first_batch.positions.tolist() == [0, 1, 2, 0]
     assert first_batch.segments.tolist() == [0, 0, 0, 1] and first_batch.slots.tolist() == [0, 0, 0, 2]
-    assert batches[1].slots.tolist() == [1] * 7 + [3]       # padding targets slot 3 == num_slots: dropped
+    assert batches[1].slots.tolist() == [1] * 7 + [3]  # padding targets slot 3 == num_slots: dropped
 
 
 def test_bfloat16_engine_logprobs_track_hf_fp32(tiny_qwen3_dir, hf):

@@ -1,12 +1,13 @@
 """HFEngine against plain transformers: greedy parity with model.generate, log-probs against a manual forward pass,
 stop handling, weight loading (including bf16 and tied heads) and its errors."""
+
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
 import transformers
 
-from rollout import RolloutEngine, SamplingParams, make_engine
+from rollout import EngineConfig, RolloutEngine, SamplingParams, make_engine
 from rollout.hf_backend import HFEngine
 
 try:
@@ -48,10 +49,11 @@ def test_greedy_matches_plain_generate(engine, model_dir):
     for c in out:
         prompt = PROMPTS[c.prompt_index]
         with torch.no_grad():  # one unpadded prompt at a time: no padding in the reference
-            seq = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10, eos_token_id=2,
-                               pad_token_id=0)[0, len(prompt):].tolist()
+            seq = ref.generate(
+                torch.tensor([prompt]), do_sample=False, max_new_tokens=10, eos_token_id=2, pad_token_id=0
+            )[0, len(prompt) :].tolist()
         if 2 in seq:
-            seq = seq[:seq.index(2) + 1]
+            seq = seq[: seq.index(2) + 1]
         assert c.token_ids == seq
         assert c.finish_reason == ("stop" if seq[-1] == 2 else "length")
         assert len(c.logprobs) == len(c.token_ids)
@@ -60,14 +62,15 @@ def test_greedy_matches_plain_generate(engine, model_dir):
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, -1, 1.0), (0.7, 10, 0.9)])
 def test_logprobs_match_manual_forward(engine, model_dir, temperature, top_k, top_p):
     ref = reference_model(model_dir)
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=12, seed=3,
-                              ignore_eos=True)
+    sampling = SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=12, seed=3, ignore_eos=True
+    )
     out = engine.generate(PROMPTS, n=2, sampling=sampling)
     for c in out:
         prompt = PROMPTS[c.prompt_index]
         assert c.finish_reason == "length" and len(c.token_ids) == 12
         with torch.no_grad():
-            logits = ref(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1:-1].double().numpy()
+            logits = ref(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1 : -1].double().numpy()
         z = logits / temperature
         # Restrict to the sampled distribution: top-k, then top-p over the renormalised top-k (HF's rule).
         keep = np.ones_like(z, bool)
@@ -100,14 +103,16 @@ def test_sampling_is_reproducible_per_seed(engine):
 
 
 def test_stop_ids_end_rows(engine):
-    free = engine.generate(PROMPTS, n=1, sampling=SamplingParams(temperature=0.0, max_new_tokens=10,
-                                                                  ignore_eos=True))
+    free = engine.generate(PROMPTS, n=1, sampling=SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True))
     assert 2 in sum((c.token_ids for c in free), []), "the model's EOS must occur for ignore_eos to be tested"
     assert all(c.finish_reason == "length" and len(c.token_ids) == 10 for c in free)
     # Pick a token that greedy decoding emits mid-way in some row (not at its first step), then stop on it.
     stop = next(t for c in free for t in c.token_ids[2:])
-    stopped = engine.generate(PROMPTS, n=1, sampling=SamplingParams(temperature=0.0, max_new_tokens=10,
-                                                                     stop_token_ids=(stop, 127), ignore_eos=True))
+    stopped = engine.generate(
+        PROMPTS,
+        n=1,
+        sampling=SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=(stop, 127), ignore_eos=True),
+    )
     for before, after in zip(free, stopped):
         if stop in before.token_ids:
             cut = before.token_ids.index(stop) + 1
@@ -140,7 +145,7 @@ def test_load_weights_bf16_is_bit_exact(model_dir):
     name = "model.layers.0.mlp.up_proj.weight"
     values = np.random.default_rng(0).normal(size=tuple(engine.model.state_dict()[name].shape)).astype(np.float32)
     sent = values.astype(ml_dtypes.bfloat16)
-    sent.flags.writeable = False   # as from an mmap'd checkpoint or a shared-memory reader
+    sent.flags.writeable = False  # as from an mmap'd checkpoint or a shared-memory reader
     engine.load_weights({name: sent}, version=1)
     got = engine.model.state_dict()[name].view(torch.int16).numpy().view(np.uint16)
     np.testing.assert_array_equal(got, values.astype(ml_dtypes.bfloat16).view(np.uint16))
@@ -170,6 +175,7 @@ def test_bad_requests_raise(engine, model_dir):
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="tpu_magic"):
-        make_engine("tpu_magic", model_path=model_dir)
-    built = make_engine("hf", model_path=model_dir, max_batch=2)
+        make_engine("tpu_magic", EngineConfig(model_path=model_dir))
+    built = make_engine("hf", EngineConfig(model_path=model_dir, dtype="float32", max_batch=2))
     assert isinstance(built, HFEngine) and isinstance(built, RolloutEngine)
+    assert built.max_batch == 2 and built.model.dtype == torch.float32 and built.warmup() == {}

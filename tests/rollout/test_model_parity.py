@@ -3,6 +3,7 @@
 A packed prefill (two prompts in one bucket, padding included) then 32 greedy decode steps; every logit must match
 HF's full forward over the same sequence to 1e-4, and each greedy token must be HF's argmax.
 """
+
 import functools
 
 import jax
@@ -12,9 +13,9 @@ import pytest
 import torch
 import transformers
 
-from rollout.config import ModelConfig
 from rollout.kv_cache import init_cache
 from rollout.model import decode_step, logits_from_hidden, prefill
+from rollout.model_config import ModelConfig
 from rollout.weights import load_safetensors_dir, params_from_named_arrays
 from tests.conftest import make_tiny_hf_model
 
@@ -54,16 +55,17 @@ def test_prefill_and_decode_logits_match_hf(tmp_path, family, tie):
     row0_tok, row0_pos = other[-1], 3
     for _ in range(32):
         seq.append(nxt)
-        cache, step_logits = step(params, cache, np.array([row0_tok, nxt], np.int32),
-                                  np.array([row0_pos, len(seq) - 1], np.int32))
+        cache, step_logits = step(
+            params, cache, np.array([row0_tok, nxt], np.int32), np.array([row0_pos, len(seq) - 1], np.int32)
+        )
         step_logits = np.asarray(step_logits)
         ours.append(step_logits[1])
         row0_tok, row0_pos = int(np.argmax(step_logits[0])), row0_pos + 1
         nxt = int(np.argmax(step_logits[1]))
     ref = _hf_logits(hf, seq)
-    np.testing.assert_allclose(np.stack(ours), ref[len(prompt):], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.stack(ours), ref[len(prompt) :], atol=1e-4, rtol=0)
     # greedy tokens identical to HF's argmax at every step
-    assert seq[len(prompt) + 1:] == [int(t) for t in np.argmax(ref[len(prompt):-1], axis=-1)]
+    assert seq[len(prompt) + 1 :] == [int(t) for t in np.argmax(ref[len(prompt) : -1], axis=-1)]
 
 
 def test_bf16_logits_close_to_hf_bf16(tmp_path):
@@ -75,8 +77,13 @@ def test_bf16_logits_close_to_hf_bf16(tmp_path):
     cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 32, cfg.head_dim, jnp.bfloat16)
     n = len(prompt)
     _, hidden = jax.jit(functools.partial(prefill, cfg))(
-        params, cache, np.array(prompt, np.int32), np.arange(n, dtype=np.int32), np.zeros(n, np.int32),
-        np.zeros(n, np.int32))
+        params,
+        cache,
+        np.array(prompt, np.int32),
+        np.arange(n, dtype=np.int32),
+        np.zeros(n, np.int32),
+        np.zeros(n, np.int32),
+    )
     ours = np.asarray(logits_from_hidden(params, hidden))
     ref = _hf_logits(hf, prompt)
     # bf16 has ~3 significant digits; logits of this tiny model are O(0.1-1)
@@ -104,6 +111,7 @@ def test_long_cache_chunked_decode_matches_hf(tmp_path):
     """A cache longer than two chunks takes the chunked online-softmax path, including a clamped last chunk
     (max_len 320 = chunks at 0, 128 and 192-clamped-from-256)."""
     import rollout.model as model
+
     path = make_tiny_hf_model(tmp_path / "q3", "qwen3", tie=False, seed=4)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     cfg = ModelConfig.from_dir(str(path))
@@ -111,14 +119,19 @@ def test_long_cache_chunked_decode_matches_hf(tmp_path):
     assert 320 > 2 * model.DECODE_CHUNK
     prompt = [int(t) for t in np.random.default_rng(1).integers(3, cfg.vocab_size, 250)]
     cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 320, cfg.head_dim, jnp.float32)
-    n = len(prompt) - 1                                   # the engine's split: all but the last token prefilled
+    n = len(prompt) - 1  # the engine's split: all but the last token prefilled
     cache, _ = jax.jit(functools.partial(prefill, cfg))(
-        params, cache, np.array(prompt[:-1], np.int32), np.arange(n, dtype=np.int32), np.zeros(n, np.int32),
-        np.zeros(n, np.int32))
+        params,
+        cache,
+        np.array(prompt[:-1], np.int32),
+        np.arange(n, dtype=np.int32),
+        np.zeros(n, np.int32),
+        np.zeros(n, np.int32),
+    )
     step = jax.jit(functools.partial(decode_step, cfg))
     seq, ours = list(prompt), []
     for _ in range(40):
         cache, logits = step(params, cache, np.array([seq[-1]], np.int32), np.array([len(seq) - 1], np.int32))
         ours.append(np.asarray(logits)[0])
         seq.append(int(np.argmax(ours[-1])))
-    np.testing.assert_allclose(np.stack(ours), _hf_logits(hf, seq)[len(prompt) - 1:-1], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.stack(ours), _hf_logits(hf, seq)[len(prompt) - 1 : -1], atol=1e-4, rtol=0)

@@ -1,4 +1,5 @@
 """The on-device sampler against an exact numpy model of temperature -> top-k -> top-p (HF / vLLM semantics)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,15 +38,28 @@ def expected_distribution(logits, temperature, top_k, top_p):
 
 
 def rows(n, temperature=1.0, top_k=-1, top_p=1.0, seed=0, request_id=None, position=0):
-    return (jnp.full((n,), temperature, jnp.float32), jnp.full((n,), top_k, jnp.int32),
-            jnp.full((n,), top_p, jnp.float32), jnp.full((n,), seed, jnp.uint32),
-            jnp.arange(n, dtype=jnp.int32) if request_id is None else jnp.asarray(request_id, jnp.int32),
-            jnp.full((n,), position, jnp.int32))
+    return (
+        jnp.full((n,), temperature, jnp.float32),
+        jnp.full((n,), top_k, jnp.int32),
+        jnp.full((n,), top_p, jnp.float32),
+        jnp.full((n,), seed, jnp.uint32),
+        jnp.arange(n, dtype=jnp.int32) if request_id is None else jnp.asarray(request_id, jnp.int32),
+        jnp.full((n,), position, jnp.int32),
+    )
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [
-    (1.0, -1, 1.0), (0.7, 5, 1.0), (1.3, -1, 0.8), (1.0, 4, 0.7), (0.5, 3, 0.95), (2.0, 0, 0.5), (1.0, 1, 1.0),
-])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p",
+    [
+        (1.0, -1, 1.0),
+        (0.7, 5, 1.0),
+        (1.3, -1, 0.8),
+        (1.0, 4, 0.7),
+        (0.5, 3, 0.95),
+        (2.0, 0, 0.5),
+        (1.0, 1, 1.0),
+    ],
+)
 def test_empirical_frequencies_match_exact_distribution(temperature, top_k, top_p):
     expected = expected_distribution(LOGITS, temperature, top_k, top_p)
     logits = jnp.broadcast_to(jnp.asarray(LOGITS), (N, len(LOGITS)))
@@ -69,9 +83,15 @@ def test_greedy_is_argmax_with_unfiltered_logprob():
     temperature = np.where(np.arange(64) % 2 == 0, 0.0, 1.0).astype(np.float32)
     top_k = np.full(64, 5, np.int32)
     top_p = np.full(64, 0.5, np.float32)
-    tokens, logprobs = sample_jit(jnp.asarray(logits), jnp.asarray(temperature), jnp.asarray(top_k),
-                                  jnp.asarray(top_p), jnp.zeros(64, jnp.uint32), jnp.arange(64, dtype=jnp.int32),
-                                  jnp.zeros(64, jnp.int32))
+    tokens, logprobs = sample_jit(
+        jnp.asarray(logits),
+        jnp.asarray(temperature),
+        jnp.asarray(top_k),
+        jnp.asarray(top_p),
+        jnp.zeros(64, jnp.uint32),
+        jnp.arange(64, dtype=jnp.int32),
+        jnp.zeros(64, jnp.int32),
+    )
     tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
     g = temperature == 0
     np.testing.assert_array_equal(tokens[g], logits[g].argmax(-1))
@@ -96,8 +116,7 @@ def test_row_does_not_depend_on_the_rest_of_the_batch():
     vocab = 300
     row = rng.normal(size=vocab).astype(np.float32)
     settings = dict(temperature=0.9, top_k=-1, top_p=1.0)
-    alone_tok, alone_lp = sample_jit(jnp.asarray(row[None]), *rows(1, seed=7, request_id=[3], position=5,
-                                                                    **settings))
+    alone_tok, alone_lp = sample_jit(jnp.asarray(row[None]), *rows(1, seed=7, request_id=[3], position=5, **settings))
     # Same row at index 17 of a 64-row batch whose other rows differ in logits, seeds and filters (so the
     # batch-level filtering branch is taken here but not above).
     batch = rng.normal(size=(64, vocab)).astype(np.float32)
@@ -109,8 +128,15 @@ def test_row_does_not_depend_on_the_rest_of_the_batch():
     request_id = rng.integers(0, 1000, 64).astype(np.int32)
     position = rng.integers(0, 100, 64).astype(np.int32)
     temperature[17], top_k[17], top_p[17], seed[17], request_id[17], position[17] = 0.9, -1, 1.0, 7, 3, 5
-    tok, lp = sample_jit(jnp.asarray(batch), jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p),
-                         jnp.asarray(seed), jnp.asarray(request_id), jnp.asarray(position))
+    tok, lp = sample_jit(
+        jnp.asarray(batch),
+        jnp.asarray(temperature),
+        jnp.asarray(top_k),
+        jnp.asarray(top_p),
+        jnp.asarray(seed),
+        jnp.asarray(request_id),
+        jnp.asarray(position),
+    )
     assert int(tok[17]) == int(alone_tok[0])
     assert float(lp[17]) == pytest.approx(float(alone_lp[0]), abs=1e-6)
 
@@ -140,9 +166,15 @@ def test_mixed_rows_keep_exactly_the_filtered_set():
     top_k = rng.choice([-1, 1, 7, 50, 999, 5000], batch).astype(np.int32)
     top_p = rng.choice([1.0, 0.95, 0.6, 0.1], batch).astype(np.float32)
     for position in range(3):
-        tokens, logprobs = sample_jit(jnp.asarray(logits), jnp.asarray(temperature), jnp.asarray(top_k),
-                                      jnp.asarray(top_p), jnp.full((batch,), 9, jnp.uint32),
-                                      jnp.arange(batch, dtype=jnp.int32), jnp.full((batch,), position, jnp.int32))
+        tokens, logprobs = sample_jit(
+            jnp.asarray(logits),
+            jnp.asarray(temperature),
+            jnp.asarray(top_k),
+            jnp.asarray(top_p),
+            jnp.full((batch,), 9, jnp.uint32),
+            jnp.arange(batch, dtype=jnp.int32),
+            jnp.full((batch,), position, jnp.int32),
+        )
         tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
         for r in range(batch):
             if temperature[r] == 0:
@@ -164,7 +196,7 @@ def test_inverse_cdf_never_returns_a_zero_weight_token_at_the_top_edge():
     weights[0, [5, 20]] = [1.0, 3.0]
     weights[1, 0] = 1.0
     weights[2, [40, 41]] = [2.0, 1e-30]
-    u = np.full(3, np.nextafter(np.float32(1), np.float32(0)), np.float32)   # the largest uniform below 1
+    u = np.full(3, np.nextafter(np.float32(1), np.float32(0)), np.float32)  # the largest uniform below 1
     idx = np.asarray(_pick_sampled(weights, u))
     assert list(idx) == [20, 0, 41] or list(idx) == [20, 0, 40]
     assert np.all(weights[np.arange(3), idx] > 0)

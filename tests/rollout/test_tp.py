@@ -1,14 +1,15 @@
 """Tensor parallelism on fake CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=4 from conftest):
 tp=2 gives the same logits and the same tokens as one device, with weights and KV cache really split."""
+
 import functools
 
 import jax
 import numpy as np
 import pytest
 
-from rollout.config import ModelConfig
 from rollout.kv_cache import init_cache
 from rollout.model import decode_step, logits_from_hidden, prefill
+from rollout.model_config import ModelConfig
 from rollout.sharding import cache_sharding, check_tp, make_mesh, param_shardings
 from rollout.types import SamplingParams
 from rollout.weights import load_safetensors_dir, params_from_named_arrays
@@ -25,13 +26,18 @@ def model_dir(tmp_path_factory):
 
 def _run(mc, host_params, tp, prompt, steps=8):
     mesh = make_mesh(tp)
-    params = jax.device_put(host_params, param_shardings(mc, mesh, host_params))
+    params = jax.device_put(host_params, param_shardings(mc, mesh))
     # 320 positions: longer than two decode chunks, so the chunked attention loop runs on the sharded cache too
     cache = init_cache(mc.num_layers, 2, mc.num_kv_heads, 320, mc.head_dim, np.float32, cache_sharding(mesh))
     n = len(prompt)
     cache, hidden = jax.jit(functools.partial(prefill, mc))(
-        params, cache, np.array(prompt, np.int32), np.arange(n, dtype=np.int32), np.zeros(n, np.int32),
-        np.ones(n, np.int32))
+        params,
+        cache,
+        np.array(prompt, np.int32),
+        np.arange(n, dtype=np.int32),
+        np.zeros(n, np.int32),
+        np.ones(n, np.int32),
+    )
     logits = [np.asarray(logits_from_hidden(params, hidden))]
     step = jax.jit(functools.partial(decode_step, mc))
     tok, pos = np.array([0, int(np.argmax(logits[0][-1]))], np.int32), np.array([0, n], np.int32)
@@ -49,7 +55,7 @@ def test_tp2_logits_match_one_device(model_dir):
     _, _, one = _run(mc, host, 1, prompt)
     params, cache, two = _run(mc, host, 2, prompt)
     # weights and cache are split, not replicated
-    wq = params["layers"][0]["wq"]
+    wq = params.layers[0].wq
     assert len(wq.sharding.device_set) == 2 and wq.addressable_shards[0].data.shape == (64, mc.q_size // 2)
     assert cache.k[0].addressable_shards[0].data.shape[1] == mc.num_kv_heads // 2
     for a, b in zip(one, two, strict=True):

@@ -5,7 +5,9 @@ Qwen3, Qwen2 and Llama share one decoder (RMSNorm, GQA, RoPE, SwiGLU); they diff
   qwen2: q/k/v biases, head_dim = hidden / heads
   llama: optional attention / MLP biases, RoPE scaling ("llama3")
 Both the transformers-5 layout (`rope_parameters`) and the older one (`rope_theta` + `rope_scaling`) are accepted.
+This is the model's architecture, not the engine's settings (those are rollout.engine_config.EngineConfig).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,6 +18,20 @@ from dataclasses import dataclass, field
 import numpy as np
 
 FAMILIES = ("qwen3", "qwen2", "llama")
+
+
+def eos_token_ids(hf_config: dict, generation_config: dict | None = None) -> tuple[int, ...]:
+    """The model's EOS ids: generation_config.json's `eos_token_id` when it sets one, else config.json's.
+
+    Either may hold one id, a list of them, or nothing (Qwen3's generation config lists 151645 and 151643). Both
+    backends read them here, so they stop rows on the same ids.
+    """
+    eos = (generation_config or {}).get("eos_token_id")
+    if eos is None:
+        eos = hf_config.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else (eos,)))
 
 
 @dataclass(frozen=True)
@@ -67,8 +83,6 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3"):
             raise ValueError(f"unsupported rope_type {rope_type!r}; supported: 'default', 'llama3'")
-        eos = (generation_config or {}).get("eos_token_id", hf.get("eos_token_id"))
-        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
         attention_bias = bool(hf.get("attention_bias", False))
         return cls(
             family=family,
@@ -88,7 +102,7 @@ class ModelConfig:
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=family == "qwen3",
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            eos_token_ids=tuple(int(e) for e in eos),
+            eos_token_ids=eos_token_ids(hf, generation_config),
         )
 
     @classmethod
@@ -108,8 +122,9 @@ class ModelConfig:
 
     def rope_inv_freq(self) -> np.ndarray:
         """Inverse RoPE frequencies [head_dim // 2] in float32, with Llama 3 scaling applied when configured."""
-        inv_freq = 1.0 / (self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.int64).astype(np.float32)
-                                              / self.head_dim))
+        inv_freq = 1.0 / (
+            self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.int64).astype(np.float32) / self.head_dim)
+        )
         if self.rope_scaling is None:
             return inv_freq.astype(np.float32)
         # Llama 3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated smoothly

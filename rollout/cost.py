@@ -1,0 +1,99 @@
+"""The cost model of the decoder: FLOPs and memory bytes per token, and how much KV cache a decode step reads.
+
+One place for the arithmetic that the engine's stats (flops, bytes, hence MFU / MBU) and the benchmarks report, and
+for the decode-chunk rule, which rollout.model executes and the byte count has to follow.
+
+FLOPs: 2 per matmul weight per token (the LM head in decode only), plus 4 per query-head dim per attended position
+(q.k and p.v). Bytes: a prefill or decode step reads every weight once; decode reads each row's KV up to the chunks
+in use, prefill writes the KV of its bucket, a fan-out copy reads and writes its rows.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Iterable
+
+from rollout.model_config import ModelConfig
+from rollout.weights import LAYER_PARAMS, TOP_PARAMS
+
+# Decode reads a long cache in chunks of this many positions, and only as many chunks as the longest running row
+# needs: a step costs the context actually in use, not the cache's full max_len. A short cache (up to 2 chunks) is
+# read whole in one pass instead: on CPU the loop's sliced copies cost more than the positions they skip.
+DECODE_CHUNK = 128
+
+
+def reads_whole_cache(max_len: int) -> bool:
+    """Whether decode attention reads the whole cache row in one pass (a short cache) rather than chunk by chunk."""
+    return max_len <= 2 * DECODE_CHUNK
+
+
+def decode_chunks(kv_len):
+    """Chunks the chunked decode attention walks to cover `kv_len` positions (a Python int or a traced array)."""
+    return (kv_len + DECODE_CHUNK - 1) // DECODE_CHUNK
+
+
+def decode_kv_positions(max_len: int, kv_len: int) -> int:
+    """Cache positions a decode step reads per row when the longest live row needs `kv_len` (its position + 1):
+    all of a short cache, else whole chunks up to kv_len, at most max_len."""
+    if reads_whole_cache(max_len):
+        return max_len
+    return min(max_len, decode_chunks(kv_len) * DECODE_CHUNK)
+
+
+@lru_cache(maxsize=None)  # the engine asks on every dispatch; a ModelConfig is frozen and hashable
+def param_count(cfg: ModelConfig) -> int:
+    """Elements of every tensor the decoder holds (rollout.weights' table)."""
+
+    def size(p) -> int:
+        n = 1
+        for s in p.shape(cfg):
+            n *= s
+        return n
+
+    top = sum(size(p) for p in TOP_PARAMS if p.when(cfg))
+    return top + cfg.num_layers * sum(size(p) for p in LAYER_PARAMS if p.when(cfg))
+
+
+def weight_bytes(cfg: ModelConfig, itemsize: int) -> int:
+    return param_count(cfg) * itemsize
+
+
+def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
+    """K and V of one position over all layers."""
+    return 2 * cfg.num_layers * cfg.kv_size * itemsize
+
+
+def _layer_matmul_params(cfg: ModelConfig) -> int:
+    d = cfg.hidden_size
+    return 2 * d * cfg.q_size + 2 * d * cfg.kv_size + 3 * d * cfg.intermediate_size  # q, o; k, v; gate, up, down
+
+
+def generate_flops(cfg: ModelConfig, prefill_tokens: int, sequences: Iterable[tuple[int, int]]) -> float:
+    """FLOPs of one generate call: `prefill_tokens` prompt tokens through the layers (no LM head), then for each
+    (prompt length lp, generated k) sequence causal attention over its lp - 1 prefilled tokens and k decode tokens
+    through every matmul, the LM head included, each attending to its whole context."""
+    body = cfg.num_layers * _layer_matmul_params(cfg)
+    head = cfg.vocab_size * cfg.hidden_size
+    attn = 4 * cfg.num_layers * cfg.q_size
+    flops = 2.0 * body * prefill_tokens
+    for lp, k in sequences:
+        flops += attn * (lp - 1) * lp / 2  # prefill of lp - 1 tokens
+        flops += (2.0 * (body + head)) * k + attn * (k * lp + k * (k - 1) / 2)
+    return flops
+
+
+def prefill_bytes(cfg: ModelConfig, itemsize: int, bucket_tokens: int) -> int:
+    """One packed prefill call: the weights read once, the bucket's K/V written."""
+    return weight_bytes(cfg, itemsize) + bucket_tokens * kv_bytes_per_token(cfg, itemsize)
+
+
+def copy_bytes(cfg: ModelConfig, itemsize: int, rows: int, length: int) -> int:
+    """A fan-out copy of `rows` slot rows, `length` positions each: read and written."""
+    return 2 * rows * length * kv_bytes_per_token(cfg, itemsize)
+
+
+def decode_bytes(cfg: ModelConfig, itemsize: int, steps: int, rows: int, max_len: int, kv_len: int) -> int:
+    """`steps` decode steps over `rows` rows: per step the weights once and each row's KV in use (counted at the
+    dispatch's largest `kv_len`)."""
+    per_row = decode_kv_positions(max_len, kv_len) * kv_bytes_per_token(cfg, itemsize)
+    return steps * (weight_bytes(cfg, itemsize) + rows * per_row)

@@ -1,0 +1,77 @@
+"""The small shared pieces: EngineConfig's validation (and that it loads without jax), the seed arithmetic, the EOS
+rule both backends use, and the cost model against the weights the decoder actually holds."""
+
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from rollout import DTYPES, EngineConfig, mix_seed, request_id
+from rollout.model_config import ModelConfig, eos_token_ids
+from tests.conftest import make_tiny_hf_model
+
+
+def test_engine_config_validates_fields_and_pickles():
+    cfg = EngineConfig("some/model", max_batch=8, prefill_buckets=[16, 32])
+    assert (cfg.model_path, cfg.dtype, cfg.max_batch, cfg.prefill_buckets) == ("some/model", "float32", 8, (16, 32))
+    assert EngineConfig(model_path="m").max_batch == 256
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+    for bad, field in [
+        (dict(dtype="float16"), "dtype"),
+        (dict(max_batch=0), "max_batch"),
+        (dict(max_seq_len=1), "max_seq_len"),
+        (dict(steps_per_dispatch=0), "steps_per_dispatch"),
+        (dict(tp=0), "tp"),
+        (dict(max_btach=8), "max_btach"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            EngineConfig("m", **bad)
+    assert set(DTYPES) == {"float32", "bfloat16"}
+
+
+def test_import_rollout_loads_neither_jax_nor_torch():
+    code = (
+        "import sys, rollout; rollout.EngineConfig('m'); "
+        "print(sorted(m for m in ('jax', 'torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_seed_arithmetic_is_the_engines_historic_one():
+    for base, offset in [(0, 0), (0, 7), (3, 11), (2**31 - 1, 2**31 - 1), (123456, 2**40)]:
+        assert mix_seed(base, offset) == (offset + 1_000_003 * base) & 0x7FFFFFFF
+    assert mix_seed(0, 5) == 5  # engine seed 0 keeps the request's seed as is
+    for i, j in [(0, 0), (1, 2), (40000, 65536)]:
+        assert request_id(i, j) == (i * 65537 + j) & 0x7FFFFFFF
+
+
+def test_eos_ids_prefer_generation_config():
+    assert eos_token_ids({"eos_token_id": 2}, {"eos_token_id": [151645, 151643]}) == (151645, 151643)
+    assert eos_token_ids({"eos_token_id": 2}, {"eos_token_id": None}) == (2,)
+    assert eos_token_ids({"eos_token_id": [3, 4]}, None) == (3, 4)
+    assert eos_token_ids({"eos_token_id": None}, {}) == ()
+    assert eos_token_ids({}) == ()
+
+
+def test_cost_model_counts_the_decoders_weights_and_chunks(tmp_path):
+    import jax
+
+    from rollout import cost
+    from rollout.weights import load_safetensors_dir, params_from_named_arrays
+
+    for family, tie in [("qwen3", True), ("qwen2", False), ("llama", False)]:
+        path = make_tiny_hf_model(tmp_path / family, family, tie=tie)
+        cfg = ModelConfig.from_dir(str(path))
+        named = load_safetensors_dir(str(path))
+        weights = params_from_named_arrays(cfg, named, "bfloat16")
+        assert cost.param_count(cfg) == sum(a.size for a in jax.tree.leaves(weights))
+        assert cost.weight_bytes(cfg, 2) == sum(a.nbytes for a in jax.tree.leaves(weights))
+        assert (weights.lm_head is None) == tie and (weights.layers[0].bq is not None) == (family == "qwen2")
+    assert cost.decode_kv_positions(256, 1) == 256  # a short cache is read whole
+    assert cost.decode_kv_positions(1024, 1) == 128  # a long one by the chunks in use
+    assert cost.decode_kv_positions(1024, 129) == 256
+    assert cost.decode_kv_positions(320, 300) == 320  # capped at the cache
+    assert int(cost.decode_chunks(np.int32(257))) == 3
