@@ -1,11 +1,12 @@
 """Weight sync through the Ray object store: for multi-node runs with no shared filesystem.
 
-The sender encodes each version as one flat payload (weight_sync.payload: manifest, checksums, 64-byte aligned
-tensors), `ray.put`s it and posts the ObjectRef to a small named actor, the mailbox, which keeps the newest `keep`
-refs and the receiver's keyframe requests. The receiver asks the mailbox for the newest version, `ray.get`s the
-payload (zero-copy from the local object store on the same node, one transfer across nodes) and verifies it with the
-same code as shm. Everything else (deltas, keyframes, refusal of corrupt versions) is the transport-neutral protocol
-in weight_sync.protocol, so this file is only about moving bytes.
+The sender encodes each version as one flat payload (weight_sync's codec, `encode_payload_into`: manifest,
+checksums, 64-byte aligned tensors), `ray.put`s it and posts the ObjectRef to a small named actor, the mailbox,
+which keeps the newest `keep` refs and the receiver's keyframe requests. The receiver asks the mailbox for the newest
+version, `ray.get`s the payload (zero-copy from the local object store on the same node, one transfer across nodes)
+and verifies it with the same code as shm (`decode_payload`). Everything else (deltas, keyframes, refusal of corrupt
+versions) is the transport-neutral protocol of `weight_sync.Sender` / `weight_sync.Receiver`, whose transport hooks
+this file implements, using only weight_sync's public API: it is only about moving bytes.
 
 The sender process owns the payload objects (Ray 2.56 removed `ray.put(_owner=...)`); if it dies, its versions are
 lost and a receiver sees no new version until a restarted sender pushes one (a delta receiver then gets a
@@ -13,6 +14,7 @@ keyframe, since the new sender starts with one). Arrays returned by a pull are r
 store, kept alive by Ray as long as they are referenced. The mailbox is an ordinary (not detached) actor: it lives
 while the handle of whoever created it first (normally the sender) lives, and never outlives the job.
 """
+
 from __future__ import annotations
 
 from typing import Mapping
@@ -20,9 +22,7 @@ from typing import Mapping
 import numpy as np
 import ray
 
-from weight_sync.manifest import Manifest
-from weight_sync.payload import plan_payload, read_payload, write_payload
-from weight_sync.protocol import Message, Receiver, Sender
+from weight_sync import Manifest, Message, Receiver, Sender, decode_payload, encode_payload_into, payload_nbytes
 
 NAMESPACE = "rlloop"
 
@@ -43,7 +43,7 @@ class SyncMailbox:
 
     def post(self, version: int, boxed_ref: list) -> None:
         self.refs[version] = boxed_ref
-        for old in sorted(self.refs)[:-self.keep]:
+        for old in sorted(self.refs)[: -self.keep]:
             del self.refs[old]
 
     def latest(self) -> tuple[int, int | None]:
@@ -77,14 +77,14 @@ class RaySender(Sender):
         self._staging: np.ndarray | None = None
 
     def _publish(self, manifest: Manifest, blobs: Mapping[str, np.ndarray]) -> int:
-        layout = plan_payload(manifest)
-        if self._staging is None or self._staging.nbytes < layout.total:
+        total = payload_nbytes(manifest)
+        if self._staging is None or self._staging.nbytes < total:
             # Reused across versions: a fresh buffer per push would pay first-touch page faults every time.
-            self._staging = np.empty(layout.total + layout.total // 16, np.uint8)
-        write_payload(self._staging, layout, manifest, blobs)
-        ref = ray.put(self._staging[:layout.total])  # copied into the object store
+            self._staging = np.empty(total + total // 16, np.uint8)
+        encode_payload_into(self._staging, manifest, blobs)
+        ref = ray.put(self._staging[:total])  # copied into the object store
         ray.get(self.mailbox.post.remote(manifest.version, [ref]))
-        return layout.total
+        return total
 
     def _take_keyframe_request(self) -> bool:
         return ray.get(self.mailbox.take_keyframe_request.remote())
@@ -113,7 +113,7 @@ class RayReceiver(Receiver):
             payload = ray.get(boxed[0])
         except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError):
             return None
-        manifest, blobs = read_payload(payload, verify=self.verify)
+        manifest, blobs = decode_payload(payload, verify=self.verify)
         return Message(manifest, blobs)
 
     def _request_keyframe(self) -> None:

@@ -5,25 +5,54 @@
     receiver = make_receiver("shm", run_id="exp1", delta=True)    # rollout side
     got = receiver.pull()                                          # (version, {hf_name: np.ndarray}) or None
 
-The Ray object-store transport speaks the same protocol but lives in `rlloop.ray_sync` (Ray stays out of here).
+`TRANSPORTS` names what make_sender / make_receiver build ("shm", "disk"). push() takes numpy arrays keyed by
+Hugging Face parameter name (bf16 as ml_dtypes.bfloat16, as `Trainer.export_weights()` returns them); weight_sync
+never imports torch, and a torch tensor is refused with a ValueError naming it.
 
 Arrays returned by pull() are zero-copy views (read-only for disk and Ray): load them onto the device before the
 sender pushes two more versions (shm reuses its two buffers; disk prunes beyond `keep`). A receiver made with
 delta=True keeps its own copy of the current weights, which deltas are applied to (copy-on-write, never in place),
 and returns that copy: treat pulled arrays as read-only (a scribbled-on base is caught by the checksum of the next
 reconstruction, refused, and repaired by a keyframe).
+
+Other transports speak the same protocol by subclassing `Sender` and `Receiver` (their docstrings list the hooks:
+`_publish`, `_take_keyframe_request`; `_latest`, `_read`, `_request_keyframe`, `_writer_restarted`) and moving each
+version as one flat payload:
+
+    n = payload_nbytes(manifest)                    # Sender._publish: size a (reused) uint8 buffer, write the
+    encode_payload_into(buf, manifest, blobs)       # payload (fills in raw entries' checksums), move buf[:n]
+    manifest, blobs = decode_payload(data, verify)  # Receiver._read: verify (raises CorruptVersion) and
+    return Message(manifest, blobs)                 # hand back zero-copy views of the stored bytes
+
+The Ray object-store transport is built that way and lives in `rlloop.ray_sync` (Ray stays out of here).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 
 from weight_sync.manifest import CorruptVersion, Manifest, TensorEntry
-from weight_sync.protocol import Receiver, Sender, SyncStats
+from weight_sync.payload import decode_payload, encode_payload_into, payload_nbytes
+from weight_sync.protocol import Message, Receiver, Sender, SyncStats
 
-TRANSPORTS = ("shm", "disk", "ray")
+TRANSPORTS = ("shm", "disk")
 
-__all__ = ["make_sender", "make_receiver", "Sender", "Receiver", "SyncStats", "Manifest", "TensorEntry",
-           "CorruptVersion", "TRANSPORTS"]
+__all__ = [
+    "make_sender",
+    "make_receiver",
+    "TRANSPORTS",
+    "SyncStats",
+    # the transport interface: base classes, what a read returns, the flat payload codec
+    "Sender",
+    "Receiver",
+    "Message",
+    "Manifest",
+    "TensorEntry",
+    "CorruptVersion",
+    "payload_nbytes",
+    "encode_payload_into",
+    "decode_payload",
+]
 
 
 def _check(transport: str, root) -> None:
@@ -35,14 +64,23 @@ def _check(transport: str, root) -> None:
         raise ValueError("sync transport 'disk' needs root= (a directory, shared between hosts)")
 
 
-def make_sender(transport: str, *, run_id: str, root: str | Path | None = None, delta: bool = False,
-                keyframe_every: int = 10, keep: int = 2) -> Sender:
+def make_sender(
+    transport: str,
+    *,
+    run_id: str,
+    root: str | Path | None = None,
+    delta: bool = False,
+    keyframe_every: int = 10,
+    keep: int = 2,
+) -> Sender:
     """A sender for `transport` ("shm" | "disk"). `keep` is how many versions the disk transport retains."""
     _check(transport, root)
     if transport == "shm":
         from weight_sync.shm import ShmSender
+
         return ShmSender(run_id, delta=delta, keyframe_every=keyframe_every)
     from weight_sync.disk import DiskSender
+
     return DiskSender(root, run_id, keep=keep, delta=delta, keyframe_every=keyframe_every)
 
 
@@ -51,6 +89,8 @@ def make_receiver(transport: str, *, run_id: str, root: str | Path | None = None
     _check(transport, root)
     if transport == "shm":
         from weight_sync.shm import ShmReceiver
+
         return ShmReceiver(run_id, delta=delta)
     from weight_sync.disk import DiskReceiver
+
     return DiskReceiver(root, run_id, delta=delta)

@@ -8,6 +8,7 @@ one core, as fast as a memory copy, so a verified sync (hash on the writer, hash
 time hashing than moving bytes. xxhash releases the GIL, so the parts of every buffer in a version are hashed on a
 small thread pool at once. The writer hashes each part right after copying it, while it is still in cache.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,8 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
-PART = 8 << 20              # bytes per independently hashed part
-_COPY_CHUNK = 256 << 10     # within a part: copy this much, then hash it while it is still in cache
+PART = 8 << 20  # bytes per independently hashed part
+_COPY_CHUNK = 256 << 10  # within a part: copy this much, then hash it while it is still in cache
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = -1
 
@@ -55,7 +56,7 @@ def _per_buffer(digests: list, parts: list[list[slice]]) -> list:
     """Combine the flat list of part digests back into one checksum per buffer."""
     out, at = [], 0
     for ps in parts:
-        out.append(_combine(digests[at:at + len(ps)]))
+        out.append(_combine(digests[at : at + len(ps)]))
         at += len(ps)
     return out
 
@@ -79,8 +80,8 @@ def _copy_part(job: tuple[np.ndarray, np.ndarray, bool]) -> int | None:
         return None
     h = xxhash.xxh3_64()
     for i in range(0, src.size, _COPY_CHUNK):
-        chunk = dst[i:i + _COPY_CHUNK]
-        np.copyto(chunk, src[i:i + _COPY_CHUNK])
+        chunk = dst[i : i + _COPY_CHUNK]
+        np.copyto(chunk, src[i : i + _COPY_CHUNK])
         h.update(chunk)
     return h.intdigest()
 

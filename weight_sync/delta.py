@@ -10,6 +10,7 @@ elements (their positions and their new values) is tens of times smaller than th
 
 Blob layout (before zstd): u64 count | u8 gap itemsize | shuffled gaps | shuffled values.
 """
+
 from __future__ import annotations
 
 import struct
@@ -61,8 +62,8 @@ def apply(old: np.ndarray, blob) -> np.ndarray:
         bits = BITS_DTYPE[old.dtype.itemsize]
         if gap_size not in (4, 8) or len(raw) != _HEADER.size + count * (gap_size + bits.itemsize):
             raise ValueError("blob length does not match its header")
-        gaps = _unshuffle(raw[_HEADER.size:], count, BITS_DTYPE[gap_size])
-        values = _unshuffle(raw[_HEADER.size + count * gap_size:], count, bits)
+        gaps = _unshuffle(raw[_HEADER.size :], count, BITS_DTYPE[gap_size])
+        values = _unshuffle(raw[_HEADER.size + count * gap_size :], count, bits)
         idx = np.cumsum(gaps, dtype=np.uint64)
         if count and idx[-1] >= old.size:
             raise ValueError("index beyond the tensor")

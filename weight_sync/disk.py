@@ -13,6 +13,7 @@ beyond `keep` are pruned; a reader that loses the race with pruning just sees no
 not fsync'ed: rename gives atomicity against a killed writer, and NFS-style shared filesystems flush on close; only
 a host power loss could tear a version, which the checksums then refuse.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,7 +67,7 @@ def _map_safetensors(path: Path, header_xxh3: int) -> tuple[dict, np.ndarray]:
         if checksum(head + header) != header_xxh3:
             raise CorruptVersion("safetensors header checksum mismatch")
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    return json.loads(header), np.frombuffer(mapped, np.uint8)[8 + n:]
+    return json.loads(header), np.frombuffer(mapped, np.uint8)[8 + n :]
 
 
 def _versions(run_dir: Path) -> list[int]:
@@ -78,8 +79,9 @@ def _versions(run_dir: Path) -> list[int]:
 
 
 class DiskSender(Sender):
-    def __init__(self, root: str | Path, run_id: str, *, keep: int = 2, delta: bool = False,
-                 keyframe_every: int = 10, **kw):
+    def __init__(
+        self, root: str | Path, run_id: str, *, keep: int = 2, delta: bool = False, keyframe_every: int = 10, **kw
+    ):
         super().__init__(delta=delta, keyframe_every=keyframe_every, **kw)
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
@@ -105,7 +107,7 @@ class DiskSender(Sender):
         body = {"manifest": asdict(manifest), "safetensors_header_xxh3": _header_checksum(tmp / WEIGHTS)}
         (tmp / MANIFEST).write_bytes(_canonical({**body, "xxh3": checksum(_canonical(body))}))
         os.rename(tmp, final)
-        for old in _versions(self.run_dir)[:-self.keep]:
+        for old in _versions(self.run_dir)[: -self.keep]:
             shutil.rmtree(self.run_dir / f"v{old:012d}", ignore_errors=True)
         return (final / WEIGHTS).stat().st_size + (final / MANIFEST).stat().st_size
 

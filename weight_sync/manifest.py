@@ -6,8 +6,10 @@ against the previous version), where its stored bytes lie, and two checksums (`w
 stored bytes (refuse before decoding) and one of the reconstructed tensor (refuse after applying a delta). A delta
 names the version it was computed against in `base_version`.
 
-Also here: turning what the trainer hands us (numpy, ml_dtypes or torch tensors) into numpy without extra copies.
+Also here: checking what a push is handed. Senders take numpy arrays (bf16 and fp8 as ml_dtypes), as
+`Trainer.export_weights()` returns them; weight_sync never imports torch and refuses torch tensors.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,10 +21,22 @@ import numpy as np
 
 from weight_sync.checksum import checksums
 
-# Dtypes we move. ml_dtypes supplies the ones numpy lacks; torch bf16 arrives viewed as int16 and leaves as bf16.
+# Dtypes we move. ml_dtypes supplies the ones numpy lacks.
 _ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
-_NUMPY_DTYPES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-                 "float16", "float32", "float64")
+_NUMPY_DTYPES = (
+    "bool",
+    "int8",
+    "uint8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+)
 SUPPORTED_DTYPES = _NUMPY_DTYPES + _ML_DTYPES
 
 # The unsigned integer type of each width: deltas compare and copy raw bits through these views, never floats.
@@ -48,29 +62,18 @@ def dtype_name(dtype: np.dtype, tensor_name: str = "?") -> str:
     return name
 
 
-def to_numpy(name: str, value: Any) -> np.ndarray:
-    """A C-contiguous numpy view of `value` (numpy array or torch tensor), copying only when it must.
-
-    torch is never imported here: tensors are recognised by `.detach()`. torch bf16 has no numpy dtype, so it is
-    reinterpreted as int16 and then viewed as ml_dtypes.bfloat16 (same bits, no copy).
-    """
-    if isinstance(value, np.ndarray):
-        arr = value
-    elif hasattr(value, "detach") and hasattr(value, "dtype"):
-        t = value.detach()
-        if str(getattr(t, "device", "cpu")) != "cpu":
-            t = t.cpu()
-        t = t.contiguous()
-        if str(t.dtype) == "torch.bfloat16":
-            import torch  # only reached when the caller already uses torch
-
-            arr = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        else:
-            arr = t.numpy()
-    else:
-        raise ValueError(f"tensor {name!r} is a {type(value).__name__}, expected a numpy array or torch tensor")
-    dtype_name(arr.dtype, name)
-    return np.ascontiguousarray(arr)
+def check_array(name: str, value: Any) -> np.ndarray:
+    """`value`, a numpy array of a supported dtype, C-contiguous (itself unless it was not: then a copy)."""
+    if not isinstance(value, np.ndarray):
+        if hasattr(value, "detach") and hasattr(value, "dtype"):  # a torch tensor, recognised without importing torch
+            raise ValueError(
+                f"tensor {name!r} is a torch {type(value).__name__}; pass numpy arrays (bf16 as "
+                "ml_dtypes.bfloat16): e.g. Trainer.export_weights()"
+            )
+        raise ValueError(f"tensor {name!r} is a {type(value).__name__}, expected a numpy array")
+    dtype_name(value.dtype, name)
+    # not np.ascontiguousarray(value) alone: it turns a 0-d array into shape (1,)
+    return value if value.flags.c_contiguous else np.ascontiguousarray(value)
 
 
 def bits_view(arr: np.ndarray) -> np.ndarray:
@@ -83,11 +86,11 @@ class TensorEntry:
     name: str
     dtype: str
     shape: list[int]
-    encoding: str          # "raw": the tensor's bytes; "delta": a weight_sync.delta blob against base_version
-    nbytes: int            # stored bytes (for raw: the tensor's bytes)
+    encoding: str  # "raw": the tensor's bytes; "delta": a weight_sync.delta blob against base_version
+    nbytes: int  # stored bytes (for raw: the tensor's bytes)
     blob_xxh3: int | None  # checksum of the stored bytes (None until the transport has hashed a raw tensor)
-    xxh3: int | None       # checksum of the reconstructed tensor's bytes
-    offset: int = 0        # where the stored bytes start inside a single-buffer payload (weight_sync.payload)
+    xxh3: int | None  # checksum of the reconstructed tensor's bytes
+    offset: int = 0  # where the stored bytes start inside a single-buffer payload (weight_sync.payload)
 
     @property
     def tensor_nbytes(self) -> int:
@@ -97,7 +100,7 @@ class TensorEntry:
 @dataclass
 class Manifest:
     version: int
-    base_version: int | None                  # None for a keyframe (every entry raw)
+    base_version: int | None  # None for a keyframe (every entry raw)
     entries: list[TensorEntry] = field(default_factory=list)
 
     @property
@@ -116,9 +119,14 @@ class Manifest:
             m = cls(entries=entries, **raw)
             for e in m.entries:
                 dtype_from_name(e.dtype)
-                if (e.encoding not in ("raw", "delta") or e.nbytes < 0 or e.offset < 0
-                        or not isinstance(e.blob_xxh3, int) or not isinstance(e.xxh3, int)
-                        or not all(isinstance(d, int) and d >= 0 for d in e.shape)):
+                if (
+                    e.encoding not in ("raw", "delta")
+                    or e.nbytes < 0
+                    or e.offset < 0
+                    or not isinstance(e.blob_xxh3, int)
+                    or not isinstance(e.xxh3, int)
+                    or not all(isinstance(d, int) and d >= 0 for d in e.shape)
+                ):
                     raise ValueError(e.name)
                 if e.encoding == "raw" and e.nbytes != e.tensor_nbytes:
                     raise ValueError(e.name)
@@ -137,12 +145,12 @@ def fill_checksums(manifest: "Manifest", blobs: Mapping[str, np.ndarray]) -> Non
 
 
 def check_named_arrays(named_arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """Validate a push's input and convert it to numpy; errors name the offending tensor."""
+    """Validate a push's input (name -> numpy array); errors name the offending tensor."""
     if not isinstance(named_arrays, Mapping) or not named_arrays:
         raise ValueError("named_arrays must be a non-empty mapping of parameter name -> array")
     out = {}
     for name, value in named_arrays.items():
         if not isinstance(name, str) or not name:
             raise ValueError(f"parameter name {name!r} must be a non-empty string")
-        out[name] = to_numpy(name, value)
+        out[name] = check_array(name, value)
     return out

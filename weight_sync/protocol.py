@@ -2,13 +2,17 @@
 
 The transport-neutral half lives here: validating input, deciding keyframe vs delta, checksums, applying a chain of
 deltas, refusing corrupt versions while keeping the last good weights, and asking the sender for a keyframe when the
-receiver's base does not match. A transport (shm, disk, Ray) only moves a `Manifest` plus its stored blobs:
+receiver's base does not match. A transport (shm, disk, Ray) only moves a `Manifest` plus its stored blobs, by
+subclassing `Sender` and `Receiver` and implementing their hooks (documented on the classes):
 
     Sender._publish(manifest, blobs) -> bytes moved      Receiver._latest() -> newest version | None
-      (fills in raw entries' checksums)
     Sender._take_keyframe_request() -> bool              Receiver._read(version) -> Message | None
                                                           Receiver._request_keyframe()
+
+A receiving transport also calls `Receiver._writer_restarted()` when it sees that a new sender took over the run.
+The hooks keep their leading underscore: push() and pull() call them; the users of a sender or receiver never do.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,8 +24,15 @@ import numpy as np
 
 from weight_sync import delta as delta_codec
 from weight_sync.checksum import checksum
-from weight_sync.manifest import (CorruptVersion, Manifest, TensorEntry, bits_view, check_named_arrays,
-                                  dtype_from_name, dtype_name)
+from weight_sync.manifest import (
+    CorruptVersion,
+    Manifest,
+    TensorEntry,
+    bits_view,
+    check_named_arrays,
+    dtype_from_name,
+    dtype_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,28 +44,35 @@ class TornRead(Exception):
 @dataclass
 class SyncStats:
     version: int
-    bytes: int               # bytes the transport moved for this version
-    full_bytes: int          # bytes of the full state dict (what a full sync moves)
-    changed_frac: float      # elements whose bits changed since the last version sent (1.0 when not tracked)
+    bytes: int  # bytes the transport moved for this version
+    full_bytes: int  # bytes of the full state dict (what a full sync moves)
+    changed_frac: float  # elements whose bits changed since the last version sent (1.0 when not tracked)
     keyframe: bool
-    encode_s: float          # diffing, compression, checksums
-    transfer_s: float        # writing into the transport (copy into shm / files on disk / object store)
+    encode_s: float  # diffing, compression, checksums
+    transfer_s: float  # writing into the transport (copy into shm / files on disk / object store)
     base_version: int | None = None
 
     def metrics(self) -> dict[str, float]:
         """The `sync/*` metrics the loop logs for this push."""
-        return {"sync/version": self.version, "sync/bytes": self.bytes, "sync/full_bytes": self.full_bytes,
-                "sync/changed_frac": self.changed_frac, "sync/keyframe": float(self.keyframe),
-                "sync/encode_s": self.encode_s, "sync/transfer_s": self.transfer_s}
+        return {
+            "sync/version": self.version,
+            "sync/bytes": self.bytes,
+            "sync/full_bytes": self.full_bytes,
+            "sync/changed_frac": self.changed_frac,
+            "sync/keyframe": float(self.keyframe),
+            "sync/encode_s": self.encode_s,
+            "sync/transfer_s": self.transfer_s,
+        }
 
 
 @dataclass
 class Message:
     """One version as read from a transport: its verified manifest and a uint8 view of each entry's stored bytes."""
+
     manifest: Manifest
     blobs: dict[str, np.ndarray]
-    still_valid: Callable[[], bool] = lambda: True   # shm: False once the writer started reusing the buffer
-    borrowed: bool = False                            # blobs are views into a buffer the transport will reuse
+    still_valid: Callable[[], bool] = lambda: True  # shm: False once the writer started reusing the buffer
+    borrowed: bool = False  # blobs are views into a buffer the transport will reuse
 
 
 class _Endpoint:
@@ -71,14 +89,23 @@ class _Endpoint:
 
 
 class Sender(_Endpoint):
-    """Base sender: the keyframe / delta policy. Subclasses implement `_publish` and `_take_keyframe_request`."""
+    """Base sender: input checks and the keyframe / delta policy. A transport subclasses it and implements
+
+    `_publish(manifest, blobs) -> int`: make version `manifest.version` readable and return the bytes moved. `blobs`
+        maps each entry's name to its stored bytes (a numpy array: the tensor for a raw entry, a uint8 delta blob
+        otherwise); they may alias the caller's live arrays, so copy them before returning. Raw entries arrive with
+        their checksums unset (None): fill them in (encode_payload_into does it while it copies).
+    `_take_keyframe_request() -> bool`: whether a receiver asked for a keyframe since the last call (and clear the
+        request). Polled once per push; the default never sees one.
+    `close()`: release what the transport holds (also called by `with`).
+    """
 
     def __init__(self, *, delta: bool = False, keyframe_every: int = 10, worth_ratio: float = 0.5):
         if keyframe_every < 1:
             raise ValueError(f"keyframe_every must be >= 1, got {keyframe_every}")
         self.delta = delta
         self.keyframe_every = keyframe_every
-        self.worth_ratio = worth_ratio      # send a keyframe when the delta would exceed this fraction of full
+        self.worth_ratio = worth_ratio  # send a keyframe when the delta would exceed this fraction of full
         self.version: int | None = None
         self.last_stats: SyncStats | None = None
         self._last: dict[str, np.ndarray] | None = None  # bits of the last version sent (delta mode only)
@@ -90,7 +117,6 @@ class Sender(_Endpoint):
 
     def _take_keyframe_request(self) -> bool:
         return False
-
 
     # -- protocol --
     def push(self, named_arrays: Mapping[str, np.ndarray], version: int) -> SyncStats:
@@ -112,14 +138,25 @@ class Sender(_Endpoint):
         total = sum(a.size for a in arrays.values())
         frac = sum(len(i) for i in changed.values()) / max(total, 1) if changed else 1.0
         self.version = version
-        self.last_stats = SyncStats(version, nbytes, sum(a.nbytes for a in arrays.values()), frac,
-                                    manifest.keyframe, (t1 - t0) + (t3 - t2), t2 - t1, manifest.base_version)
+        self.last_stats = SyncStats(
+            version,
+            nbytes,
+            sum(a.nbytes for a in arrays.values()),
+            frac,
+            manifest.keyframe,
+            (t1 - t0) + (t3 - t2),
+            t2 - t1,
+            manifest.base_version,
+        )
         return self.last_stats
 
     def _compatible(self, arrays: dict[str, np.ndarray]) -> bool:
         last = self._last
-        return last is not None and last.keys() == arrays.keys() and all(
-            last[n].dtype == a.dtype and last[n].shape == a.shape for n, a in arrays.items())
+        return (
+            last is not None
+            and last.keys() == arrays.keys()
+            and all(last[n].dtype == a.dtype and last[n].shape == a.shape for n, a in arrays.items())
+        )
 
     def _encode(self, arrays: dict[str, np.ndarray], version: int):
         requested = self._take_keyframe_request()  # always polled, so a request is consumed by the next push
@@ -132,15 +169,26 @@ class Sender(_Endpoint):
             for name, new in arrays.items():
                 blob = np.frombuffer(delta_codec.encode(self._last[name], new, changed[name]), np.uint8)
                 blobs[name] = blob
-                entries.append(TensorEntry(name, dtype_name(new.dtype, name), list(new.shape), "delta", blob.nbytes,
-                                           checksum(blob), checksum(new)))
+                entries.append(
+                    TensorEntry(
+                        name,
+                        dtype_name(new.dtype, name),
+                        list(new.shape),
+                        "delta",
+                        blob.nbytes,
+                        checksum(blob),
+                        checksum(new),
+                    )
+                )
             if sum(b.nbytes for b in blobs.values()) <= self.worth_ratio * full_bytes:
                 self._deltas_since_key += 1
                 return Manifest(version, self.version, entries), blobs, changed
         self._deltas_since_key = 0
-        # Raw tensors are hashed by the transport while it copies them (payload.write_payload): one pass, not two.
-        entries = [TensorEntry(name, dtype_name(a.dtype, name), list(a.shape), "raw", a.nbytes, None, None)
-                   for name, a in arrays.items()]
+        # Raw tensors are hashed by the transport while it copies them (encode_payload_into): one pass, not two.
+        entries = [
+            TensorEntry(name, dtype_name(a.dtype, name), list(a.shape), "raw", a.nbytes, None, None)
+            for name, a in arrays.items()
+        ]
         return Manifest(version, None, entries), arrays, changed
 
     def _remember(self, arrays: dict[str, np.ndarray], changed: dict[str, np.ndarray]) -> None:
@@ -156,7 +204,15 @@ class Sender(_Endpoint):
 
 
 class Receiver(_Endpoint):
-    """Base receiver: verification, delta chains, refusal and keyframe requests. Subclasses move the bytes.
+    """Base receiver: verification, delta chains, refusal and keyframe requests. A transport subclasses it and
+    implements
+
+    `_latest() -> int | None`: the newest version published, or None. A transport that can tell a new sender took
+        over the run (a resumed run numbering afresh) calls `self._writer_restarted()` here first.
+    `_read(version) -> Message | None`: that version, verified (decode_payload does it for a flat payload), or None
+        if it is gone; raise CorruptVersion if it fails verification.
+    `_request_keyframe()`: ask the sender for a keyframe at its next push (the default does nothing).
+    `close()`: release what the transport holds (also called by `with`).
 
     Attributes after each pull: `version` (last returned), `refused` (versions that failed verification),
     `keyframe_requests`, `transfer_s` (reading and verifying) and `apply_s` (decoding deltas / building arrays).
@@ -183,23 +239,30 @@ class Receiver(_Endpoint):
     def _request_keyframe(self) -> None:
         pass
 
-
     def _writer_restarted(self) -> None:
         """A new sender took over the run (e.g. a resumed run): its versions start afresh, forget ours."""
         self.version, self._state, self._bad, self._waiting_since = None, None, set(), None
 
     def metrics(self) -> dict[str, float]:
         """The receiver-side `sync/*` metrics: the last pull's read and apply seconds, and the running counters."""
-        return {"sync/read_s": self.transfer_s, "sync/apply_s": self.apply_s, "sync/refused": self.refused,
-                "sync/keyframe_requests": self.keyframe_requests}
+        return {
+            "sync/read_s": self.transfer_s,
+            "sync/apply_s": self.apply_s,
+            "sync/refused": self.refused,
+            "sync/keyframe_requests": self.keyframe_requests,
+        }
 
     # -- protocol --
     def pull(self) -> tuple[int, dict[str, np.ndarray]] | None:
         """The newest verified version newer than the last one returned, or None. Never raises on bad data."""
         for _ in range(5):
             latest = self._latest()
-            if (latest is None or latest in self._bad or latest == self._waiting_since
-                    or (self.version is not None and latest <= self.version)):
+            if (
+                latest is None
+                or latest in self._bad
+                or latest == self._waiting_since
+                or (self.version is not None and latest <= self.version)
+            ):
                 return None  # nothing new, refused before, or still waiting for the keyframe we asked for
             try:
                 return self._pull(latest)
@@ -221,8 +284,9 @@ class Receiver(_Endpoint):
         if msg is None:
             return None
         chain = [msg]
-        while not chain[-1].manifest.keyframe and (self._state is None or
-                                                   chain[-1].manifest.base_version != self.version):
+        while not chain[-1].manifest.keyframe and (
+            self._state is None or chain[-1].manifest.base_version != self.version
+        ):
             base = chain[-1].manifest.base_version
             prev = None
             if base not in self._bad and (self.version is None or base > self.version):
@@ -234,8 +298,10 @@ class Receiver(_Endpoint):
                     log.warning("weight_sync: refused version %d (%s)", base, exc)
             if prev is None:
                 if not self.delta and not self.keyframe_requests:
-                    log.warning("weight_sync: the sender sends deltas but this receiver has delta=False; every "
-                                "version will cost a keyframe request: set delta=True on both sides")
+                    log.warning(
+                        "weight_sync: the sender sends deltas but this receiver has delta=False; every "
+                        "version will cost a keyframe request: set delta=True on both sides"
+                    )
                 self.keyframe_requests += 1
                 self._request_keyframe()
                 self._waiting_since = chain[0].manifest.version

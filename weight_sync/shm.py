@@ -21,6 +21,7 @@ segments on behalf of processes that merely attached. Segments are removed by cl
 SIGTERM; a writer killed with SIGKILL leaves them behind, and the next ShmSender finds them: a live writer holds an
 flock on its control segment, which the kernel releases when the process dies however it dies.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -36,14 +37,14 @@ from typing import Mapping
 import numpy as np
 
 from weight_sync.manifest import CorruptVersion, Manifest
-from weight_sync.payload import plan_payload, read_payload, write_payload
+from weight_sync.payload import decode_payload, encode_payload_into, payload_nbytes
 from weight_sync.protocol import Message, Receiver, Sender, TornRead
 
 SHM_DIR = Path("/dev/shm")
 _MAGIC = 0x524C4C4F4F505348  # "RLLOOPSH"
 _CTL_SIZE = 4096
 _MAGIC_F, _PID_F, _LATEST_F, _KEYREQ_F, _INSTANCE_F = 0, 1, 2, 3, 4
-_BUF_F = (8, 12)               # per buffer: seq, version, length
+_BUF_F = (8, 12)  # per buffer: seq, version, length
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -96,7 +97,7 @@ def remove_stale_segments() -> list[str]:
     """Remove every run's segments whose writer is gone (a run killed with SIGKILL). Returns their run ids."""
     removed = []
     for ctl in SHM_DIR.glob("rlloop_*_ctl"):
-        run_id = ctl.name[len("rlloop_"):-len("_ctl")]
+        run_id = ctl.name[len("rlloop_") : -len("_ctl")]
         if _writer_alive(ctl):
             continue
         for part in ("buf0", "buf1", "ctl"):
@@ -171,25 +172,28 @@ class ShmSender(Sender):
         if m is None or len(m) < size:
             _close_map(m)
             # Grow with headroom so a slightly larger version does not remap (and re-fault) the whole buffer.
-            m = self._maps[i] = _map(segment_path(self.run_id, f"buf{i}"), size + size // 16,
-                                     create=m is None and not segment_path(self.run_id, f"buf{i}").exists())
+            m = self._maps[i] = _map(
+                segment_path(self.run_id, f"buf{i}"),
+                size + size // 16,
+                create=m is None and not segment_path(self.run_id, f"buf{i}").exists(),
+            )
         return np.frombuffer(m, np.uint8)
 
     def _publish(self, manifest: Manifest, blobs: Mapping[str, np.ndarray]) -> int:
         if self._closed:
             raise ValueError(f"shm sender for run {self.run_id!r} is closed")
-        layout = plan_payload(manifest)
+        total = payload_nbytes(manifest)
         latest = int(self._ctl[_LATEST_F])
         i = 0 if latest != 1 else 1  # the buffer that does not hold the newest version
-        buf = self._buffer(i, layout.total)
+        buf = self._buffer(i, total)
         seq, ver, length = _BUF_F[i], _BUF_F[i] + 1, _BUF_F[i] + 2
         writing = int(self._ctl[seq]) | 1  # odd: readers keep off (already odd if a previous write was aborted)
         self._ctl[seq] = writing
-        write_payload(buf, layout, manifest, blobs)
-        self._ctl[ver], self._ctl[length] = manifest.version, layout.total
+        encode_payload_into(buf, manifest, blobs)
+        self._ctl[ver], self._ctl[length] = manifest.version, total
         self._ctl[seq] = writing + 1  # even, and never a value a reader saw before: published
         self._ctl[_LATEST_F] = i + 1
-        return layout.total
+        return total
 
     def _take_keyframe_request(self) -> bool:
         if self._ctl[_KEYREQ_F]:
@@ -261,10 +265,10 @@ class ShmReceiver(Receiver):
                 raise TornRead()
             buf = np.frombuffer(m, np.uint8, length)
             try:
-                manifest, blobs = read_payload(buf, verify=self.verify)
+                manifest, blobs = decode_payload(buf, verify=self.verify)
             except CorruptVersion:
                 if int(ctl[seq_f]) != seq:
-                    raise TornRead()
+                    raise TornRead() from None  # the writer came by: not corruption, read again
                 raise
             if int(ctl[seq_f]) != seq or manifest.version != version:
                 raise TornRead()

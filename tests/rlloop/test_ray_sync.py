@@ -1,4 +1,5 @@
 """The Ray object-store transport: same protocol as shm/disk, bit-exact, keyframe requests through the mailbox."""
+
 import uuid
 
 import ml_dtypes
@@ -8,8 +9,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from rlloop.ray_sync import get_mailbox, make_ray_receiver, make_ray_sender  # noqa: E402
-from weight_sync.payload import encode_payload  # noqa: E402
-from weight_sync.protocol import Sender  # noqa: E402
+from weight_sync import Sender, encode_payload_into, payload_nbytes  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +28,11 @@ def run_id():
 
 
 def _weights(rng, n=4096):
-    return {"model.embed_tokens.weight": rng.standard_normal((n // 64, 64)).astype(ml_dtypes.bfloat16),
-            "model.norm.weight": np.concatenate([[np.nan, -0.0, np.inf], rng.standard_normal(61)]).astype(np.float32),
-            "counter": np.arange(5, dtype=np.int64)}
+    return {
+        "model.embed_tokens.weight": rng.standard_normal((n // 64, 64)).astype(ml_dtypes.bfloat16),
+        "model.norm.weight": np.concatenate([[np.nan, -0.0, np.inf], rng.standard_normal(61)]).astype(np.float32),
+        "counter": np.arange(5, dtype=np.int64),
+    }
 
 
 def _step(w, rng, k=20):
@@ -41,8 +43,9 @@ def _step(w, rng, k=20):
 
 
 def _same_bits(got, want):
-    return got.keys() == want.keys() and all(got[n].tobytes() == a.tobytes() and got[n].dtype == a.dtype
-                                             for n, a in want.items())
+    return got.keys() == want.keys() and all(
+        got[n].tobytes() == a.tobytes() and got[n].dtype == a.dtype for n, a in want.items()
+    )
 
 
 def test_ray_round_trip_with_deltas_bit_exact(ray_cluster, run_id):
@@ -109,7 +112,8 @@ def test_ray_corrupt_payload_is_refused_and_previous_kept(ray_cluster, run_id):
     assert receiver.pull()[0] == 0
     w1 = _step(w0, rng)
     manifest, blobs = Sender()._encode(w1, 1)[:2]
-    payload = encode_payload(manifest, blobs)
+    payload = np.empty(payload_nbytes(manifest), np.uint8)
+    encode_payload_into(payload, manifest, blobs)
     payload[payload.nbytes // 2] ^= 0x10  # a flipped byte in the tensor data, posted as version 1
     ray.get(get_mailbox(run_id).post.remote(1, [ray.put(payload)]))
     assert receiver.pull() is None and receiver.refused == 1 and receiver.version == 0

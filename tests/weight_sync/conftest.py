@@ -1,4 +1,5 @@
 """Fixtures for the weight-sync tests: a fresh run id per test, and a check that no /dev/shm segment leaks."""
+
 import os
 import uuid
 from pathlib import Path

@@ -1,4 +1,5 @@
 """Part-parallel checksums: writer (copy + hash) and reader (hash) agree, and any flipped byte is caught."""
+
 import multiprocessing
 
 import numpy as np
@@ -31,7 +32,7 @@ def test_copying_writer_and_reader_agree_and_the_copy_is_exact():
 
 
 def test_typed_arrays_are_hashed_by_their_bytes():
-    a = np.random.default_rng(1).standard_normal(PART // 2 + 5).astype(np.float32)   # two parts
+    a = np.random.default_rng(1).standard_normal(PART // 2 + 5).astype(np.float32)  # two parts
     assert checksum(a) == checksum(a.view(np.uint8)) == checksum(a.tobytes())
     assert checksum(a[::2]) == checksum(np.ascontiguousarray(a[::2]))
 

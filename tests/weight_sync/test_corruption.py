@@ -1,14 +1,20 @@
 """Flipping any single byte of a version makes the receiver refuse it and keep the weights it had."""
+
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from weight_sync import make_receiver, make_sender
-from weight_sync.manifest import CorruptVersion
-from weight_sync.payload import encode_payload, read_payload
-from weight_sync.protocol import Sender
+from weight_sync import (
+    CorruptVersion,
+    Sender,
+    decode_payload,
+    encode_payload_into,
+    make_receiver,
+    make_sender,
+    payload_nbytes,
+)
 
 
 def _flip(path: Path, pos: int, rng) -> None:
@@ -21,9 +27,19 @@ def _flip(path: Path, pos: int, rng) -> None:
 
 def _weights(v: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(v)
-    return {"embed.weight": rng.standard_normal((4, 8)).astype(ml_dtypes.bfloat16),
-            "norm.weight": rng.standard_normal(8).astype(np.float32),
-            "step": np.array([v, -v], np.int64)}
+    return {
+        "embed.weight": rng.standard_normal((4, 8)).astype(ml_dtypes.bfloat16),
+        "norm.weight": rng.standard_normal(8).astype(np.float32),
+        "step": np.array([v, -v], np.int64),
+    }
+
+
+def _keyframe_payload(weights: dict[str, np.ndarray]) -> np.ndarray:
+    """`weights` as version 0's flat payload (what the shm and Ray transports carry), in a fresh buffer."""
+    manifest, blobs = Sender()._encode(weights, 0)[:2]
+    payload = np.empty(payload_nbytes(manifest), np.uint8)
+    assert encode_payload_into(payload, manifest, blobs) == payload.nbytes
+    return payload
 
 
 def _latest_shm_payload(run_id: str) -> tuple[Path, int]:
@@ -34,17 +50,15 @@ def _latest_shm_payload(run_id: str) -> tuple[Path, int]:
 
 
 def test_every_byte_of_a_payload_is_covered():
-    """read_payload (what shm and Ray receivers run) refuses a flip at every position of a keyframe payload."""
-    w = _weights(0)
-    manifest, blobs = Sender()._encode(w, 0)[:2]
-    payload = encode_payload(manifest, blobs)
-    read_payload(payload)  # intact: accepted
+    """decode_payload (what shm and Ray receivers run) refuses a flip at every position of a keyframe payload."""
+    payload = _keyframe_payload(_weights(0))
+    decode_payload(payload)  # intact: accepted
     rng = np.random.default_rng(0)
     for pos in range(payload.nbytes):
         bad = payload.copy()
         bad[pos] ^= rng.integers(1, 256, dtype=np.uint8)
         with pytest.raises(CorruptVersion):
-            read_payload(bad)
+            decode_payload(bad)
 
 
 def test_shm_refuses_flipped_keyframes_and_keeps_previous(run_id):
@@ -110,8 +124,18 @@ def test_disk_refuses_any_flipped_byte(target, run_id, tmp_path):
     assert version == size + 1 and all(got[n].tobytes() == a.tobytes() for n, a in _weights(5).items())
 
 
-@pytest.mark.parametrize("field,value", [("dtype", "complex64"), ("dtype", "object"), ("shape", [-4, -8]),
-                                         ("encoding", "xor"), ("nbytes", 7), ("xxh3", None), ("shape", "abc")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("dtype", "complex64"),
+        ("dtype", "object"),
+        ("shape", [-4, -8]),
+        ("encoding", "xor"),
+        ("nbytes", 7),
+        ("xxh3", None),
+        ("shape", "abc"),
+    ],
+)
 def test_well_framed_but_inconsistent_manifest_is_refused(field, value):
     """A manifest whose checksum is right but whose content is not self-consistent is refused, not crashed on."""
     import json
@@ -119,15 +143,15 @@ def test_well_framed_but_inconsistent_manifest_is_refused(field, value):
 
     import xxhash
 
-    manifest, blobs = Sender()._encode(_weights(0), 0)[:2]
-    payload = encode_payload(manifest, blobs)
+    payload = _keyframe_payload(_weights(0))
     magic, mlen, _, total = struct.unpack("<8sQQQ", payload[:32].tobytes())
-    doc = json.loads(payload[32:32 + mlen].tobytes())
+    doc = json.loads(payload[32 : 32 + mlen].tobytes())
     doc["entries"][0][field] = value
     tampered = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode().ljust(mlen)
     assert len(tampered) == mlen
-    payload[32:32 + mlen] = np.frombuffer(tampered, np.uint8)
-    payload[:32] = np.frombuffer(struct.pack("<8sQQQ", magic, mlen, xxhash.xxh3_64_intdigest(tampered), total),
-                                 np.uint8)
+    payload[32 : 32 + mlen] = np.frombuffer(tampered, np.uint8)
+    payload[:32] = np.frombuffer(
+        struct.pack("<8sQQQ", magic, mlen, xxhash.xxh3_64_intdigest(tampered), total), np.uint8
+    )
     with pytest.raises(CorruptVersion):
-        read_payload(payload)
+        decode_payload(payload)

@@ -1,12 +1,12 @@
 """The delta codec reconstructs every tensor bit for bit, whatever the values (±0, NaN payloads, inf, denormals)."""
+
 import ml_dtypes
 import numpy as np
 import pytest
+from wsync_values import nan_with_payload, special_tensor
 
 from weight_sync import delta
 from weight_sync.manifest import CorruptVersion
-
-from wsync_values import nan_with_payload, special_tensor
 
 DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16, np.float64, np.int8, np.int32, np.int64, np.uint16, np.bool_]
 BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -28,7 +28,7 @@ def _mutate(a: np.ndarray, rng) -> np.ndarray:
         # Float-equal but bit-different rewrites: +0 <-> -0, one NaN payload -> another.
         j = int(rng.integers(0, n))
         new.reshape(-1)[j] = np.array(-0.0 if rng.random() < 0.5 else 0.0, a.dtype)
-        new.reshape(-1)[(j + 1) % n] = nan_with_payload(a.dtype, int(rng.integers(1, 60)), bool(rng.random() < .5))
+        new.reshape(-1)[(j + 1) % n] = nan_with_payload(a.dtype, int(rng.integers(1, 60)), bool(rng.random() < 0.5))
     return new
 
 
@@ -41,8 +41,9 @@ def test_property_1000_rounds_bit_exact():
         new = _mutate(old, rng)
         changed = delta.changed_indices(old, new)
         # Changed = elements with any differing byte (numpy on bytes, no float comparison involved).
-        byte_diff = (old.reshape(-1).view(np.uint8).reshape(old.size, -1) !=
-                     new.reshape(-1).view(np.uint8).reshape(new.size, -1)).any(axis=1)
+        byte_diff = (
+            old.reshape(-1).view(np.uint8).reshape(old.size, -1) != new.reshape(-1).view(np.uint8).reshape(new.size, -1)
+        ).any(axis=1)
         assert changed.tolist() == np.flatnonzero(byte_diff).tolist()
         before = old.tobytes()
         got = delta.apply(old, delta.encode(old, new))

@@ -1,5 +1,6 @@
 """Segments of a killed writer: never a half-written version for readers, removed at the next start, and removed on
 normal exit and on SIGTERM."""
+
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from weight_sync import make_receiver, make_sender
 from weight_sync.shm import remove_stale_segments
 
 # The writer process. In "midpush" mode it publishes version 1, then writes half of version 2 and stops there (the
-# hook stands in for the moment a SIGKILL lands; the real write_payload produces the bytes).
+# hook stands in for the moment a SIGKILL lands; the real encode_payload_into produces the bytes).
 WRITER = r"""
 import sys, time
 import numpy as np
@@ -23,14 +24,14 @@ run_id, mode = sys.argv[1], sys.argv[2]
 sender = shm.ShmSender(run_id)
 sender.push({"w": np.full(1 << 16, 1.0, np.float32)}, 1)
 if mode == "midpush":
-    real_write = shm.write_payload
-    def write_half_then_hang(dst, layout, manifest, blobs):
-        scratch = np.zeros(layout.total, np.uint8)
-        real_write(scratch, layout, manifest, blobs)
-        dst[: layout.total // 2] = scratch[: layout.total // 2]
+    real_write = shm.encode_payload_into
+    def write_half_then_hang(dst, manifest, blobs):
+        scratch = np.zeros(shm.payload_nbytes(manifest), np.uint8)
+        total = real_write(scratch, manifest, blobs)
+        dst[: total // 2] = scratch[: total // 2]
         print("mid-push", flush=True)
         time.sleep(120)
-    shm.write_payload = write_half_then_hang
+    shm.encode_payload_into = write_half_then_hang
     sender.push({"w": np.full(1 << 16, 2.0, np.float32)}, 2)
 print("ready", flush=True)
 if mode == "wait":
@@ -39,8 +40,12 @@ if mode == "wait":
 
 
 def _start_writer(run_id: str, mode: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, run_id, mode], stdout=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).resolve().parents[2])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, run_id, mode],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     line = proc.stdout.readline().strip()
     assert line in ("mid-push", "ready"), f"writer failed to start (got {line!r})"
     return proc
@@ -141,8 +146,12 @@ def test_concurrent_reader_never_sees_a_torn_version(run_id):
     last = 400
     with make_sender("shm", run_id=run_id) as sender:
         sender.push({"w": np.zeros(1 << 17, np.float32), "v": np.zeros(1 << 16, np.int32)}, 0)
-        proc = subprocess.Popen([sys.executable, "-c", READER, run_id, str(last)], stdout=subprocess.PIPE,
-                                text=True, cwd=Path(__file__).resolve().parents[2])
+        proc = subprocess.Popen(
+            [sys.executable, "-c", READER, run_id, str(last)],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parents[2],
+        )
         try:
             assert proc.stdout.readline().strip() == "ready"
             for v in range(1, last + 1):
@@ -161,15 +170,15 @@ def test_push_that_fails_midway_is_never_shown_and_the_next_push_works(run_id, m
     sender, receiver = make_sender("shm", run_id=run_id), make_receiver("shm", run_id=run_id)
     with sender, receiver:
         sender.push({"w": np.full(1000, 1.0, np.float32)}, 1)
-        real_write = shm.write_payload
+        real_write = shm.encode_payload_into
 
-        def write_half_then_fail(dst, layout, manifest, blobs):
-            scratch = np.zeros(layout.total, np.uint8)
-            real_write(scratch, layout, manifest, blobs)
-            dst[: layout.total // 2] = scratch[: layout.total // 2]
+        def write_half_then_fail(dst, manifest, blobs):
+            scratch = np.zeros(shm.payload_nbytes(manifest), np.uint8)
+            total = real_write(scratch, manifest, blobs)
+            dst[: total // 2] = scratch[: total // 2]
             raise OSError("disk on fire")
 
-        monkeypatch.setattr(shm, "write_payload", write_half_then_fail)
+        monkeypatch.setattr(shm, "encode_payload_into", write_half_then_fail)
         with pytest.raises(OSError):
             sender.push({"w": np.full(1000, 2.0, np.float32)}, 2)
         monkeypatch.undo()

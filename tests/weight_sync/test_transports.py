@@ -1,17 +1,27 @@
 """Round trips through the shm and disk transports: bit-exact for every dtype, zero-copy shm, keyframes and deltas."""
+
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
-
-from weight_sync import make_receiver, make_sender
-from weight_sync.manifest import to_numpy
-
 from wsync_values import special_tensor
 
-TRANSPORTS = ["shm", "disk"]
-ALL_DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16, np.float64, np.int8, np.int16, np.int32, np.int64,
-              np.uint8, np.bool_]
+from trainer.trainer import to_numpy
+from weight_sync import TRANSPORTS, make_receiver, make_sender
+from weight_sync.manifest import check_named_arrays
+
+ALL_DTYPES = [
+    np.float32,
+    ml_dtypes.bfloat16,
+    np.float16,
+    np.float64,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.bool_,
+]
 
 
 def _pair(transport, run_id, tmp_path, **kw):
@@ -23,14 +33,15 @@ def _pair(transport, run_id, tmp_path, **kw):
 
 def _state(rng):
     shapes = [(30, 50), (1700,), (), (20, 30, 4), (0, 4)]
-    return {f"model.layers.{i}.w_{np.dtype(dt).name}": special_tensor(dt, shapes[i % len(shapes)], rng)
-            for i, dt in enumerate(ALL_DTYPES)}
+    return {
+        f"model.layers.{i}.w_{np.dtype(dt).name}": special_tensor(dt, shapes[i % len(shapes)], rng)
+        for i, dt in enumerate(ALL_DTYPES)
+    }
 
 
 def _assert_bits_equal(got: dict, want: dict):
     assert got.keys() == want.keys()
     for name, w in want.items():
-        w = to_numpy(name, w)
         assert got[name].dtype == w.dtype and got[name].shape == w.shape, name
         assert got[name].tobytes() == w.tobytes(), name
 
@@ -60,8 +71,9 @@ def test_round_trip_bit_exact_all_dtypes(transport, delta, run_id, tmp_path):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_torch_tensors_in_bf16_and_fp32(transport, run_id, tmp_path, tiny_qwen3_dir):
-    """A real HF state dict in bf16 goes in as torch tensors and comes out as the same bits in ml_dtypes bf16."""
+def test_hf_state_dict_in_bf16_and_fp32(transport, run_id, tmp_path, tiny_qwen3_dir):
+    """A real HF state dict in bf16, turned into numpy as Trainer.export_weights does (trainer.trainer.to_numpy),
+    comes out as the same bits in ml_dtypes bf16."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.bfloat16)
@@ -69,7 +81,7 @@ def test_torch_tensors_in_bf16_and_fp32(transport, run_id, tmp_path, tiny_qwen3_
     sd["extra.fp32"] = torch.randn(7, 3)
     sender, receiver = _pair(transport, run_id, tmp_path)
     with sender, receiver:
-        sender.push(sd, 1)
+        sender.push({n: to_numpy(t) for n, t in sd.items()}, 1)
         version, got = receiver.pull()
     assert version == 1 and got.keys() == sd.keys()
     for name, t in sd.items():
@@ -80,12 +92,22 @@ def test_torch_tensors_in_bf16_and_fp32(transport, run_id, tmp_path, tiny_qwen3_
             assert got[name].tobytes() == t.numpy().tobytes(), name
 
 
-def test_torch_input_is_not_copied():
-    t = torch.randn(4, 4)
-    assert np.shares_memory(to_numpy("w", t), t.numpy())
-    b = torch.randn(4, 4, dtype=torch.bfloat16)
-    arr = to_numpy("w", b)
-    assert arr.dtype == np.dtype(ml_dtypes.bfloat16) and arr.ctypes.data == b.data_ptr()
+def test_contiguous_input_is_not_copied_before_the_transport():
+    w = np.zeros((4, 4), ml_dtypes.bfloat16)
+    strided = np.zeros((4, 8), np.float32)[:, ::2]
+    checked = check_named_arrays({"w": w, "strided": strided})
+    assert checked["w"] is w
+    assert checked["strided"].flags.c_contiguous and checked["strided"].tobytes() == strided.tobytes()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_torch_tensors_are_refused_with_a_pointer_to_numpy(transport, run_id, tmp_path):
+    sender, receiver = _pair(transport, run_id, tmp_path)
+    with sender, receiver:
+        for t in (torch.zeros(3), torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))):
+            with pytest.raises(ValueError, match=r"'lm_head\.weight' is a torch .*pass numpy arrays.*export_weights"):
+                sender.push({"w": np.zeros(3, np.float32), "lm_head.weight": t}, 0)
+        assert receiver.pull() is None and sender.version is None  # nothing was published
 
 
 def test_shm_reads_are_zero_copy_views_valid_until_buffer_reused(run_id):
@@ -198,12 +220,14 @@ def test_bad_input_names_the_problem(transport, run_id, tmp_path):
 
 
 def test_factory_errors(run_id, tmp_path):
+    assert TRANSPORTS == ("shm", "disk")  # what make_sender builds; "ray" is rlloop.ray_sync's
     with pytest.raises(ValueError, match="'zmq'"):
         make_sender("zmq", run_id=run_id)
     with pytest.raises(ValueError, match="root"):
         make_sender("disk", run_id=run_id)
-    with pytest.raises(ValueError, match="rlloop.ray_sync"):
-        make_receiver("ray", run_id=run_id)
+    for make in (make_sender, make_receiver):
+        with pytest.raises(ValueError, match="rlloop.ray_sync.make_ray_sender / make_ray_receiver"):
+            make("ray", run_id=run_id)
     with pytest.raises(ValueError, match="run_id"):
         make_sender("shm", run_id="../etc")
     with pytest.raises(ValueError, match="keyframe_every"):
@@ -235,11 +259,17 @@ def test_disk_version_readable_by_another_process(run_id, tmp_path):
     state = _state(rng)
     sender = make_sender("disk", run_id=run_id, root=tmp_path)
     sender.push(state, 11)
-    out = subprocess.run([sys.executable, "-c", DISK_READER, str(tmp_path), run_id], capture_output=True, text=True,
-                         check=True, cwd=Path(__file__).resolve().parents[2], timeout=120).stdout.split("\n")
+    out = subprocess.run(
+        [sys.executable, "-c", DISK_READER, str(tmp_path), run_id],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=120,
+    ).stdout.split("\n")
     assert out[0] == "11"
     want = [f"{n} {state[n].dtype.name} {hashlib.sha256(state[n].tobytes()).hexdigest()}" for n in sorted(state)]
-    assert out[1:1 + len(want)] == want
+    assert out[1 : 1 + len(want)] == want
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -261,10 +291,11 @@ def test_random_rounds_with_skipped_pulls_always_bit_exact(transport, run_id, tm
     """Deltas, keyframes, chains and keyframe requests interleaved at random: whatever a pull returns is exactly the
     version it names."""
     rng = np.random.default_rng(7)
-    sender, receiver = _pair(transport, run_id, tmp_path, delta=True, keyframe_every=int(rng.integers(3, 9)),
-                             keep=3)
-    state = {f"t{i}": special_tensor(dt, (int(rng.integers(50, 400)),), rng)
-             for i, dt in enumerate([np.float32, ml_dtypes.bfloat16, np.float16, np.int32])}
+    sender, receiver = _pair(transport, run_id, tmp_path, delta=True, keyframe_every=int(rng.integers(3, 9)), keep=3)
+    state = {
+        f"t{i}": special_tensor(dt, (int(rng.integers(50, 400)),), rng)
+        for i, dt in enumerate([np.float32, ml_dtypes.bfloat16, np.float16, np.int32])
+    }
     history, returned = {}, 0
     with sender, receiver:
         for version in range(150):

@@ -1,4 +1,5 @@
 """Test data for weight sync: tensors full of the values that float comparisons get wrong."""
+
 import ml_dtypes
 import numpy as np
 
@@ -7,8 +8,12 @@ def nan_with_payload(dtype, payload: int, negative: bool = False):
     """A quiet NaN of `dtype` carrying `payload` in its mantissa bits (distinct bits, all compare unequal)."""
     dtype = np.dtype(dtype)
     bits = {2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize]
-    nmant = {np.dtype(np.float16): 10, np.dtype(ml_dtypes.bfloat16): 7, np.dtype(np.float32): 23,
-             np.dtype(np.float64): 52}[dtype]
+    nmant = {
+        np.dtype(np.float16): 10,
+        np.dtype(ml_dtypes.bfloat16): 7,
+        np.dtype(np.float32): 23,
+        np.dtype(np.float64): 52,
+    }[dtype]
     exp_all_ones = ((1 << (8 * dtype.itemsize - 1 - nmant)) - 1) << nmant
     sign = 1 << (8 * dtype.itemsize - 1) if negative else 0
     quiet = 1 << (nmant - 1)
