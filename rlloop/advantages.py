@@ -2,6 +2,7 @@
 
 Samples arrive grouped: G consecutive entries share one prompt (the order `RolloutEngine.generate` returns).
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -1,6 +1,7 @@
 """Run checkpoints: `<run dir>/checkpoints/step_NNNNNN/` holding the trainer's state (`trainer/`: model, optimizer,
 RNG) and the loop's (`state.json`: step, data position, weight version). Written under a temporary name and renamed,
 so a crash mid-save leaves the previous checkpoint as the latest; the newest `keep` are kept."""
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
     root = Path(run_dir) / "checkpoints"
-    done = sorted(p for p in root.glob(f"{PREFIX}*") if p.name[len(PREFIX):].isdigit() and (p / "state.json").exists())
+    done = sorted(p for p in root.glob(f"{PREFIX}*") if p.name[len(PREFIX) :].isdigit() and (p / "state.json").exists())
     return done[-1] if done else None
 
 

@@ -4,7 +4,13 @@ OmegaConf reads and merges the YAML and the `a.b=c` overrides; pydantic checks e
 becomes one `ConfigError` naming the key path and what is allowed; `rlloop.run` turns it into exit code 2.
 Relative paths in a file (`model.path`, `data.path`, ...) resolve against that file's directory when they exist there,
 so `examples/grpo_dapo_tiny.yaml` works from any working directory.
+
+One source of truth per knob: each component owns its typed config (`rollout.EngineConfig`, `trainer.TrainerConfig`,
+`trainer.LossConfig`), and the YAML sections `rollout:`, `train:` and `grpo:` are made from those fields (`knobs_of`),
+so a knob is declared, defaulted and range-checked once, in its component. `Config.engine_config()` and
+`Config.trainer_config()` are the only places that build those configs; the workers receive the built dataclasses.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,149 +18,190 @@ from typing import Annotated, Literal
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+
+from rollout import EngineConfig
+from rollout.types import DType
+from trainer import LossConfig, TrainerConfig
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
 Prob = Annotated[float, Field(gt=0, le=1)]
+TORCH_DEVICE = {"tpu": "tpu", "gpu": "cuda", "cpu": "cpu"}
 
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=False, validate_default=True)
 
 
-class RunConfig(Section):
+def knobs_of(component: type, wired: tuple[str, ...] = ()) -> type[Section]:
+    """A YAML section holding a component config's own knobs: every field of the (pydantic) dataclass `component`
+    except the `wired` ones, which the run config fills in from other sections. Types, defaults and ranges are the
+    component's, so a field added there is a YAML key here with nothing else to edit."""
+    fields = {name: (f.annotation, f) for name, f in component.__pydantic_fields__.items() if name not in wired}
+    return create_model(f"{component.__name__}Knobs", __base__=Section, **fields)
+
+
+def component_kwargs(section: BaseModel, component: type) -> dict:
+    """The values of `section` that are fields of `component`."""
+    return {
+        name: getattr(section, name) for name in component.__pydantic_fields__ if name in type(section).model_fields
+    }
+
+
+class RunSection(Section):
     name: str = "grpo"
-    dir: str = "runs/{name}"              # {name} is filled in
+    dir: str = "runs/{name}"  # {name} is filled in
     seed: int = 0
     steps: PositiveInt = 100
-    save_every: NonNegInt = 20            # 0: never
-    eval_every: NonNegInt = 20            # 0: never
+    save_every: NonNegInt = 20  # 0: never
+    eval_every: NonNegInt = 20  # 0: never
 
 
-class ModelConfig(Section):
-    path: str                             # hub id or local dir with config.json, weights and tokenizer
-    tokenizer: str | None = None          # defaults to `path`
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+class ModelSection(Section):
+    path: str  # hub id or local dir with config.json, weights and tokenizer
+    tokenizer: str | None = None  # defaults to `path`
+    dtype: DType = "float32"  # engine and trainer; the real recipe sets bfloat16
 
 
-class DataConfig(Section):
-    path: str                             # hub id, parquet/jsonl file, or a directory of them
+class DataSection(Section):
+    path: str  # hub id, parquet/jsonl file, or a directory of them
     split: str = "train"
-    prompt_key: str = "prompt"            # a chat-message list (DAPO) or a plain string
+    prompt_key: str = "prompt"  # a chat-message list (DAPO) or a plain string
     answer_key: str = "reward_model.ground_truth"
     max_prompt_len: PositiveInt = 1024
-    on_long_prompt: Literal["drop", "error"] = "drop"   # dropped prompts are counted in the log
+    on_long_prompt: Literal["drop", "error"] = "drop"  # dropped prompts are counted in the log
     shuffle: bool = True
 
 
-class EvalConfig(Section):
-    path: str | None = None               # None: no evaluation
-    name: str | None = None               # logged as eval/<name>; default: the file or dataset name
+class EvalSection(Section):
+    path: str | None = None  # None: no evaluation
+    name: str | None = None  # logged as eval/<name>; default: the file or dataset name
     split: str = "train"
-    samples: PositiveInt = 16             # completions per prompt; the score is mean accuracy
+    samples: PositiveInt = 16  # completions per prompt; the score is mean accuracy
     max_prompts: PositiveInt | None = None
     temperature: Annotated[float, Field(ge=0)] = 1.0
 
 
-class RewardConfig(Section):
-    fn: str = "dapo"                      # dapo | math | package.module:function
+class RewardSection(Section):
+    fn: str = "dapo"  # dapo | math | package.module:function
     timeout_s: Annotated[float, Field(gt=0)] = 10.0
-    failure_reward: float = 0.0           # given to a sample whose reward function raised or timed out
+    failure_reward: float = 0.0  # given to a sample whose reward function raised or timed out
     workers: PositiveInt = 2
 
 
-class RolloutConfig(Section):
+# The engine's own knobs (max_batch, buckets, steps_per_dispatch) come from rollout.EngineConfig; the model, dtype,
+# sequence length, chips and seed are wired from the model, data, cluster and run sections.
+class RolloutSection(knobs_of(EngineConfig, wired=("model_path", "dtype", "max_seq_len", "tp", "seed"))):
     backend: Literal["jax", "hf"] = "jax"
     prompts_per_step: PositiveInt = 32
     group_size: Annotated[int, Field(ge=2)] = 8
     max_response_len: PositiveInt = 8192
     temperature: Annotated[float, Field(gt=0)] = 1.0
     top_p: Prob = 1.0
-    top_k: int = -1                       # -1: off
-    max_batch: PositiveInt = 256          # decode slots of the engine
-    prefill_buckets: list[PositiveInt] | None = None
-    decode_buckets: list[PositiveInt] | None = None
-    steps_per_dispatch: PositiveInt = 8
-    compile_cache_dir: str | None = "~/.cache/rlloop/jax"   # XLA's persistent cache: later runs skip most warmup
+    top_k: int = -1  # -1: off
+    compile_cache_dir: str | None = "~/.cache/rlloop/jax"  # XLA's persistent cache: later runs skip most warmup
 
 
-class GRPOConfig(Section):
-    std_scale: bool = True                # False: Dr.GRPO advantages (no division by the group std)
-    clip_eps_low: Annotated[float, Field(ge=0, lt=1)] = 0.2
-    clip_eps_high: Annotated[float, Field(ge=0)] = 0.28
-    loss_agg: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    importance_level: Literal["token", "sequence"] = "token"
-    kl_coef: Annotated[float, Field(ge=0)] = 0.0
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    entropy_coef: float = 0.0
-    tis_cap: Annotated[float, Field(gt=0)] | None = 2.0
-    dynamic_sampling: bool = False        # DAPO: drop groups whose rewards are all equal, top the batch up
+# The policy loss's knobs come from trainer.LossConfig; the rest shape rewards and batches before the trainer.
+class GRPOSection(knobs_of(LossConfig)):
+    std_scale: bool = True  # False: Dr.GRPO advantages (no division by the group std)
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, top the batch up
     max_sampling_rounds: PositiveInt = 3
-    overlong_buffer: NonNegInt = 0        # DAPO overlong shaping: last L tokens before the max length are penalised
+    overlong_buffer: NonNegInt = 0  # DAPO overlong shaping: last L tokens before the max length are penalised
     overlong_penalty: Annotated[float, Field(ge=0)] = 1.0
 
 
-class TrainConfig(Section):
-    lr: Annotated[float, Field(gt=0)] = 1e-6
-    weight_decay: Annotated[float, Field(ge=0)] = 0.1
-    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.98)
-    eps: Annotated[float, Field(gt=0)] = 1e-8
-    max_grad_norm: Annotated[float, Field(gt=0)] = 1.0
-    micro_batch_tokens: PositiveInt = 16384
-    minibatches: PositiveInt = 1          # optimizer steps per rollout batch
-    gradient_checkpointing: bool = False
+# All of trainer.TrainerConfig but what other sections decide (the model, devices, sampling temperature, lengths).
+TrainSection = knobs_of(
+    TrainerConfig, wired=("model_path", "dtype", "device", "temperature", "max_response_len", "loss", "seed")
+)
 
 
-class SyncConfig(Section):
+class SyncSection(Section):
     transport: Literal["shm", "disk", "ray"] = "shm"
     delta: bool = True
     keyframe_every: PositiveInt = 10
-    dir: str | None = None                # disk transport root; default <run dir>/sync
+    keep: PositiveInt = 2  # versions the disk and Ray transports retain
+    dir: str | None = None  # disk transport root; default <run dir>/sync
 
 
-class ClusterConfig(Section):
+class ClusterSection(Section):
     device: Literal["tpu", "gpu", "cpu"] = "cpu"
     rollout_chips: PositiveInt = 1
     train_chips: PositiveInt = 1
-    address: str | None = None            # Ray address; None: $RAY_ADDRESS or a local Ray
-    use_ray: bool = True                  # False: everything in this process (debugging)
+    address: str | None = None  # Ray address; None: $RAY_ADDRESS or a local Ray
+    use_ray: bool = True  # False: everything in this process (debugging)
     cpus_per_actor: PositiveInt = 1
 
 
-class TrackingConfig(Section):
+class TrackingSection(Section):
     wandb: bool = False
     project: str = "rlloop"
     entity: str | None = None
-    mode: Literal["auto", "online", "offline", "disabled"] = "auto"   # auto: offline unless an API key is set
+    mode: Literal["auto", "online", "offline", "disabled"] = "auto"  # auto: offline unless an API key is set
     progress: bool = True
-    save_rollouts: bool = False           # write each step's samples to <run dir>/rollouts/step_N.jsonl
+    save_rollouts: bool = False  # write each step's samples to <run dir>/rollouts/step_N.jsonl
 
 
 class Config(Section):
-    run: RunConfig = RunConfig()
-    model: ModelConfig
-    data: DataConfig
-    eval: EvalConfig = EvalConfig()
-    reward: RewardConfig = RewardConfig()
-    rollout: RolloutConfig = RolloutConfig()
-    grpo: GRPOConfig = GRPOConfig()
-    train: TrainConfig = TrainConfig()
-    sync: SyncConfig = SyncConfig()
-    cluster: ClusterConfig = ClusterConfig()
-    tracking: TrackingConfig = TrackingConfig()
+    run: RunSection = RunSection()
+    model: ModelSection
+    data: DataSection
+    eval: EvalSection = EvalSection()
+    reward: RewardSection = RewardSection()
+    rollout: RolloutSection = RolloutSection()
+    grpo: GRPOSection = GRPOSection()
+    train: TrainSection = TrainSection()
+    sync: SyncSection = SyncSection()
+    cluster: ClusterSection = ClusterSection()
+    tracking: TrackingSection = TrackingSection()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
-        if self.grpo.clip_eps_high < self.grpo.clip_eps_low:
-            raise ValueError("grpo.clip_eps_high must be >= grpo.clip_eps_low (clip-higher)")
         if self.grpo.overlong_buffer >= self.rollout.max_response_len:
             raise ValueError("grpo.overlong_buffer must be < rollout.max_response_len")
+        # The components' own checks (cross-field ones too) at load time, not in an actor minutes later.
+        for section, build in (
+            ("grpo", self.loss_config),
+            ("rollout", self.engine_config),
+            ("train", self.trainer_config),
+        ):
+            try:
+                build()
+            except ValidationError as e:
+                raise ValueError("; ".join(_describe(err, prefix=section) for err in e.errors())) from None
         return self
 
     @property
     def run_dir(self) -> Path:
         return Path(self.run.dir.format(name=self.run.name))
+
+    # -- the components' configs, built here and nowhere else ------------------------------------------------------
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            **component_kwargs(self.rollout, EngineConfig),
+            model_path=self.model.path,
+            dtype=self.model.dtype,
+            max_seq_len=self.data.max_prompt_len + self.rollout.max_response_len,
+            tp=self.cluster.rollout_chips,
+            seed=self.run.seed,
+        )
+
+    def trainer_config(self) -> TrainerConfig:
+        return TrainerConfig(
+            **component_kwargs(self.train, TrainerConfig),
+            model_path=self.model.path,
+            dtype=self.model.dtype,
+            device=TORCH_DEVICE[self.cluster.device],
+            temperature=self.rollout.temperature,
+            max_response_len=self.rollout.max_response_len,
+            seed=self.run.seed,
+            loss=self.loss_config(),
+        )
+
+    def loss_config(self) -> LossConfig:
+        return LossConfig(**component_kwargs(self.grpo, LossConfig))
 
 
 class ConfigError(Exception):
@@ -173,9 +220,7 @@ def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         raise ConfigError(f"inherit: cycle through {path}")
     try:
         node = OmegaConf.to_container(OmegaConf.load(path))
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    except Exception as e:  # yaml.YAMLError and friends
+    except Exception as e:  # OmegaConf's own errors, yaml.YAMLError and friends
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(node, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
@@ -193,14 +238,16 @@ def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     return OmegaConf.to_container(OmegaConf.merge(base, node))
 
 
-def _describe(err: dict) -> str:
-    loc = ".".join(str(p) for p in err["loc"]) or "config"
+def _describe(err: dict, prefix: str = "") -> str:
+    """One line per pydantic error: the key path, then what is wrong (a model-level check names its keys itself)."""
+    loc = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
     if err["type"] == "extra_forbidden":
         return f"{loc}: unknown key"
     if err["type"] == "missing":
         return f"{loc}: required key is missing"
-    got = err.get("input")
-    return f"{loc}: {err['msg']}" + (f", got {got!r}" if not isinstance(got, dict) else "")
+    got, msg = err.get("input"), err["msg"].removeprefix("Value error, ")
+    shown = isinstance(got, (str, int, float, list, tuple)) or got is None
+    return (f"{loc}: " if loc else "") + msg + (f", got {got!r}" if shown else "")
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> Config:

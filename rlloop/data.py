@@ -6,12 +6,15 @@ Prompts are tokenized lazily, batch by batch (DAPO-Math-17k has 1.8 M rows), in 
 the position alone is enough to resume. Prompts longer than `max_prompt_len` are dropped and counted, or are an
 error, as configured.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from rlloop.config import Config
 
 FILE_FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
 
@@ -22,7 +25,7 @@ class DataError(ValueError):
 
 @dataclass
 class Prompt:
-    index: int                 # row index in the source
+    index: int  # row index in the source
     token_ids: list[int]
     answer: str
     messages: list[dict]
@@ -70,8 +73,9 @@ def check_columns(rows, prompt_key: str, answer_key: str, source: str) -> None:
     first = rows[0]
     for key, what in ((prompt_key, "prompt_key"), (answer_key, "answer_key")):
         if get_field(first, key) is None:
-            raise DataError(f"data {source}: column {key!r} (data.{what}) not found; "
-                            f"columns are {sorted(rows.column_names)}")
+            raise DataError(
+                f"data {source}: column {key!r} (data.{what}) not found; columns are {sorted(rows.column_names)}"
+            )
 
 
 def to_messages(prompt) -> list[dict]:
@@ -92,9 +96,19 @@ def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
 class PromptData:
     """Seeded, resumable batches of tokenized prompts."""
 
-    def __init__(self, path: str, tokenizer, *, split: str = "train", prompt_key: str = "prompt",
-                 answer_key: str = "reward_model.ground_truth", max_prompt_len: int = 1024,
-                 on_long_prompt: str = "drop", shuffle: bool = True, seed: int = 0):
+    def __init__(
+        self,
+        path: str,
+        tokenizer,
+        *,
+        split: str = "train",
+        prompt_key: str = "prompt",
+        answer_key: str = "reward_model.ground_truth",
+        max_prompt_len: int = 1024,
+        on_long_prompt: str = "drop",
+        shuffle: bool = True,
+        seed: int = 0,
+    ):
         self.rows = load_rows(path, split)
         check_columns(self.rows, prompt_key, answer_key, path)
         self.source, self.tokenizer = path, tokenizer
@@ -119,8 +133,10 @@ class PromptData:
         ids = encode_prompt(self.tokenizer, messages)
         if len(ids) > self.max_prompt_len:
             if self.on_long_prompt == "error":
-                raise DataError(f"data {self.source}: row {index} has {len(ids)} prompt tokens > "
-                                f"data.max_prompt_len={self.max_prompt_len}")
+                raise DataError(
+                    f"data {self.source}: row {index} has {len(ids)} prompt tokens > "
+                    f"data.max_prompt_len={self.max_prompt_len}"
+                )
             self.dropped += 1
             return None
         return Prompt(int(index), ids, str(get_field(row, self.answer_key)), messages)
@@ -138,14 +154,48 @@ class PromptData:
             if prompt is not None:
                 batch.append(prompt)
             elif seen_in_call > len(self._order) and not batch:
-                raise DataError(f"data {self.source}: every prompt is longer than "
-                                f"data.max_prompt_len={self.max_prompt_len}")
+                raise DataError(
+                    f"data {self.source}: every prompt is longer than data.max_prompt_len={self.max_prompt_len}"
+                )
         return batch
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "dropped": self.dropped, "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
-        self.seed, self.epoch, self.position, self.dropped = (state["seed"], state["epoch"], state["position"],
-                                                              state["dropped"])
+        self.seed, self.epoch, self.position, self.dropped = (
+            state["seed"],
+            state["epoch"],
+            state["position"],
+            state["dropped"],
+        )
         self._order = self._make_order()
+
+
+def load_datasets(cfg: Config, tokenizer) -> tuple[PromptData, PromptData | None]:
+    """The training prompts (seeded by `run.seed`) and the eval prompts (in file order; None without `eval.path`)."""
+    d = cfg.data
+    train = PromptData(
+        d.path,
+        tokenizer,
+        split=d.split,
+        prompt_key=d.prompt_key,
+        answer_key=d.answer_key,
+        max_prompt_len=d.max_prompt_len,
+        on_long_prompt=d.on_long_prompt,
+        shuffle=d.shuffle,
+        seed=cfg.run.seed,
+    )
+    if not cfg.eval.path:
+        return train, None
+    evals = PromptData(
+        cfg.eval.path,
+        tokenizer,
+        split=cfg.eval.split,
+        prompt_key=d.prompt_key,
+        answer_key=d.answer_key,
+        max_prompt_len=d.max_prompt_len,
+        on_long_prompt="drop",
+        shuffle=False,
+    )
+    return train, evals

@@ -4,11 +4,12 @@ One rollout engine holds `rollout_chips` chips (tensor parallel inside JAX); the
 (`train_chips` ranks, torch.distributed). On `cpu` a "chip" is `cpus_per_actor` cores. The shm transport needs both
 sides on one host, so its plan packs strictly.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlloop.config import ClusterConfig
+from rlloop.config import ClusterSection
 
 RESOURCE = {"tpu": "TPU", "gpu": "GPU", "cpu": None}
 
@@ -29,7 +30,7 @@ class Placement:
         return "\n".join(lines)
 
 
-def plan_placement(cluster: ClusterConfig, same_host: bool) -> Placement:
+def plan_placement(cluster: ClusterSection, same_host: bool) -> Placement:
     accel = RESOURCE[cluster.device]
     cpus = float(cluster.cpus_per_actor)
     if accel is None:
@@ -38,8 +39,13 @@ def plan_placement(cluster: ClusterConfig, same_host: bool) -> Placement:
     else:
         rollout = {"CPU": cpus, accel: float(cluster.rollout_chips)}
         ranks = [{"CPU": cpus, accel: 1.0} for _ in range(cluster.train_chips)]
-    return Placement(bundles=[rollout, *ranks], rollout_bundle=0, trainer_bundles=list(range(1, 1 + len(ranks))),
-                     strategy="STRICT_PACK" if same_host else "PACK", device=cluster.device)
+    return Placement(
+        bundles=[rollout, *ranks],
+        rollout_bundle=0,
+        trainer_bundles=list(range(1, 1 + len(ranks))),
+        strategy="STRICT_PACK" if same_host else "PACK",
+        device=cluster.device,
+    )
 
 
 def actor_options(plan: Placement, bundle: int, pg, env: dict[str, str] | None = None) -> dict:
@@ -47,6 +53,10 @@ def actor_options(plan: Placement, bundle: int, pg, env: dict[str, str] | None =
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     res = dict(plan.bundles[bundle])
-    return {"num_cpus": res.pop("CPU", 0), "num_gpus": res.pop("GPU", 0), "resources": res,
-            "runtime_env": {"env_vars": env or {}},
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, bundle)}
+    return {
+        "num_cpus": res.pop("CPU", 0),
+        "num_gpus": res.pop("GPU", 0),
+        "resources": res,
+        "runtime_env": {"env_vars": env or {}},
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, bundle),
+    }

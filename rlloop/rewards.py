@@ -9,6 +9,7 @@ Built-ins:
 `RewardScorer` runs the function in worker processes: one that raises, returns a non-number or exceeds
 `timeout_s` gives that sample `failure_reward` and increments a counter; a stuck worker is killed and the run goes on.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -22,13 +23,61 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Callable
 
 # --- DAPO (verl/utils/reward_score/math_dapo.py, Minerva normalisation) ---------------------------------------------
-SUBSTITUTIONS = [("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), (r"\ ", ""), (" ", ""), ("mbox", "text"),
-                 (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}")]
-REMOVED_EXPRESSIONS = ["square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots",
-                       "sue", "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds",
-                       "meters", "meals", "edges", "students", "childrentickets", "multiples", "\\text{s}",
-                       "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", r"\mathrm{th}",
-                       r"^\circ", r"^{\circ}", r"\;", r",\!", "{,}", '"', "\\dots"]
+SUBSTITUTIONS = [
+    ("an ", ""),
+    ("a ", ""),
+    (".$", "$"),
+    ("\\$", ""),
+    (r"\ ", ""),
+    (" ", ""),
+    ("mbox", "text"),
+    (",\\text{and}", ","),
+    ("\\text{and}", ","),
+    ("\\text{m}", "\\text{}"),
+]
+REMOVED_EXPRESSIONS = [
+    "square",
+    "ways",
+    "integers",
+    "dollars",
+    "mph",
+    "inches",
+    "hours",
+    "km",
+    "units",
+    "\\ldots",
+    "sue",
+    "points",
+    "feet",
+    "minutes",
+    "digits",
+    "cents",
+    "degrees",
+    "cm",
+    "gm",
+    "pounds",
+    "meters",
+    "meals",
+    "edges",
+    "students",
+    "childrentickets",
+    "multiples",
+    "\\text{s}",
+    "\\text{.}",
+    "\\text{\ns}",
+    "\\text{}^2",
+    "\\text{}^3",
+    "\\text{\n}",
+    "\\text{}",
+    r"\mathrm{th}",
+    r"^\circ",
+    r"^{\circ}",
+    r"\;",
+    r",\!",
+    "{,}",
+    '"',
+    "\\dots",
+]
 ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 
 
@@ -69,7 +118,7 @@ def last_boxed(text: str) -> str | None:
     for i in range(begin, len(text)):
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         if depth == 0:
-            return text[begin + 1:i]
+            return text[begin + 1 : i]
     return None
 
 
@@ -119,7 +168,7 @@ class RewardScorer:
     def __init__(self, fn: str = "dapo", *, timeout_s: float = 10.0, failure_reward: float = 0.0, workers: int = 2):
         resolve(fn)  # fail fast, in the caller's process
         self.spec, self.timeout_s, self.failure_reward, self.workers = fn, timeout_s, failure_reward, workers
-        self.errors = 0      # raised or returned a non-number
+        self.errors = 0  # raised or returned a non-number
         self.timeouts = 0
         self._pool: ProcessPoolExecutor | None = None
 
@@ -167,10 +216,11 @@ class RewardScorer:
             while queue and len(inflight) < self.workers:
                 i = queue.popleft()
                 inflight[pool.submit(_score_one, self.spec, responses[i], answers[i])] = (
-                    i, time.monotonic() + self.timeout_s)
+                    i,
+                    time.monotonic() + self.timeout_s,
+                )
             first_deadline = min(deadline for _, deadline in inflight.values())
-            done, _ = wait(inflight, timeout=max(0.0, first_deadline - time.monotonic()),
-                           return_when=FIRST_COMPLETED)
+            done, _ = wait(inflight, timeout=max(0.0, first_deadline - time.monotonic()), return_when=FIRST_COMPLETED)
             broken = False
             for fut in done:
                 i, _ = inflight.pop(fut)

@@ -4,6 +4,7 @@ The same command runs locally and as a Ray job (`ray job submit --working-dir . 
 Exit codes: 0 done, 1 an actor died or the cluster cannot host the plan, 2 bad config, model or data (the
 message names the key), 130 interrupted (resume with --resume).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,10 @@ def dry_run(cfg: Config) -> None:
     print(to_yaml(cfg), end="")
     print(f"# run directory: {cfg.run_dir}")
     plan = plan_placement(cfg.cluster, same_host=cfg.sync.transport == "shm")
-    print(f"# rollout: {cfg.cluster.rollout_chips} {cfg.cluster.device} chip(s), {cfg.rollout.backend} engine; "
-          f"trainer: {cfg.cluster.train_chips} rank(s)")
+    print(
+        f"# rollout: {cfg.cluster.rollout_chips} {cfg.cluster.device} chip(s), {cfg.rollout.backend} engine; "
+        f"trainer: {cfg.cluster.train_chips} rank(s)"
+    )
     print("\n".join("# " + line for line in plan.describe().splitlines()))
 
 
@@ -59,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from rlloop.cluster import ClusterError
     from rlloop.data import DataError
-    from rlloop.loop import ModelError, train
+    from rlloop.loop import train
+    from rlloop.model import ModelError
 
     try:
         run_dir = train(cfg, resume=args.resume)
@@ -73,8 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cluster error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"\ninterrupted; continue with: python -m rlloop.run {args.config} "
-              f"{' '.join(args.overrides)} --resume".replace("  ", " "), file=sys.stderr)
+        print(
+            f"\ninterrupted; continue with: python -m rlloop.run {args.config} "
+            f"{' '.join(args.overrides)} --resume".replace("  ", " "),
+            file=sys.stderr,
+        )
         return 130
     print(f"done: {run_dir}/metrics.jsonl, curves.png, report.md")
     return 0

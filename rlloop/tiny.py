@@ -8,6 +8,7 @@
 - `data/train.jsonl`, `data/eval.jsonl`: rows in the DAPO-Math-17k schema (`prompt` as a chat-message list,
   `reward_model.ground_truth`, `data_source`, `ability`, `extra_info`).
 """
+
 from __future__ import annotations
 
 import json
@@ -40,20 +41,24 @@ def make_tokenizer():
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
     core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  bos_token=None, unk_token=None)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None, unk_token=None
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
 
 def make_rows(pairs: list[tuple[int, int]], split: str) -> list[dict]:
-    return [{
-        "data_source": "tiny_arith",
-        "prompt": [{"role": "user", "content": PROMPT_TEMPLATE.format(problem=f"{a} + {b}")}],
-        "ability": "MATH",
-        "reward_model": {"ground_truth": str(a + b), "style": "rule"},
-        "extra_info": {"index": i, "split": split},
-    } for i, (a, b) in enumerate(pairs)]
+    return [
+        {
+            "data_source": "tiny_arith",
+            "prompt": [{"role": "user", "content": PROMPT_TEMPLATE.format(problem=f"{a} + {b}")}],
+            "ability": "MATH",
+            "reward_model": {"ground_truth": str(a + b), "style": "rule"},
+            "extra_info": {"index": i, "split": split},
+        }
+        for i, (a, b) in enumerate(pairs)
+    ]
 
 
 def split_pairs(seed: int = 0) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -77,15 +82,31 @@ def make_model(tok, train_pairs, steps: int = 600, seed: int = 0):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-                      rope_theta=1e6, tie_word_embeddings=True, rms_norm_eps=1e-6,
-                      bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     model = Qwen3ForCausalLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     rng = random.Random(seed)
-    prompts = {p: tok.apply_chat_template(make_rows([p], "train")[0]["prompt"], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False) for p in train_pairs}
+    prompts = {
+        p: tok.apply_chat_template(
+            make_rows([p], "train")[0]["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for p in train_pairs
+    }
     for step in range(steps):
         batch = rng.sample(train_pairs, 64)
         seqs, masks = [], []

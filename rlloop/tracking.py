@@ -1,5 +1,6 @@
 """Where a run's numbers go: `metrics.jsonl` (one line per step), Weights & Biases, a progress bar, and at the end
 `curves.png` and `report.md` in the run directory."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,16 @@ from pathlib import Path
 
 from rlloop.config import Config
 
-CURVES = ["rollout/raw_reward", "eval/*", "rollout/response_len/mean", "train/loss", "train/grad_norm",
-          "train/logprob_abs_diff", "perf/step_s", "sync/bytes"]
+CURVES = [
+    "rollout/raw_reward",
+    "eval/*",
+    "rollout/response_len/mean",
+    "train/loss",
+    "train/grad_norm",
+    "train/logprob_abs_diff",
+    "perf/step_s",
+    "sync/bytes",
+]
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -32,6 +41,7 @@ class Tracker:
         self.bar = None
         if cfg.tracking.progress:
             from tqdm import tqdm
+
             self.bar = tqdm(total=cfg.run.steps, initial=start_step, desc=cfg.run.name, unit="step", dynamic_ncols=True)
 
     def _start_wandb(self):
@@ -43,9 +53,16 @@ class Tracker:
         id_file = self.run_dir / "wandb_id"
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
-        return wandb.init(project=self.cfg.tracking.project, entity=self.cfg.tracking.entity, name=self.cfg.run.name,
-                          id=run_id, resume="allow", dir=str(self.run_dir), mode=mode,
-                          config=self.cfg.model_dump(mode="json"))
+        return wandb.init(
+            project=self.cfg.tracking.project,
+            entity=self.cfg.tracking.entity,
+            name=self.cfg.run.name,
+            id=run_id,
+            resume="allow",
+            dir=str(self.run_dir),
+            mode=mode,
+            config=self.cfg.model_dump(mode="json"),
+        )
 
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step, **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}
@@ -57,6 +74,12 @@ class Tracker:
             postfix = {"reward": metrics.get("rollout/raw_reward"), "tok/s": metrics.get("perf/rollout_tok_per_s")}
             self.bar.set_postfix({k: f"{v:.3g}" for k, v in postfix.items() if v is not None}, refresh=False)
             self.bar.update(step - self.bar.n)
+
+    def save_rollouts(self, step: int, rows: list[dict]) -> None:
+        """`tracking.save_rollouts`: every sample of a step, one JSON line each, in rollouts/step_N.jsonl."""
+        out = self.run_dir / "rollouts"
+        out.mkdir(exist_ok=True)
+        (out / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     def close(self) -> None:
         if self.bar is not None:
@@ -83,18 +106,20 @@ def plot_curves(rows: list[dict], out: Path) -> None:
 
     keys = []
     for pattern in CURVES:
-        matches = sorted({k for r in rows for k in r if k.startswith(pattern[:-1])}) if pattern.endswith("*") \
-            else [pattern]
+        matches = (
+            sorted({k for r in rows for k in r if k.startswith(pattern[:-1])}) if pattern.endswith("*") else [pattern]
+        )
         keys += [k for k in matches if _series(rows, k)[0]]
     cols = 4
-    fig, axes = plt.subplots((len(keys) + cols - 1) // cols, cols, figsize=(4 * cols, 3 * ((len(keys) + cols - 1) // cols)),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        (len(keys) + cols - 1) // cols, cols, figsize=(4 * cols, 3 * ((len(keys) + cols - 1) // cols)), squeeze=False
+    )
     for ax, key in zip(axes.flat, keys):
         ax.plot(*_series(rows, key), marker="." if len(rows) < 50 else None)
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(keys):]:
+    for ax in list(axes.flat)[len(keys) :]:
         ax.axis("off")
     fig.tight_layout()
     fig.savefig(out, dpi=90)
@@ -109,22 +134,29 @@ def make_report(cfg: Config, rows: list[dict]) -> str:
     _, reward = _series(rows, "rollout/raw_reward")
     k = max(1, min(5, len(reward) // 3))
     steps = max(r["step"] for r in rows)
-    lines = [f"# {cfg.run.name}: {steps} steps of GRPO on {cfg.model.path}", "",
-             f"- data: {cfg.data.path}; {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples "
-             f"per step; rollout backend {cfg.rollout.backend}; sync {cfg.sync.transport}"
-             f"{' + delta' if cfg.sync.delta else ''}",
-             f"- reward (rollout/raw_reward): first {k} steps {_mean(reward[:k]):.3f} -> last {k} steps "
-             f"{_mean(reward[-k:]):.3f}"]
+    lines = [
+        f"# {cfg.run.name}: {steps} steps of GRPO on {cfg.model.path}",
+        "",
+        f"- data: {cfg.data.path}; {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples "
+        f"per step; rollout backend {cfg.rollout.backend}; sync {cfg.sync.transport}"
+        f"{' + delta' if cfg.sync.delta else ''}",
+        f"- reward (rollout/raw_reward): first {k} steps {_mean(reward[:k]):.3f} -> last {k} steps "
+        f"{_mean(reward[-k:]):.3f}",
+    ]
     for key in sorted({k for r in rows for k in r if k.startswith("eval/")}):
         steps, values = _series(rows, key)
         lines.append(f"- {key}: " + ", ".join(f"step {s}: {v:.3f}" for s, v in zip(steps, values)))
-    timing = {key: _mean(_series(rows, key)[1]) for key in ("perf/step_s", "perf/rollout_s", "perf/train_s",
-                                                            "perf/sync_s", "perf/rollout_tok_per_s")}
+    timing = {
+        key: _mean(_series(rows, key)[1])
+        for key in ("perf/step_s", "perf/rollout_s", "perf/train_s", "perf/sync_s", "perf/rollout_tok_per_s")
+    }
     lines.append("- mean per step: " + ", ".join(f"{k.split('/')[1]} {v:.3g}" for k, v in timing.items()))
     sent, full = _series(rows, "sync/bytes")[1], _series(rows, "sync/full_bytes")[1]
     if sent and sum(sent):
-        lines.append(f"- weight sync: {sum(sent) / 1e6:.2f} MB sent for {sum(full) / 1e6:.2f} MB of weights "
-                     f"({sum(full) / sum(sent):.1f}x smaller)")
+        lines.append(
+            f"- weight sync: {sum(sent) / 1e6:.2f} MB sent for {sum(full) / 1e6:.2f} MB of weights "
+            f"({sum(full) / sum(sent):.1f}x smaller)"
+        )
     compiles = _series(rows, "perf/compiles")[1]
     if compiles:
         lines.append(f"- decoder compiles after warmup: {int(sum(compiles))}")

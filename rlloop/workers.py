@@ -4,12 +4,15 @@
 - `RolloutWorker`: a rollout engine (JAX compiled decoder or the transformers reference) plus a weight receiver.
 - `TrainerWorker`: one trainer rank plus, on rank 0, the weight sender.
 """
+
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
-from rlloop.config import Config
+from rollout import EngineConfig
+from trainer import TrainerConfig
 
 
 def limit_threads(n: int) -> None:
@@ -20,52 +23,43 @@ def limit_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
-def sync_args(cfg: Config, run_id: str, run_dir: str) -> dict:
-    return {"transport": cfg.sync.transport, "run_id": run_id, "delta": cfg.sync.delta,
-            "root": cfg.sync.dir or os.path.join(run_dir, "sync")}
+@dataclass(frozen=True)
+class SyncSpec:
+    """How one run's weights travel from trainer rank 0 to the engine: the sync section plus the run's identity."""
 
+    transport: str  # shm | disk | ray
+    run_id: str  # names the shm segments / disk subdirectory / Ray mailbox of this run
+    root: str  # disk transport root
+    delta: bool
+    keyframe_every: int
+    keep: int
 
-def engine_args(cfg: Config, max_prompt_len: int) -> dict:
-    r = cfg.rollout
-    if r.backend == "hf":
-        return {"model_path": cfg.model.path, "dtype": cfg.model.dtype, "max_batch": r.max_batch,
-                "device": "cuda" if cfg.cluster.device == "gpu" else "cpu"}
-    return {"model_path": cfg.model.path, "dtype": cfg.model.dtype, "max_batch": r.max_batch,
-            "max_seq_len": max_prompt_len + r.max_response_len, "tp": cfg.cluster.rollout_chips,
-            "prefill_buckets": tuple(r.prefill_buckets) if r.prefill_buckets else None,
-            "decode_buckets": tuple(r.decode_buckets) if r.decode_buckets else None,
-            "steps_per_dispatch": r.steps_per_dispatch, "seed": cfg.run.seed}
+    def sender(self):
+        if self.transport == "ray":
+            from rlloop.ray_sync import make_ray_sender
 
+            return make_ray_sender(
+                run_id=self.run_id, delta=self.delta, keyframe_every=self.keyframe_every, keep=self.keep
+            )
+        from weight_sync import make_sender
 
-def trainer_args(cfg: Config) -> dict:
-    t, g = cfg.train, cfg.grpo
-    return {"model_path": cfg.model.path, "dtype": cfg.model.dtype,
-            "device": {"gpu": "cuda", "tpu": "tpu", "cpu": "cpu"}[cfg.cluster.device],
-            "lr": t.lr, "weight_decay": t.weight_decay, "betas": tuple(t.betas), "eps": t.eps,
-            "max_grad_norm": t.max_grad_norm, "micro_batch_tokens": t.micro_batch_tokens,
-            "minibatches": t.minibatches, "temperature": cfg.rollout.temperature,
-            "max_response_len": cfg.rollout.max_response_len,
-            "gradient_checkpointing": t.gradient_checkpointing, "seed": cfg.run.seed,
-            "loss": {"clip_eps_low": g.clip_eps_low, "clip_eps_high": g.clip_eps_high, "loss_agg": g.loss_agg,
-                     "kl_coef": g.kl_coef, "kl_estimator": g.kl_estimator, "entropy_coef": g.entropy_coef,
-                     "tis_cap": g.tis_cap, "importance_level": g.importance_level}}
+        return make_sender(
+            self.transport,
+            run_id=self.run_id,
+            root=self.root,
+            delta=self.delta,
+            keyframe_every=self.keyframe_every,
+            keep=self.keep,
+        )
 
+    def receiver(self):
+        if self.transport == "ray":
+            from rlloop.ray_sync import make_ray_receiver
 
-def make_sender(sync: dict, keyframe_every: int):
-    if sync["transport"] == "ray":
-        from rlloop.ray_sync import make_ray_sender
-        return make_ray_sender(run_id=sync["run_id"], delta=sync["delta"], keyframe_every=keyframe_every)
-    from weight_sync import make_sender as make
-    return make(sync["transport"], run_id=sync["run_id"], root=sync["root"], delta=sync["delta"],
-                keyframe_every=keyframe_every)
+            return make_ray_receiver(run_id=self.run_id, delta=self.delta)
+        from weight_sync import make_receiver
 
-
-def make_receiver(sync: dict):
-    if sync["transport"] == "ray":
-        from rlloop.ray_sync import make_ray_receiver
-        return make_ray_receiver(run_id=sync["run_id"], delta=sync["delta"])
-    from weight_sync import make_receiver as make
-    return make(sync["transport"], run_id=sync["run_id"], root=sync["root"], delta=sync["delta"])
+        return make_receiver(self.transport, run_id=self.run_id, root=self.root, delta=self.delta)
 
 
 def use_compile_cache(path: str | None) -> None:
@@ -78,19 +72,27 @@ def use_compile_cache(path: str | None) -> None:
 
 
 class RolloutWorker:
-    def __init__(self, backend: str, engine_kwargs: dict, sync: dict, threads: int = 1,
-                 compile_cache_dir: str | None = None):
+    def __init__(
+        self,
+        engine: EngineConfig,
+        backend: str,
+        sync: SyncSpec,
+        *,
+        device: str = "cpu",
+        threads: int = 1,
+        compile_cache_dir: str | None = None,
+    ):
         limit_threads(threads)
         from rollout import make_engine
 
         if backend == "jax":
             use_compile_cache(compile_cache_dir)
-        self.engine = make_engine(backend, **engine_kwargs)
-        self.receiver = make_receiver(sync)
+        self.engine = make_engine(backend, engine, device=device)
+        self.receiver = sync.receiver()
         self.version = 0
 
     def warmup(self) -> dict[str, float]:
-        return self.engine.warmup() if hasattr(self.engine, "warmup") else {}
+        return self.engine.warmup()
 
     def generate(self, prompts: list[list[int]], n: int, sampling) -> tuple[list, dict]:
         completions = self.engine.generate(prompts, n, sampling)
@@ -103,19 +105,20 @@ class RolloutWorker:
         if got is not None:
             self.version, arrays = got
             self.engine.load_weights(arrays, self.version)
-        return {**self.receiver.metrics(), "sync/rollout_version": self.version,
-                "perf/pull_s": time.perf_counter() - t0}
+        return {
+            **self.receiver.metrics(),
+            "sync/rollout_version": self.version,
+            "perf/pull_s": time.perf_counter() - t0,
+        }
 
     def close(self) -> None:
         self.receiver.close()
 
 
 class TrainerWorker:
-    def __init__(self, trainer_kwargs: dict, rank: int, world_size: int, sync: dict, keyframe_every: int,
-                 threads: int = 1):
+    def __init__(self, trainer: TrainerConfig, rank: int, world_size: int, sync: SyncSpec, threads: int = 1):
         limit_threads(threads)
-        self.kwargs, self.rank, self.world_size = trainer_kwargs, rank, world_size
-        self.sync, self.keyframe_every = sync, keyframe_every
+        self.cfg, self.rank, self.world_size, self.sync = trainer, rank, world_size, sync
         self.trainer = self.sender = None
 
     def rendezvous(self) -> tuple[str, int]:
@@ -128,13 +131,13 @@ class TrainerWorker:
 
     def setup(self, master: tuple[str, int] | None = None) -> None:
         """Build the trainer; with several ranks this blocks until all have joined the process group."""
-        from trainer import Trainer, TrainerConfig
+        from trainer import Trainer
 
         if master is not None:
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master[0], str(master[1])
-        self.trainer = Trainer(TrainerConfig(**self.kwargs), self.rank, self.world_size)
+        self.trainer = Trainer(self.cfg, self.rank, self.world_size)
         if self.rank == 0:
-            self.sender = make_sender(self.sync, self.keyframe_every)
+            self.sender = self.sync.sender()
 
     def train_step(self, batch) -> dict[str, float]:
         return self.trainer.train_step(batch)
@@ -155,4 +158,3 @@ class TrainerWorker:
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
-

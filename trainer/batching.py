@@ -4,6 +4,7 @@ A sample is prompt + response token ids. Micro-batches hold whole samples, padde
 and are packed greedily to a token budget (rows × padded length) after sorting by length, so that similar lengths
 share a micro-batch and little compute goes to padding.
 """
+
 import math
 from dataclasses import dataclass
 
@@ -13,18 +14,21 @@ import torch
 
 @dataclass
 class TrainBatch:
-    prompts: list[list[int]]                      # prompt token ids per sample
-    responses: list[list[int]]                    # response token ids per sample
-    advantages: list[float]                       # one per sample
+    prompts: list[list[int]]  # prompt token ids per sample
+    responses: list[list[int]]  # response token ids per sample
+    advantages: list[float]  # one per sample
     rollout_logprobs: list[list[float]] | None = None  # per response token, from the rollout engine (None: no TIS)
 
     def __len__(self) -> int:
         return len(self.prompts)
 
     def select(self, indices: list[int]) -> "TrainBatch":
-        return TrainBatch([self.prompts[i] for i in indices], [self.responses[i] for i in indices],
-                          [self.advantages[i] for i in indices],
-                          None if self.rollout_logprobs is None else [self.rollout_logprobs[i] for i in indices])
+        return TrainBatch(
+            [self.prompts[i] for i in indices],
+            [self.responses[i] for i in indices],
+            [self.advantages[i] for i in indices],
+            None if self.rollout_logprobs is None else [self.rollout_logprobs[i] for i in indices],
+        )
 
 
 def validate_batch(batch: TrainBatch, vocab_size: int) -> None:
@@ -45,8 +49,10 @@ def validate_batch(batch: TrainBatch, vocab_size: int) -> None:
             raise ValueError(f"TrainBatch.responses[{i}] is empty")
         if batch.rollout_logprobs is not None:
             if len(batch.rollout_logprobs[i]) != len(batch.responses[i]):
-                raise ValueError(f"TrainBatch.rollout_logprobs[{i}] has {len(batch.rollout_logprobs[i])} values but "
-                                 f"responses[{i}] has {len(batch.responses[i])} tokens")
+                raise ValueError(
+                    f"TrainBatch.rollout_logprobs[{i}] has {len(batch.rollout_logprobs[i])} values but "
+                    f"responses[{i}] has {len(batch.responses[i])} tokens"
+                )
             if not np.isfinite(np.asarray(batch.rollout_logprobs[i], dtype=np.float64)).all():
                 raise ValueError(f"TrainBatch.rollout_logprobs[{i}] holds a non-finite value")
         if not math.isfinite(float(batch.advantages[i])):
@@ -55,8 +61,10 @@ def validate_batch(batch: TrainBatch, vocab_size: int) -> None:
             ids = getattr(batch, name)[i]
             lo, hi = min(ids), max(ids)
             if lo < 0 or hi >= vocab_size:
-                raise ValueError(f"TrainBatch.{name}[{i}] holds token id {lo if lo < 0 else hi} outside the "
-                                 f"vocabulary [0, {vocab_size})")
+                raise ValueError(
+                    f"TrainBatch.{name}[{i}] holds token id {lo if lo < 0 else hi} outside the "
+                    f"vocabulary [0, {vocab_size})"
+                )
 
 
 def shard_batch(batch: TrainBatch, rank: int, world_size: int) -> TrainBatch:
@@ -98,12 +106,12 @@ def pack_micro_batches(lengths: dict[int, int], token_budget: int) -> list[list[
 
 @dataclass
 class MicroBatch:
-    indices: list[int]               # rows' positions in the TrainBatch
-    input_ids: torch.Tensor          # [B, L] prompt + response, right-padded with pad_id
-    attention_mask: torch.Tensor     # [B, L]
-    response_start: torch.Tensor     # [B] column of each row's first response token
-    response_mask: torch.Tensor      # [B, R] 1.0 on real response tokens
-    advantages: torch.Tensor         # [B] float32
+    indices: list[int]  # rows' positions in the TrainBatch
+    input_ids: torch.Tensor  # [B, L] prompt + response, right-padded with pad_id
+    attention_mask: torch.Tensor  # [B, L]
+    response_start: torch.Tensor  # [B] column of each row's first response token
+    response_mask: torch.Tensor  # [B, R] 1.0 on real response tokens
+    advantages: torch.Tensor  # [B] float32
     rollout_logp: torch.Tensor | None  # [B, R] float32
 
     @property
@@ -120,13 +128,17 @@ def collate(batch: TrainBatch, indices: list[int], pad_id: int = 0) -> MicroBatc
     response_mask = torch.zeros((rows, resp_width), dtype=torch.float32)
     rollout_logp = None if batch.rollout_logprobs is None else torch.zeros((rows, resp_width), dtype=torch.float32)
     for r, i in enumerate(indices):
-        input_ids[r, :len(seqs[r])] = torch.tensor(seqs[r], dtype=torch.long)
-        attention_mask[r, :len(seqs[r])] = 1
-        response_mask[r, :len(batch.responses[i])] = 1.0
+        input_ids[r, : len(seqs[r])] = torch.tensor(seqs[r], dtype=torch.long)
+        attention_mask[r, : len(seqs[r])] = 1
+        response_mask[r, : len(batch.responses[i])] = 1.0
         if rollout_logp is not None:
-            rollout_logp[r, :len(batch.responses[i])] = torch.tensor(batch.rollout_logprobs[i], dtype=torch.float32)
-    return MicroBatch(indices=list(indices), input_ids=input_ids, attention_mask=attention_mask,
-                      response_start=torch.tensor([len(batch.prompts[i]) for i in indices], dtype=torch.long),
-                      response_mask=response_mask,
-                      advantages=torch.tensor([float(batch.advantages[i]) for i in indices], dtype=torch.float32),
-                      rollout_logp=rollout_logp)
+            rollout_logp[r, : len(batch.responses[i])] = torch.tensor(batch.rollout_logprobs[i], dtype=torch.float32)
+    return MicroBatch(
+        indices=list(indices),
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_start=torch.tensor([len(batch.prompts[i]) for i in indices], dtype=torch.long),
+        response_mask=response_mask,
+        advantages=torch.tensor([float(batch.advantages[i]) for i in indices], dtype=torch.float32),
+        rollout_logp=rollout_logp,
+    )

@@ -5,6 +5,7 @@ batch and sum gradients with one bucketed all-reduce per optimizer step, instead
 different numbers of micro-batches (packing depends on their samples' lengths). With world_size 1 every helper is a
 no-op, so single-process code never touches torch.distributed.
 """
+
 import os
 
 import torch
@@ -24,10 +25,11 @@ def init_distributed(rank: int, world_size: int, device: str = "cpu", init_metho
     if world_size == 1 or dist.is_initialized():
         return
     if init_method is None and "MASTER_ADDR" not in os.environ:
-        raise ValueError("world_size > 1 needs MASTER_ADDR/MASTER_PORT in the environment, an init_method, "
-                         "or torch.distributed already initialised")
-    dist.init_process_group(backend_for(device), init_method=init_method or "env://", rank=rank,
-                            world_size=world_size)
+        raise ValueError(
+            "world_size > 1 needs MASTER_ADDR/MASTER_PORT in the environment, an init_method, "
+            "or torch.distributed already initialised"
+        )
+    dist.init_process_group(backend_for(device), init_method=init_method or "env://", rank=rank, world_size=world_size)
 
 
 def is_distributed() -> bool:
@@ -64,7 +66,7 @@ def _reduce_bucket(grads: list[torch.Tensor]) -> None:
     dist.all_reduce(flat)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 

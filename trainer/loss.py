@@ -1,6 +1,7 @@
 """The GRPO-family policy loss: clipped importance ratio, KL to a reference, entropy bonus, TIS, four aggregations.
 
-Pure torch functions on padded [batch, response_len] tensors. Names and numbers follow TRL's GRPOTrainer (DESIGN.md §4):
+Pure torch functions on padded [batch, response_len] tensors. Names and numbers follow TRL's GRPOTrainer
+(docs/design.md §4):
   ratio    s = exp(logπθ − logπold) per token, or with `importance_level="sequence"` (GSPO) exp of the masked mean of
            logπθ − logπold over each sequence, broadcast to its tokens;
   ℓ_pg     = −min(s·A, clip(s, 1−ε_low, 1+ε_high)·A), times the TIS weight min(exp(logπold − logπrollout), C);
@@ -16,37 +17,15 @@ caller that passes the batch-level constants (`total_sequences`, `total_tokens`,
 losses of its micro-batches and get exactly the loss of the whole batch. Left as None they default to this call's own
 tensors, which is the single-batch definition.
 """
-from dataclasses import dataclass
+
+from typing import get_args
 
 import torch
 
-LOSS_AGGREGATIONS = ("grpo", "bnpo", "dr_grpo", "dapo")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-IMPORTANCE_LEVELS = ("token", "sequence")
+from trainer.config import LossConfig
 
-
-@dataclass
-class LossConfig:
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.28          # clip-higher (DAPO): ε_high > ε_low leaves room for rare tokens to rise
-    loss_agg: str = "dapo"               # grpo | bnpo | dr_grpo | dapo
-    kl_coef: float = 0.0                 # β; 0 skips the reference model entirely
-    kl_estimator: str = "k3"             # k1 | k2 | k3
-    entropy_coef: float = 0.0            # bonus weight; entropy is computed and logged either way
-    tis_cap: float | None = 2.0          # C of truncated importance sampling; None disables it
-    importance_level: str = "token"      # token | sequence (GSPO)
-
-    def __post_init__(self):
-        for name, value, allowed in (("loss_agg", self.loss_agg, LOSS_AGGREGATIONS),
-                                     ("kl_estimator", self.kl_estimator, KL_ESTIMATORS),
-                                     ("importance_level", self.importance_level, IMPORTANCE_LEVELS)):
-            if value not in allowed:
-                raise ValueError(f"LossConfig.{name}={value!r}: expected one of {allowed}")
-        if self.clip_eps_low < 0 or self.clip_eps_high < 0:
-            raise ValueError(f"LossConfig.clip_eps_low/clip_eps_high must be >= 0, got "
-                             f"{self.clip_eps_low}/{self.clip_eps_high}")
-        if self.tis_cap is not None and self.tis_cap <= 0:
-            raise ValueError(f"LossConfig.tis_cap must be > 0 or None, got {self.tis_cap}")
+LOSS_AGGREGATIONS = get_args(LossConfig.__pydantic_fields__["loss_agg"].annotation)
+KL_ESTIMATORS = get_args(LossConfig.__pydantic_fields__["kl_estimator"].annotation)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -62,8 +41,15 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
     raise ValueError(f"kl_estimator={estimator!r}: expected one of {KL_ESTIMATORS}")
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_agg: str, *, total_tokens=None,
-              total_sequences=None, max_completion_len=None) -> torch.Tensor:
+def aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    loss_agg: str,
+    *,
+    total_tokens=None,
+    total_sequences=None,
+    max_completion_len=None,
+) -> torch.Tensor:
     """Reduce a [B, T] per-token quantity to the scalar loss of `loss_agg` (see the module docstring)."""
     masked = per_token * mask
     if loss_agg == "grpo":
@@ -81,11 +67,20 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                cfg: LossConfig, *, ref_logp: torch.Tensor | None = None, rollout_logp: torch.Tensor | None = None,
-                entropy: torch.Tensor | None = None, total_tokens: float | None = None,
-                total_sequences: float | None = None, max_completion_len: int | None = None,
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: LossConfig,
+    *,
+    ref_logp: torch.Tensor | None = None,
+    rollout_logp: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    total_tokens: float | None = None,
+    total_sequences: float | None = None,
+    max_completion_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO/DAPO/GSPO policy loss of one (micro-)batch.
 
     logp, old_logp, ref_logp, rollout_logp, entropy, mask: [B, T] over response tokens (mask 1 on real tokens);
@@ -131,7 +126,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         metrics["entropy"] = masked_mean(entropy.detach(), mask)
     loss = aggregate(per_token, mask, cfg.loss_agg, **agg)
 
-    # TRL's clip ratio: the tokens whose gradient the clip switched off (low side only matters for A < 0, high for A > 0).
+    # TRL's clip ratio: tokens whose gradient the clip switched off (the low side matters for A < 0, high for A > 0).
     with torch.no_grad():
         low = (ratio < 1.0 - cfg.clip_eps_low) & (advantages < 0)
         high = (ratio > 1.0 + cfg.clip_eps_high) & (advantages > 0)

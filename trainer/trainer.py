@@ -10,10 +10,11 @@ bfloat16 keeps fp32 master weights for AdamW (Megatron-style): at RL learning ra
 a bf16 weight's resolution and would round away. The model computes in bf16; gradients are accumulated in fp32 on the
 masters; after each step the masters are rounded into the model, which is also what `export_weights` returns.
 """
+
 import copy
 import glob
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import ml_dtypes
 import numpy as np
@@ -21,52 +22,16 @@ import safetensors.torch
 import torch
 import transformers
 
-from trainer.batching import (MicroBatch, TrainBatch, collate, pack_micro_batches, split_minibatches,
-                              validate_batch)
+from trainer.batching import MicroBatch, TrainBatch, collate, pack_micro_batches, split_minibatches, validate_batch
+from trainer.config import TrainerConfig
 from trainer.distributed import all_reduce_, all_reduce_grads_, broadcast_params_, init_distributed
 from trainer.logprobs import response_logprobs
-from trainer.loss import LossConfig, policy_loss
+from trainer.loss import policy_loss
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 STATE_FILE = "trainer_state.pt"
 # Summed over micro-batches and ranks (they are aggregated losses); every other loss metric is a token mean.
 ADDITIVE_METRICS = ("loss", "pg_loss", "kl_loss")
 TOKEN_MEAN_METRICS = ("pg_clipfrac", "ppo_kl", "entropy", "logprob_abs_diff")
-
-
-@dataclass
-class TrainerConfig:
-    model_path: str                   # HF dir or hub id (AutoModelForCausalLM.from_pretrained)
-    dtype: str = "float32"            # float32 | bfloat16 (model params and compute; AdamW masters stay fp32)
-    device: str = "cpu"               # cpu | cuda | tpu (tpu needs torch_tpu, never installed on CPU machines)
-    lr: float = 1e-6
-    weight_decay: float = 0.1         # on matrices only; norms and biases are not decayed
-    betas: tuple[float, float] = (0.9, 0.98)
-    eps: float = 1e-8
-    max_grad_norm: float = 1.0
-    lr_warmup_steps: int = 0          # linear warmup to `lr`, then constant (the reference recipe: 0)
-    micro_batch_tokens: int = 8192    # micro-batches packed to this token budget (padded length × rows)
-    minibatches: int = 1              # optimizer steps per rollout batch (1 = one step per rollout, the reference)
-    temperature: float = 1.0          # log-probs are computed on logits / temperature (the sampling temperature)
-    max_response_len: int | None = None  # dr_grpo's constant; None: the longest response in the minibatch
-    loss: LossConfig = field(default_factory=LossConfig)
-    gradient_checkpointing: bool = False
-    seed: int = 0
-
-    def __post_init__(self):
-        self.model_path = os.fspath(self.model_path)
-        if isinstance(self.loss, dict):
-            self.loss = LossConfig(**self.loss)
-        self.betas = tuple(self.betas)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"TrainerConfig.dtype={self.dtype!r}: expected one of {tuple(DTYPES)}")
-        if self.device not in ("cpu", "cuda", "tpu"):
-            raise ValueError(f"TrainerConfig.device={self.device!r}: expected cpu, cuda or tpu")
-        for name in ("micro_batch_tokens", "minibatches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainerConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.temperature <= 0:
-            raise ValueError(f"TrainerConfig.temperature must be > 0, got {self.temperature}")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -76,8 +41,9 @@ def resolve_device(name: str) -> torch.device:
         try:
             import torch_tpu  # noqa: F401  (registers the device with torch)
         except ImportError as e:
-            raise ValueError("TrainerConfig.device='tpu' needs the torch_tpu package (pip install -e '.[tpu]' on a "
-                             "TPU host)") from e
+            raise ValueError(
+                "TrainerConfig.device='tpu' needs the torch_tpu package (pip install -e '.[tpu]' on a TPU host)"
+            ) from e
     return torch.device(name)
 
 
@@ -100,7 +66,7 @@ class Trainer:
         # nccl only reduces device tensors; gloo takes CPU ones.
         self.reduce_device = self.device if cfg.device == "cuda" else torch.device("cpu")
 
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=DTYPES[cfg.dtype])
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=getattr(torch, cfg.dtype))
         self.model.to(self.device)
         if cfg.gradient_checkpointing:
             # transformers >= 5.x renamed it; non-reentrant checkpointing works with inputs that need no grad.
@@ -129,10 +95,14 @@ class Trainer:
         no_decay = [m for (n, p), m in zip(named, self.masters) if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+            lr=cfg.lr,
+            betas=cfg.betas,
+            eps=cfg.eps,
+        )
         warmup = cfg.lr_warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0)
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
+        )
         self.step = 0
 
     # ------------------------------------------------------------------ training
@@ -175,8 +145,11 @@ class Trainer:
         metrics["train/lr"] = lr
         return metrics
 
-    def compute_gradients(self, batch: TrainBatch, old_logprobs: list[list[float]] | None = None,
-                          ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    def compute_gradients(
+        self,
+        batch: TrainBatch,
+        old_logprobs: list[list[float]] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """The gradient of `batch` taken as ONE minibatch (summed over ranks), keyed by HF parameter name, and the
         step's metrics; no weights change. `old_logprobs` stands in for πold (default: the current policy).
         For debugging and for tests of the micro-batching."""
@@ -186,8 +159,12 @@ class Trainer:
         mbs = self._plan(batch, list(range(len(batch))))
         old = None
         if old_logprobs is not None:
-            old = [collate(TrainBatch(batch.prompts, batch.responses, batch.advantages, old_logprobs),
-                           mb.indices).rollout_logp.to(self.device) for mb in mbs]
+            old = [
+                collate(
+                    TrainBatch(batch.prompts, batch.responses, batch.advantages, old_logprobs), mb.indices
+                ).rollout_logp.to(self.device)
+                for mb in mbs
+            ]
         ref = self._score(self.ref_model, mbs) if self.ref_model is not None else None
         self.optimizer.zero_grad(set_to_none=True)
         sums = self._accumulate_gradients(mbs, old, ref)
@@ -205,7 +182,7 @@ class Trainer:
         for mb in self._plan(batch, list(range(len(batch)))):
             logp, _ = response_logprobs(self.model, mb, self.cfg.temperature)
             for row, i in enumerate(mb.indices):
-                out[i] = logp[row, :len(responses[i])].cpu().numpy().astype(np.float32)
+                out[i] = logp[row, : len(responses[i])].cpu().numpy().astype(np.float32)
         return out
 
     def _plan(self, batch: TrainBatch, indices: list[int]) -> list[MicroBatch]:
@@ -217,21 +194,27 @@ class Trainer:
     def _score(self, model: torch.nn.Module, mbs: list[MicroBatch]) -> list[torch.Tensor]:
         return [response_logprobs(model, mb, self.cfg.temperature)[0] for mb in mbs]
 
-    def _accumulate_gradients(self, mbs: list[MicroBatch], old: list[torch.Tensor] | None,
-                              ref: list[torch.Tensor] | None) -> dict[str, float]:
+    def _accumulate_gradients(
+        self, mbs: list[MicroBatch], old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None
+    ) -> dict[str, float]:
         """Backward every micro-batch of one minibatch into the masters' .grad; return summed metrics."""
         cfg = self.cfg
         # The batch-level constants of the aggregation, over this minibatch on all ranks.
-        counts = torch.tensor([sum(len(mb.indices) for mb in mbs), sum(mb.num_tokens for mb in mbs)],
-                              dtype=torch.float64, device=self.reduce_device)
+        counts = torch.tensor(
+            [sum(len(mb.indices) for mb in mbs), sum(mb.num_tokens for mb in mbs)],
+            dtype=torch.float64,
+            device=self.reduce_device,
+        )
         local_tokens = float(counts[1])
         all_reduce_(counts)
         longest = torch.tensor([max(mb.response_mask.shape[1] for mb in mbs)], device=self.reduce_device)
         all_reduce_(longest, op="max")
         agg = cfg.loss.loss_agg
-        norms = dict(total_sequences=float(counts[0]),
-                     total_tokens=local_tokens if agg == "bnpo" else float(counts[1]),
-                     max_completion_len=cfg.max_response_len or int(longest))
+        norms = dict(
+            total_sequences=float(counts[0]),
+            total_tokens=local_tokens if agg == "bnpo" else float(counts[1]),
+            max_completion_len=cfg.max_response_len or int(longest),
+        )
         # bnpo normalises by this rank's tokens; averaging over ranks (TRL/DDP semantics) rather than summing.
         scale = 1.0 / self.world_size if agg == "bnpo" else 1.0
 
@@ -239,13 +222,20 @@ class Trainer:
         sums["tokens"], sums["micro_batches"] = 0.0, float(len(mbs))
         for j, mb in enumerate(mbs):
             mask = mb.response_mask.to(self.device)
-            logp, entropy = response_logprobs(self.model, mb, cfg.temperature, with_entropy=True,
-                                              entropy_grad=cfg.loss.entropy_coef != 0.0)
+            logp, entropy = response_logprobs(
+                self.model, mb, cfg.temperature, with_entropy=True, entropy_grad=cfg.loss.entropy_coef != 0.0
+            )
             loss, m = policy_loss(
-                logp, old[j] if old is not None else logp.detach(), mb.advantages.to(self.device), mask, cfg.loss,
+                logp,
+                old[j] if old is not None else logp.detach(),
+                mb.advantages.to(self.device),
+                mask,
+                cfg.loss,
                 ref_logp=ref[j] if ref is not None else None,
                 rollout_logp=mb.rollout_logp.to(self.device) if mb.rollout_logp is not None else None,
-                entropy=entropy, **norms)
+                entropy=entropy,
+                **norms,
+            )
             (loss * scale).backward()
             if self.masters is not self.params:
                 self._move_grads_to_masters()
@@ -302,7 +292,7 @@ class Trainer:
         out: dict[str, np.ndarray] = {}
         seen: set[int] = set()
         for name, tensor in self.model.state_dict(keep_vars=True).items():
-            if id(tensor) in seen:          # tied weights: the first name (the embedding) is HF's saved name
+            if id(tensor) in seen:  # tied weights: the first name (the embedding) is HF's saved name
                 continue
             seen.add(id(tensor))
             out[name] = to_numpy(tensor)
@@ -316,10 +306,14 @@ class Trainer:
         if self.rank == 0:
             os.makedirs(path, exist_ok=True)
             self.model.save_pretrained(path)
-            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                     "masters": None if self.masters is self.params else [m.detach() for m in self.masters],
-                     "torch_rng": torch.get_rng_state(), "step": self.step,
-                     "config": {k: v for k, v in asdict(self.cfg).items() if k != "loss"}}
+            state = {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "masters": None if self.masters is self.params else [m.detach() for m in self.masters],
+                "torch_rng": torch.get_rng_state(),
+                "step": self.step,
+                "config": {k: v for k, v in asdict(self.cfg).items() if k != "loss"},
+            }
             if torch.cuda.is_available():
                 state["cuda_rng"] = torch.cuda.get_rng_state_all()
             tmp = os.path.join(path, STATE_FILE + ".tmp")

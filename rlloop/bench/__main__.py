@@ -1,4 +1,5 @@
 """`python -m rlloop.bench NAME [args]` runs `rlloop.bench.NAME.main(args)`."""
+
 import importlib
 import pkgutil
 import sys

@@ -16,6 +16,7 @@ bytes, the changed-element fraction and whether every received version is bit-id
 
 Ends with one JSON line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,10 +38,16 @@ from weight_sync.checksum import byte_view, copy_with_checksums
 def _state_dict(total_mb: int, rng) -> dict[str, np.ndarray]:
     """bf16 tensors shaped like a decoder's, adding up to ~total_mb MiB."""
     hidden, inter = 2048, 6144
-    shapes = [("self_attn.q_proj.weight", (hidden, hidden)), ("self_attn.k_proj.weight", (hidden // 4, hidden)),
-              ("self_attn.v_proj.weight", (hidden // 4, hidden)), ("self_attn.o_proj.weight", (hidden, hidden)),
-              ("mlp.gate_proj.weight", (inter, hidden)), ("mlp.up_proj.weight", (inter, hidden)),
-              ("mlp.down_proj.weight", (hidden, inter)), ("input_layernorm.weight", (hidden,))]
+    shapes = [
+        ("self_attn.q_proj.weight", (hidden, hidden)),
+        ("self_attn.k_proj.weight", (hidden // 4, hidden)),
+        ("self_attn.v_proj.weight", (hidden // 4, hidden)),
+        ("self_attn.o_proj.weight", (hidden, hidden)),
+        ("mlp.gate_proj.weight", (inter, hidden)),
+        ("mlp.up_proj.weight", (inter, hidden)),
+        ("mlp.down_proj.weight", (hidden, inter)),
+        ("input_layernorm.weight", (hidden,)),
+    ]
     out, total, i = {}, 0, 0
     while total < total_mb << 20:
         name, shape = shapes[i % len(shapes)]
@@ -63,8 +70,10 @@ def bench_full_sync(state: dict[str, np.ndarray], reps: int, root: str) -> dict[
     disk_tx = make_sender("disk", run_id=run_id, root=root, keep=1)
     disk_rx = make_receiver("disk", run_id=run_id, root=root)
     copy_jobs = [(byte_view(copy_dst[n]), byte_view(a), False) for n, a in state.items()]
-    best = {k: float("inf") for k in ("copy", "copy_parallel", "shm", "shm_push", "shm_pull",
-                                      "shm_unverified", "disk", "raw_disk")}
+    best = {
+        k: float("inf")
+        for k in ("copy", "copy_parallel", "shm", "shm_push", "shm_pull", "shm_unverified", "disk", "raw_disk")
+    }
 
     def clock(key, seconds, warm):
         if warm:
@@ -129,10 +138,21 @@ def bench_delta(steps: int, root: str) -> dict:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                                   max_position_embeddings=512, tie_word_embeddings=True, rope_theta=1e6,
-                                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = transformers.Qwen3Config(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model_dir = os.path.join(root, "delta_model")
     transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(model_dir)
     trainer = Trainer(TrainerConfig(model_path=model_dir, dtype="bfloat16", lr=1e-6))
@@ -155,8 +175,12 @@ def bench_delta(steps: int, root: str) -> dict:
             sent = {n: a.copy() for n, a in exported.items()}  # exported arrays alias the live parameters
             stats = sender.push(exported, version)
             got = receiver.pull()
-            exact &= got is not None and got[0] == version and got[1].keys() == sent.keys() and all(
-                got[1][n].dtype == a.dtype and got[1][n].tobytes() == a.tobytes() for n, a in sent.items())
+            exact &= (
+                got is not None
+                and got[0] == version
+                and got[1].keys() == sent.keys()
+                and all(got[1][n].dtype == a.dtype and got[1][n].tobytes() == a.tobytes() for n, a in sent.items())
+            )
             if version:
                 exact &= not stats.keyframe
                 delta_bytes += stats.bytes
@@ -167,10 +191,16 @@ def bench_delta(steps: int, root: str) -> dict:
     finally:
         sender.close()
         receiver.close()
-    return {"delta_ratio": delta_bytes / full_bytes, "delta_exact": bool(exact),
-            "changed_frac": float(np.mean(changed)), "delta_x_smaller": full_bytes / delta_bytes,
-            "delta_steps": steps, "delta_model_bytes": full_bytes // steps,
-            "delta_encode_s": float(np.mean(encode_s)), "delta_apply_s": float(np.mean(apply_s))}
+    return {
+        "delta_ratio": delta_bytes / full_bytes,
+        "delta_exact": bool(exact),
+        "changed_frac": float(np.mean(changed)),
+        "delta_x_smaller": full_bytes / delta_bytes,
+        "delta_steps": steps,
+        "delta_model_bytes": full_bytes // steps,
+        "delta_encode_s": float(np.mean(encode_s)),
+        "delta_apply_s": float(np.mean(apply_s)),
+    }
 
 
 def main(argv: list[str]) -> None:
@@ -190,21 +220,40 @@ def main(argv: list[str]) -> None:
         gb = nbytes / 1e9
         t = bench_full_sync(state, args.reps, root)
         del state
-        result = {"bench": "sync", "bytes": nbytes, "copy_gbps": gb / t["copy"], "shm_gbps": gb / t["shm"],
-                  "disk_gbps": gb / t["disk"], "raw_disk_gbps": gb / t["raw_disk"], "shm_vs_copy": t["copy"] / t["shm"],
-                  "disk_vs_raw": t["raw_disk"] / t["disk"]}
-        print(f"full sync of {gb:.2f} GB: copy {gb / t['copy']:.2f} GB/s | shm {gb / t['shm']:.2f} GB/s "
-              f"(push {gb / t['shm_push']:.2f}, pull {gb / t['shm_pull']:.2f}; without data checksums on the "
-              f"reader {gb / t['shm_unverified']:.2f}) | disk {gb / t['disk']:.2f} GB/s | "
-              f"raw disk {gb / t['raw_disk']:.2f} GB/s", flush=True)
+        result = {
+            "bench": "sync",
+            "bytes": nbytes,
+            "copy_gbps": gb / t["copy"],
+            "shm_gbps": gb / t["shm"],
+            "disk_gbps": gb / t["disk"],
+            "raw_disk_gbps": gb / t["raw_disk"],
+            "shm_vs_copy": t["copy"] / t["shm"],
+            "disk_vs_raw": t["raw_disk"] / t["disk"],
+        }
+        print(
+            f"full sync of {gb:.2f} GB: copy {gb / t['copy']:.2f} GB/s | shm {gb / t['shm']:.2f} GB/s "
+            f"(push {gb / t['shm_push']:.2f}, pull {gb / t['shm_pull']:.2f}; without data checksums on the "
+            f"reader {gb / t['shm_unverified']:.2f}) | disk {gb / t['disk']:.2f} GB/s | "
+            f"raw disk {gb / t['raw_disk']:.2f} GB/s",
+            flush=True,
+        )
         delta = bench_delta(args.delta_steps, root)
-        print(f"delta over {args.delta_steps} GRPO steps: {delta['delta_x_smaller']:.1f}x smaller, "
-              f"{100 * delta['changed_frac']:.2f}% elements changed, exact={delta['delta_exact']}", flush=True)
+        print(
+            f"delta over {args.delta_steps} GRPO steps: {delta['delta_x_smaller']:.1f}x smaller, "
+            f"{100 * delta['changed_frac']:.2f}% elements changed, exact={delta['delta_exact']}",
+            flush=True,
+        )
         result.update({k: delta[k] for k in ("delta_ratio", "delta_exact", "changed_frac")})
-        result.update({"shm_push_gbps": gb / t["shm_push"], "shm_pull_gbps": gb / t["shm_pull"],
-                       "shm_unverified_gbps": gb / t["shm_unverified"], "copy_parallel_gbps": gb / t["copy_parallel"],
-                       "shm_vs_parallel_copy": t["copy_parallel"] / t["shm"],
-                       **{k: v for k, v in delta.items() if k not in result}})
+        result.update(
+            {
+                "shm_push_gbps": gb / t["shm_push"],
+                "shm_pull_gbps": gb / t["shm_pull"],
+                "shm_unverified_gbps": gb / t["shm_unverified"],
+                "copy_parallel_gbps": gb / t["copy_parallel"],
+                "shm_vs_parallel_copy": t["copy_parallel"] / t["shm"],
+                **{k: v for k, v in delta.items() if k not in result},
+            }
+        )
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}))
     finally:
         shutil.rmtree(root, ignore_errors=True)

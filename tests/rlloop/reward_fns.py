@@ -1,4 +1,5 @@
 """Custom reward functions used by the tests through `reward.fn: tests.rlloop.reward_fns:NAME`."""
+
 import os
 import time
 

@@ -1,4 +1,5 @@
 """Advantages against hand-computed values and torch.std; DAPO overlong shaping against its definition."""
+
 import math
 
 import numpy as np

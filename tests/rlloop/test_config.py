@@ -1,9 +1,10 @@
 """Config loading: inheritance, overrides, and bad input -> exit code 2 with the key path named."""
+
 from pathlib import Path
 
 import pytest
 
-from rlloop.config import load_config
+from rlloop.config import ConfigError, load_config
 from rlloop.run import main
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -64,8 +65,9 @@ BAD_FILES = [
 ]
 
 
-@pytest.mark.parametrize("text,named", BAD_FILES, ids=["missing-section", "missing-inherit", "bad-yaml", "list",
-                                                       "bad-dtype", "zero-len"])
+@pytest.mark.parametrize(
+    "text,named", BAD_FILES, ids=["missing-section", "missing-inherit", "bad-yaml", "list", "bad-dtype", "zero-len"]
+)
 def test_bad_files_exit_2_naming_the_problem(tmp_path, text, named, capsys):
     assert main([write(tmp_path, text), "--dry-run"]) == 2
     assert named in capsys.readouterr().err
@@ -76,12 +78,16 @@ def test_missing_config_file(capsys):
     assert "config file not found" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("override,named", [
-    ("model.path={tmp}/missing", "model.path: '{tmp}/missing' is not a directory"),
-    ("model.path={tmp}/empty", "model.path: cannot load"),
-    ("model.tokenizer={tmp}/empty", "model.tokenizer: cannot load"),
-    ("model.path=no-such-org/no-such-model", "offline?"),  # a hub id without network (tests run offline)
-], ids=["missing-dir", "empty-dir", "empty-tokenizer-dir", "hub-id-offline"])
+@pytest.mark.parametrize(
+    "override,named",
+    [
+        ("model.path={tmp}/missing", "model.path: '{tmp}/missing' is not a directory"),
+        ("model.path={tmp}/empty", "model.path: cannot load"),
+        ("model.tokenizer={tmp}/empty", "model.tokenizer: cannot load"),
+        ("model.path=no-such-org/no-such-model", "offline?"),  # a hub id without network (tests run offline)
+    ],
+    ids=["missing-dir", "empty-dir", "empty-tokenizer-dir", "hub-id-offline"],
+)
 def test_unloadable_model_exits_2_naming_the_key(tmp_path, override, named, capsys):
     (tmp_path / "empty").mkdir()
     override, named = override.format(tmp=tmp_path), named.format(tmp=tmp_path)
@@ -110,3 +116,39 @@ def test_dry_run_prints_recipe_and_tpu_plan(capsys):
     assert "Qwen/Qwen3-4B" in out and "DAPO-Math-17k" in out
     assert "bundle 0: rollout engine   {'CPU': 1.0, 'TPU': 2.0}" in out
     assert out.count("'TPU': 1.0") == 2  # two trainer ranks, one chip each
+
+
+def test_a_trainer_knob_is_one_field_reachable_from_yaml():
+    """train.lr_warmup_steps is declared only on trainer.TrainerConfig; YAML reaches it, ranges come with it."""
+    assert load_config(TINY, ["train.lr_warmup_steps=5"]).trainer_config().lr_warmup_steps == 5
+    with pytest.raises(ConfigError, match="train.lr_warmup_steps"):
+        load_config(TINY, ["train.lr_warmup_steps=-1"])
+
+
+@pytest.mark.parametrize(
+    "build,section,wired",
+    [
+        (
+            "trainer_config",
+            "train",
+            {"model_path", "dtype", "device", "temperature", "max_response_len", "loss", "seed"},
+        ),
+        ("engine_config", "rollout", {"model_path", "dtype", "max_seq_len", "tp", "seed"}),
+    ],
+)
+def test_every_component_knob_is_a_yaml_key_or_wired_from_one(build, section, wired):
+    cfg = load_config(TINY)  # the tiny recipe sets several knobs away from their defaults
+    built = getattr(cfg, build)()
+    fields = set(type(built).__pydantic_fields__)
+    knobs = fields - wired
+    assert knobs <= set(type(getattr(cfg, section)).model_fields)
+    assert {k: getattr(built, k) for k in knobs} == {k: getattr(getattr(cfg, section), k) for k in knobs}
+
+
+def test_wired_values_come_from_their_sections():
+    cfg = load_config(REAL)
+    engine, trainer = cfg.engine_config(), cfg.trainer_config()
+    assert engine.max_seq_len == cfg.data.max_prompt_len + cfg.rollout.max_response_len
+    assert (engine.tp, engine.dtype, trainer.dtype, trainer.device) == (2, "bfloat16", "bfloat16", "tpu")
+    assert trainer.temperature == cfg.rollout.temperature and trainer.seed == engine.seed == cfg.run.seed
+    assert trainer.loss.clip_eps_high == cfg.grpo.clip_eps_high == 0.28 and trainer.loss.loss_agg == "dapo"

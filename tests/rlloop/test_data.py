@@ -1,6 +1,6 @@
 """Prompt data: the sources users point at (jsonl, parquet, directory, hub id), errors, order and resume."""
+
 import json
-from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -56,7 +56,7 @@ def test_seeded_order_and_resume(tok):
     resumed.load_state_dict(again.state_dict())
     assert [p.index for p in resumed.next_batch(100)] == first[300:]
     assert [p.index for p in PromptData(str(TRAIN), tok, seed=8).next_batch(20)] != first[:20]
-    assert sorted(first[:len(full)]) == list(range(len(full)))  # an epoch is a permutation
+    assert sorted(first[: len(full)]) == list(range(len(full)))  # an epoch is a permutation
 
 
 def test_long_prompts_are_dropped_and_counted_or_an_error(tmp_path, tok):
@@ -88,8 +88,12 @@ def test_bad_sources(tmp_path, tok):
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "x.csv").write_text("a,b\n")
     (tmp_path / "dir").mkdir()
-    for path, message in [(tmp_path / "empty.jsonl", "no rows"), (tmp_path / "nope.jsonl", "no such file"),
-                          (tmp_path / "dir", "no .parquet"), (tmp_path / "x.csv", "unsupported format")]:
+    for path, message in [
+        (tmp_path / "empty.jsonl", "no rows"),
+        (tmp_path / "nope.jsonl", "no such file"),
+        (tmp_path / "dir", "no .parquet"),
+        (tmp_path / "x.csv", "unsupported format"),
+    ]:
         with pytest.raises(DataError, match=message):
             PromptData(str(path), tok)
 

@@ -1,4 +1,5 @@
 """Placement on a fake 4-chip TPU host: the recipe's 2 + 2 split gives each actor its own chips."""
+
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ REAL = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo.yaml"
 @ray.remote
 def visible_chips() -> str:
     import os
+
     return os.environ.get("TPU_VISIBLE_CHIPS", "")
 
 

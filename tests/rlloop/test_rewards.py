@@ -1,4 +1,5 @@
 """Reward rules (DAPO's, boxed + math-verify, custom) and the scorer's failure handling."""
+
 import time
 
 import pytest
@@ -6,17 +7,20 @@ import pytest
 from rlloop.rewards import RewardScorer, dapo_reward, last_boxed, math_reward, normalize_final_answer, resolve
 
 
-@pytest.mark.parametrize("response,answer,expected", [
-    ("so the sum is 12.\nAnswer: 12", "12", 1.0),
-    ("Answer: 11\nwait, no.\nAnswer: 12", "12", 1.0),          # the last Answer line counts
-    ("Answer: 12\nactually Answer: 13", "12", -1.0),
-    ("answer:  1,000", "1000", 1.0),                           # case-insensitive, thousands separator
-    ("Answer: $\\boxed{34}$", "34", 1.0),
-    ("Answer: 5 degrees", "5", 1.0),                           # units removed as in Minerva normalisation
-    ("Answer: x = 7", "7", 1.0),                               # the right-hand side of '='
-    ("the answer is 12", "12", -1.0),                          # no Answer line
-    ("", "12", -1.0),
-])
+@pytest.mark.parametrize(
+    "response,answer,expected",
+    [
+        ("so the sum is 12.\nAnswer: 12", "12", 1.0),
+        ("Answer: 11\nwait, no.\nAnswer: 12", "12", 1.0),  # the last Answer line counts
+        ("Answer: 12\nactually Answer: 13", "12", -1.0),
+        ("answer:  1,000", "1000", 1.0),  # case-insensitive, thousands separator
+        ("Answer: $\\boxed{34}$", "34", 1.0),
+        ("Answer: 5 degrees", "5", 1.0),  # units removed as in Minerva normalisation
+        ("Answer: x = 7", "7", 1.0),  # the right-hand side of '='
+        ("the answer is 12", "12", -1.0),  # no Answer line
+        ("", "12", -1.0),
+    ],
+)
 def test_dapo_reward(response, answer, expected):
     assert dapo_reward(response, answer) == expected
 
@@ -30,13 +34,16 @@ def test_normalize_final_answer():
     assert normalize_final_answer("\\text{ 42 }") == "42"
 
 
-@pytest.mark.parametrize("response,answer,expected", [
-    ("thus \\boxed{\\frac{1}{2}}", "0.5", 1.0),
-    ("\\boxed{1} then \\boxed{2}", "2", 1.0),
-    ("\\boxed{\\sqrt{4}}", "2", 1.0),
-    ("\\boxed{3}", "2", 0.0),
-    ("no box, 2", "2", 0.0),
-])
+@pytest.mark.parametrize(
+    "response,answer,expected",
+    [
+        ("thus \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("\\boxed{1} then \\boxed{2}", "2", 1.0),
+        ("\\boxed{\\sqrt{4}}", "2", 1.0),
+        ("\\boxed{3}", "2", 0.0),
+        ("no box, 2", "2", 0.0),
+    ],
+)
 def test_math_reward(response, answer, expected):
     assert math_reward(response, answer) == expected
 

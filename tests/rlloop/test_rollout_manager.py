@@ -1,4 +1,6 @@
-"""Rollout collection on the real tiny model: grouping, DAPO dynamic sampling, overlong shaping, the train batch."""
+"""RolloutManager.collect on the real tiny model: grouping, DAPO dynamic sampling, overlong shaping, the train batch."""
+
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -8,30 +10,36 @@ from transformers import AutoTokenizer
 from rlloop.advantages import group_advantages
 from rlloop.cluster import Cluster
 from rlloop.config import load_config
-from rlloop.loop import load_data
-from rlloop.rewards import RewardScorer
-from rlloop.samples import collect, stop_token_ids
+from rlloop.data import load_datasets
+from rlloop.rollout_manager import RolloutManager
 
 TINY = str(Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml")
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    cfg = load_config(TINY, ["rollout.backend=hf", "cluster.use_ray=false", "sync.transport=disk",
-                             f"run.dir={tmp_path_factory.mktemp('run')}"])
-    cluster = Cluster(cfg, str(cfg.run_dir), "test-samples")
+    cfg = load_config(
+        TINY,
+        [
+            "rollout.backend=hf",
+            "cluster.use_ray=false",
+            "sync.transport=disk",
+            f"run.dir={tmp_path_factory.mktemp('run')}",
+        ],
+    )
+    cluster = Cluster(cfg, cfg.run_dir)
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
-    scorer = RewardScorer("dapo", workers=1)
-    yield cfg, cluster, tok, scorer
-    scorer.close()
+    yield cluster, tok
     cluster.close()
 
 
 def run_collect(setup, overrides):
-    cfg, cluster, tok, scorer = setup
+    cluster, tok = setup
     cfg = load_config(TINY, ["rollout.backend=hf", "cluster.use_ray=false", *overrides])
-    data, _ = load_data(cfg, tok)
-    return cfg, collect(cfg, 1, data, cluster, tok, scorer, stop_token_ids(tok, cfg.model.path))
+    data, _ = load_datasets(cfg, tok)
+    with closing(RolloutManager(cfg, cluster, tok, data)) as rollout:
+        batch = rollout.collect(1)
+    return cfg, (batch.samples, batch.metrics)
 
 
 def test_groups_rewards_and_advantages(setup):
@@ -41,15 +49,22 @@ def test_groups_rewards_and_advantages(setup):
     for j, c in enumerate(samples.completions):  # each completion answers its own group's prompt
         assert c.prompt_index == j // g and c.sample_index == j % g
     np.testing.assert_allclose(samples.advantages, group_advantages(samples.rewards, g))
-    batch = samples.to_train_batch(g)
+    batch = samples.to_train_batch()
     assert batch.prompts[g] == samples.prompts[1].token_ids and batch.responses[0] == samples.completions[0].token_ids
     assert metrics["rollout/raw_reward"] == pytest.approx(float(samples.raw_rewards.mean()))
 
 
 def test_dynamic_sampling_keeps_only_informative_groups(setup):
     # pairs: with ~1/3 accuracy about half the groups agree on their reward and carry no signal
-    cfg, (samples, metrics) = run_collect(setup, ["rollout.prompts_per_step=12", "rollout.group_size=2",
-                                                  "grpo.dynamic_sampling=true", "grpo.max_sampling_rounds=4"])
+    cfg, (samples, metrics) = run_collect(
+        setup,
+        [
+            "rollout.prompts_per_step=12",
+            "rollout.group_size=2",
+            "grpo.dynamic_sampling=true",
+            "grpo.max_sampling_rounds=4",
+        ],
+    )
     groups = samples.raw_rewards.reshape(-1, cfg.rollout.group_size)
     assert len(groups) == metrics["rollout/groups_kept"] <= 12
     assert all(g.std() > 0 for g in groups)
@@ -57,7 +72,8 @@ def test_dynamic_sampling_keeps_only_informative_groups(setup):
 
 
 def test_overlong_shaping_penalises_truncated_responses(setup):
-    cfg, (samples, metrics) = run_collect(setup, ["rollout.prompts_per_step=2", "rollout.max_response_len=4",
-                                                  "grpo.overlong_buffer=2"])
+    cfg, (samples, metrics) = run_collect(
+        setup, ["rollout.prompts_per_step=2", "rollout.max_response_len=4", "grpo.overlong_buffer=2"]
+    )
     assert metrics["rollout/truncated_ratio"] == 1.0  # "Answer: N" needs more than 4 tokens
     np.testing.assert_allclose(samples.rewards, samples.raw_rewards - 1.0)

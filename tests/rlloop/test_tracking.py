@@ -1,4 +1,5 @@
 """Tracking: metrics.jsonl one line per step (trimmed on resume), curves and report, W&B offline without a key."""
+
 import json
 from pathlib import Path
 
@@ -10,8 +11,17 @@ TINY = str(Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.ya
 
 def log_steps(tracker, steps):
     for s in steps:
-        tracker.log(s, {"rollout/raw_reward": s / 10, "train/loss": 1.0 / s, "sync/bytes": 10.0, "sync/full_bytes": 40.0,
-                        "eval/tiny": 0.5} | ({"perf/step_s": 2.0} if s % 2 else {}))
+        tracker.log(
+            s,
+            {
+                "rollout/raw_reward": s / 10,
+                "train/loss": 1.0 / s,
+                "sync/bytes": 10.0,
+                "sync/full_bytes": 40.0,
+                "eval/tiny": 0.5,
+            }
+            | ({"perf/step_s": 2.0} if s % 2 else {}),
+        )
 
 
 def test_metrics_jsonl_resume_curves_and_report(tmp_path):

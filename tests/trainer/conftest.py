@@ -1,4 +1,5 @@
 """Fixtures for the trainer tests: random GRPO-shaped batches over the tiny model's 128-token vocabulary."""
+
 import numpy as np
 import pytest
 import torch
@@ -6,8 +7,9 @@ import torch
 from trainer import TrainBatch
 
 
-def random_batch(n: int, seed: int = 0, max_prompt: int = 9, max_response: int = 12,
-                 with_rollout_logprobs: bool = True) -> TrainBatch:
+def random_batch(
+    n: int, seed: int = 0, max_prompt: int = 9, max_response: int = 12, with_rollout_logprobs: bool = True
+) -> TrainBatch:
     """Varied prompt and response lengths (so packing and padding matter), advantages of both signs."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, 128, rng.integers(2, max_prompt + 1)).tolist() for _ in range(n)]

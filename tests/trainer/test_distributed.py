@@ -1,4 +1,5 @@
 """Two gloo ranks, each on its slice of a batch, end with the same weights as one rank on the whole batch."""
+
 import json
 
 import numpy as np
@@ -12,20 +13,28 @@ from trainer import LossConfig, Trainer, TrainerConfig, shard_batch
 # name, samples, minibatches, aggregation, kl_coef. Odd sample counts give the ranks unequal shares, which is where
 # a per-rank normalisation would go wrong. bnpo is absent on purpose: it normalises by each rank's own tokens
 # (TRL/DDP semantics), so it is not meant to equal the single-rank loss.
-CASES = [("dapo_2minibatches", 8, 2, "dapo", 0.0), ("grpo_2minibatches", 8, 2, "grpo", 0.0),
-         ("dr_grpo_uneven", 7, 1, "dr_grpo", 0.0), ("grpo_uneven_kl", 7, 1, "grpo", 0.05)]
+CASES = [
+    ("dapo_2minibatches", 8, 2, "dapo", 0.0),
+    ("grpo_2minibatches", 8, 2, "grpo", 0.0),
+    ("dr_grpo_uneven", 7, 1, "dr_grpo", 0.0),
+    ("grpo_uneven_kl", 7, 1, "grpo", 0.05),
+]
 
 
 def make_config(model_dir, minibatches, agg, kl_coef):
-    return TrainerConfig(str(model_dir), lr=1e-3, minibatches=minibatches, micro_batch_tokens=30,
-                         loss=LossConfig(loss_agg=agg, kl_coef=kl_coef, tis_cap=2.0))
+    return TrainerConfig(
+        str(model_dir),
+        lr=1e-3,
+        minibatches=minibatches,
+        micro_batch_tokens=30,
+        loss=LossConfig(loss_agg=agg, kl_coef=kl_coef, tis_cap=2.0),
+    )
 
 
 def train_on_rank(rank, world_size, model_dir, init_file, out_dir):
     """Module-level so that mp.spawn can pickle it; runs every case in one process group."""
     torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                         world_size=world_size)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         for name, n, minibatches, agg, kl_coef in CASES:
             trainer = Trainer(make_config(model_dir, minibatches, agg, kl_coef), rank, world_size)
@@ -68,12 +77,21 @@ def test_two_ranks_equal_one_rank(two_rank_results, tiny_qwen3_dir, name, n, min
         assert np.array_equal(ranks[0][key], ranks[1][key]), f"ranks disagree on {key}"
         np.testing.assert_allclose(ranks[0][key], value, atol=1e-5, rtol=0, err_msg=key)
         moved = max(moved, float(np.abs(value - initial[key]).max()))
-    assert moved > 1e-4                         # the step did something, so agreement means something
+    assert moved > 1e-4  # the step did something, so agreement means something
 
     metrics = json.loads((two_rank_results / f"{name}_rank0.json").read_text())
     assert metrics == json.loads((two_rank_results / f"{name}_rank1.json").read_text())
-    for key in ("train/loss", "train/pg_loss", "train/kl_loss", "train/grad_norm", "train/entropy",
-                "train/pg_clipfrac", "train/ppo_kl", "train/logprob_abs_diff", "train/tokens"):
+    for key in (
+        "train/loss",
+        "train/pg_loss",
+        "train/kl_loss",
+        "train/grad_norm",
+        "train/entropy",
+        "train/pg_clipfrac",
+        "train/ppo_kl",
+        "train/logprob_abs_diff",
+        "train/tokens",
+    ):
         assert metrics[key] == pytest.approx(single_metrics[key], rel=1e-4, abs=1e-6), key
 
 

@@ -1,4 +1,5 @@
 """Batched, padded response log-probs and entropies equal a plain per-sample HF forward."""
+
 import pytest
 import torch
 import transformers
@@ -15,7 +16,7 @@ def manual_logprobs(model, prompt, response, temperature):
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0].double() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
-    pred = logp_all[len(prompt) - 1: len(prompt) + len(response) - 1]        # position c predicts token c + 1
+    pred = logp_all[len(prompt) - 1 : len(prompt) + len(response) - 1]  # position c predicts token c + 1
     logp = pred.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
     entropy = -(pred.exp() * pred).sum(-1)
     return logp, entropy
@@ -62,5 +63,5 @@ def test_packing_respects_budget_and_keeps_every_sample():
     assert sorted(i for g in groups for i in g) == list(lengths)
     for g in groups:
         padded = max(lengths[i] for i in g) * len(g)
-        assert padded <= 20 or len(g) == 1          # an over-long sample goes alone
+        assert padded <= 20 or len(g) == 1  # an over-long sample goes alone
     assert [4] in groups

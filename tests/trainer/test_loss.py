@@ -1,8 +1,9 @@
 """GRPO policy loss against hand-computed numbers and against TRL's definitions re-derived in plain Python loops.
 
 TRL is not installed here, so `reference_loss` below re-derives GRPOTrainer's per-token loss and aggregations
-(DESIGN.md §4) token by token with the math module, independently of trainer/loss.py's tensor code.
+(docs/design.md §4) token by token with the math module, independently of trainer/loss.py's tensor code.
 """
+
 import itertools
 import math
 
@@ -22,13 +23,16 @@ def t(rows):
 # ---------------------------------------------------------------- hand-computed cases
 
 
-@pytest.mark.parametrize("ratio, adv, expected, grad_flows", [
-    (1.5, +1.0, -1.28, False),   # above 1 + ε_high with A > 0: clipped to 1.28, no gradient
-    (1.5, -1.0, +1.5, True),     # above with A < 0: the unclipped term is the min, gradient flows
-    (0.5, -1.0, +0.8, False),    # below 1 − ε_low with A < 0: clipped to 0.8
-    (0.5, +1.0, -0.5, True),     # below with A > 0: unclipped
-    (1.1, +2.0, -2.2, True),     # inside the trust region
-])
+@pytest.mark.parametrize(
+    "ratio, adv, expected, grad_flows",
+    [
+        (1.5, +1.0, -1.28, False),  # above 1 + ε_high with A > 0: clipped to 1.28, no gradient
+        (1.5, -1.0, +1.5, True),  # above with A < 0: the unclipped term is the min, gradient flows
+        (0.5, -1.0, +0.8, False),  # below 1 − ε_low with A < 0: clipped to 0.8
+        (0.5, +1.0, -0.5, True),  # below with A > 0: unclipped
+        (1.1, +2.0, -2.2, True),  # inside the trust region
+    ],
+)
 def test_clipping_both_sides(ratio, adv, expected, grad_flows):
     cfg = LossConfig(clip_eps_low=0.2, clip_eps_high=0.28, loss_agg="bnpo", tis_cap=None)
     logp = t([[LN(ratio)]]).requires_grad_()
@@ -46,23 +50,24 @@ def test_aggregations_on_hand_numbers():
     logp = t([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     adv, mask = t([1.0, -3.0]), t([[1, 1, 0], [1, 0, 0]])
     expected = {
-        "grpo": ((-1 - 1) / 2 + 3 / 1) / 2,          # 1.0: mean of per-sequence means
-        "bnpo": (-1 - 1 + 3) / 3,                    # 1/3: over the 3 real tokens
-        "dr_grpo": (-1 - 1 + 3) / (2 * 4),           # 0.125 with max_completion_len 4
-        "dapo": (-1 - 1 + 3) / 10,                   # 0.1 with 10 tokens in the whole generation batch
+        "grpo": ((-1 - 1) / 2 + 3 / 1) / 2,  # 1.0: mean of per-sequence means
+        "bnpo": (-1 - 1 + 3) / 3,  # 1/3: over the 3 real tokens
+        "dr_grpo": (-1 - 1 + 3) / (2 * 4),  # 0.125 with max_completion_len 4
+        "dapo": (-1 - 1 + 3) / 10,  # 0.1 with 10 tokens in the whole generation batch
     }
     for agg, value in expected.items():
         cfg = LossConfig(loss_agg=agg, tis_cap=None)
-        loss, m = policy_loss(logp, logp, adv, mask, cfg, total_tokens=10 if agg == "dapo" else None,
-                              max_completion_len=4)
+        loss, m = policy_loss(
+            logp, logp, adv, mask, cfg, total_tokens=10 if agg == "dapo" else None, max_completion_len=4
+        )
         assert loss.item() == pytest.approx(value, abs=1e-12), agg
         assert m["pg_loss"].item() == pytest.approx(value, abs=1e-12), agg
 
 
 def test_kl_estimators_on_hand_numbers():
-    logp, ref = t([LN(0.5)]), t([LN(0.25)])          # log π/πref = ln 2
+    logp, ref = t([LN(0.5)]), t([LN(0.25)])  # log π/πref = ln 2
     assert kl_penalty(logp, ref, "k1").item() == pytest.approx(0.6931471805599453)
-    assert kl_penalty(logp, ref, "k2").item() == pytest.approx(0.5 * 0.6931471805599453 ** 2)
+    assert kl_penalty(logp, ref, "k2").item() == pytest.approx(0.5 * 0.6931471805599453**2)
     assert kl_penalty(logp, ref, "k3").item() == pytest.approx(0.5 + 0.6931471805599453 - 1)
     # All three vanish at πθ = πref, and k3 stays >= 0 on the other side too.
     for est in ("k1", "k2", "k3"):
@@ -74,30 +79,31 @@ def test_kl_term_added_with_coefficient():
     cfg = LossConfig(loss_agg="bnpo", kl_coef=0.1, kl_estimator="k2", tis_cap=None)
     logp, ref = t([[LN(0.5), LN(0.5)]]), t([[LN(0.25), LN(0.5)]])
     loss, m = policy_loss(logp, logp, t([0.0]), t([[1, 1]]), cfg, ref_logp=ref)
-    assert m["kl_loss"].item() == pytest.approx(0.5 * LN(2) ** 2 / 2)      # unscaled, token mean
+    assert m["kl_loss"].item() == pytest.approx(0.5 * LN(2) ** 2 / 2)  # unscaled, token mean
     assert loss.item() == pytest.approx(0.1 * 0.5 * LN(2) ** 2 / 2)
 
 
 def test_tis_weight_is_capped_and_logged():
     cfg = LossConfig(loss_agg="bnpo", tis_cap=2.0)
     old = t([[0.0, 0.0]])
-    rollout = t([[-LN(3.0), -LN(1.5)]])               # πold/πrollout = 3 (capped to 2) and 1.5
+    rollout = t([[-LN(3.0), -LN(1.5)]])  # πold/πrollout = 3 (capped to 2) and 1.5
     logp = old.clone().requires_grad_()
     loss, m = policy_loss(logp, old, t([1.0]), t([[1, 1]]), cfg, rollout_logp=rollout)
     assert loss.item() == pytest.approx((-2.0 - 1.5) / 2)
     assert m["logprob_abs_diff"].item() == pytest.approx((LN(3.0) + LN(1.5)) / 2)
     loss.backward()
-    assert logp.grad[0].tolist() == pytest.approx([-2.0 / 2, -1.5 / 2])   # the weight carries no gradient itself
-    no_tis, _ = policy_loss(old, old, t([1.0]), t([[1, 1]]), LossConfig(loss_agg="bnpo", tis_cap=None),
-                            rollout_logp=rollout)
+    assert logp.grad[0].tolist() == pytest.approx([-2.0 / 2, -1.5 / 2])  # the weight carries no gradient itself
+    no_tis, _ = policy_loss(
+        old, old, t([1.0]), t([[1, 1]]), LossConfig(loss_agg="bnpo", tis_cap=None), rollout_logp=rollout
+    )
     assert no_tis.item() == pytest.approx(-1.0)
 
 
 def test_gspo_uses_one_sequence_ratio():
     cfg = LossConfig(loss_agg="bnpo", importance_level="sequence", tis_cap=None)
-    logp = t([[0.1, 0.3, 5.0]]).requires_grad_()       # third token is padding and must not count
+    logp = t([[0.1, 0.3, 5.0]]).requires_grad_()  # third token is padding and must not count
     loss, _ = policy_loss(logp, t([[0.0, 0.0, 0.0]]), t([1.0]), t([[1, 1, 0]]), cfg)
-    s = math.exp(0.2)                                  # exp of the mean log-ratio over the 2 real tokens
+    s = math.exp(0.2)  # exp of the mean log-ratio over the 2 real tokens
     assert loss.item() == pytest.approx(-s)
     loss.backward()
     # ∂/∂logp_t of −exp(mean) = −s/2 for each real token (shared ratio), 0 for padding.
@@ -154,8 +160,11 @@ def reference_loss(logp, old, adv, lengths, cfg, ref=None, rollout=None, ent=Non
                 row_grad.append(("tok", (-A * s if unclipped_active else 0.0) * w))
             if ref is not None and cfg.kl_coef:
                 d = logp[b][k] - ref[b][k]
-                k_val, k_grad = {"k1": (d, 1.0), "k2": (0.5 * d * d, d),
-                                 "k3": (math.exp(-d) + d - 1, 1 - math.exp(-d))}[cfg.kl_estimator]
+                k_val, k_grad = {
+                    "k1": (d, 1.0),
+                    "k2": (0.5 * d * d, d),
+                    "k3": (math.exp(-d) + d - 1, 1 - math.exp(-d)),
+                }[cfg.kl_estimator]
                 loss += cfg.kl_coef * k_val
                 row_grad[-1] = row_grad[-1] + (cfg.kl_coef * k_grad,)
             if ent is not None:
@@ -165,7 +174,7 @@ def reference_loss(logp, old, adv, lengths, cfg, ref=None, rollout=None, ent=Non
         grad_tok.append(row_grad)
     n_tok = sum(lengths)
     T = max(lengths)
-    weights = []   # d loss / d ℓ_bk
+    weights = []  # d loss / d ℓ_bk
     for b in range(B):
         if cfg.loss_agg == "grpo":
             weights.append(1.0 / (lengths[b] * B))
@@ -190,8 +199,9 @@ def reference_loss(logp, old, adv, lengths, cfg, ref=None, rollout=None, ent=Non
     return loss, grad
 
 
-CASES = list(itertools.product(["grpo", "bnpo", "dr_grpo", "dapo"], ["k1", "k2", "k3"], ["token", "sequence"],
-                               [None, 2.0]))
+CASES = list(
+    itertools.product(["grpo", "bnpo", "dr_grpo", "dapo"], ["k1", "k2", "k3"], ["token", "sequence"], [None, 2.0])
+)
 
 
 @pytest.mark.parametrize("agg, est, level, cap", CASES)
@@ -201,19 +211,46 @@ def test_random_batches_match_reference_and_analytic_gradient(agg, est, level, c
     lengths = [6, 3, 1, 5]
     mask = np.array([[1.0] * n + [0.0] * (T - n) for n in lengths])
     old = rng.normal(-2.0, 0.5, (B, T))
-    logp = old + rng.normal(0.0, 0.3, (B, T))           # ratios spread over both clip boundaries
+    logp = old + rng.normal(0.0, 0.3, (B, T))  # ratios spread over both clip boundaries
     ref = old + rng.normal(0.0, 0.2, (B, T))
-    rollout = old + rng.normal(0.0, 0.8, (B, T))        # some TIS weights above the cap
+    rollout = old + rng.normal(0.0, 0.8, (B, T))  # some TIS weights above the cap
     ent = rng.uniform(0.5, 3.0, (B, T))
     adv = [1.3, -0.7, 0.4, -2.0]
-    cfg = LossConfig(loss_agg=agg, kl_coef=0.05, kl_estimator=est, importance_level=level, tis_cap=cap,
-                     clip_eps_low=0.2, clip_eps_high=0.28, entropy_coef=0.01)
-    want_loss, want_grad = reference_loss(logp.tolist(), old.tolist(), adv, lengths, cfg, ref=ref.tolist(),
-                                          rollout=rollout.tolist(), ent=ent.tolist(), total_tokens=40, max_len=8)
+    cfg = LossConfig(
+        loss_agg=agg,
+        kl_coef=0.05,
+        kl_estimator=est,
+        importance_level=level,
+        tis_cap=cap,
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        entropy_coef=0.01,
+    )
+    want_loss, want_grad = reference_loss(
+        logp.tolist(),
+        old.tolist(),
+        adv,
+        lengths,
+        cfg,
+        ref=ref.tolist(),
+        rollout=rollout.tolist(),
+        ent=ent.tolist(),
+        total_tokens=40,
+        max_len=8,
+    )
     x = torch.tensor(logp, requires_grad=True)
-    loss, m = policy_loss(x, t(old), t(adv), t(mask), cfg, ref_logp=t(ref), rollout_logp=t(rollout),
-                          entropy=t(ent), total_tokens=40 if agg == "dapo" else None,
-                          max_completion_len=8 if agg == "dr_grpo" else None)
+    loss, m = policy_loss(
+        x,
+        t(old),
+        t(adv),
+        t(mask),
+        cfg,
+        ref_logp=t(ref),
+        rollout_logp=t(rollout),
+        entropy=t(ent),
+        total_tokens=40 if agg == "dapo" else None,
+        max_completion_len=8 if agg == "dr_grpo" else None,
+    )
     loss.backward()
     assert loss.item() == pytest.approx(want_loss, rel=1e-10, abs=1e-12)
     np.testing.assert_allclose(x.grad.numpy() * mask, np.array(want_grad), rtol=1e-9, atol=1e-12)
@@ -238,6 +275,8 @@ def test_micro_batch_losses_sum_to_the_batch_loss():
         cfg = LossConfig(loss_agg=agg, tis_cap=None)
         whole, _ = policy_loss(logp, old, adv, mask, cfg)
         norms = dict(total_sequences=B, total_tokens=float(mask.sum()), max_completion_len=T)
-        parts = sum(policy_loss(logp[s], old[s], adv[s], mask[s], cfg, **norms)[0]
-                    for s in (slice(0, 2), slice(2, 3), slice(3, 6)))
+        parts = sum(
+            policy_loss(logp[s], old[s], adv[s], mask[s], cfg, **norms)[0]
+            for s in (slice(0, 2), slice(2, 3), slice(3, 6))
+        )
         assert parts.item() == pytest.approx(whole.item(), rel=1e-12), agg

@@ -1,5 +1,6 @@
 """Trainer behaviour: micro-batching is exact, the whole step matches an independent computation, it learns,
 resume is bit-exact, exports are named and typed as HF saves them, bad batches fail cleanly."""
+
 import math
 
 import ml_dtypes
@@ -36,16 +37,28 @@ def test_micro_batched_gradients_equal_single_batch(tiny_qwen3_dir, make_batch, 
     assert g_micro.keys() == g_single.keys()
     for name in g_single:
         torch.testing.assert_close(g_micro[name], g_single[name], atol=1e-5, rtol=1e-5, msg=name)
-    for key in ("train/loss", "train/pg_loss", "train/kl_loss", "train/pg_clipfrac", "train/entropy",
-                "train/logprob_abs_diff", "train/ppo_kl", "train/tokens"):
+    for key in (
+        "train/loss",
+        "train/pg_loss",
+        "train/kl_loss",
+        "train/pg_clipfrac",
+        "train/entropy",
+        "train/logprob_abs_diff",
+        "train/ppo_kl",
+        "train/tokens",
+    ):
         assert m_micro[key] == pytest.approx(m_single[key], rel=1e-5, abs=1e-7), key
 
 
 def test_step_gradient_matches_independent_per_sample_computation(tiny_qwen3_dir, make_batch):
-    """dapo + TIS + clipping through the trainer == per-sample unpadded HF forwards and the DESIGN.md formulas."""
+    """dapo + TIS + clipping through the trainer == per-sample unpadded HF forwards and docs/design.md §4's formulas."""
     batch = make_batch(5, seed=7)
-    cfg = TrainerConfig(tiny_qwen3_dir, temperature=0.9, micro_batch_tokens=30,
-                        loss=LossConfig(loss_agg="dapo", clip_eps_low=0.2, clip_eps_high=0.28, tis_cap=2.0))
+    cfg = TrainerConfig(
+        tiny_qwen3_dir,
+        temperature=0.9,
+        micro_batch_tokens=30,
+        loss=LossConfig(loss_agg="dapo", clip_eps_low=0.2, clip_eps_high=0.28, tis_cap=2.0),
+    )
     trainer = Trainer(cfg)
     old = perturbed(trainer.compute_logprobs(batch.prompts, batch.responses), seed=8, scale=0.3)
     batch.rollout_logprobs = perturbed(old, seed=9, scale=0.5)
@@ -56,7 +69,7 @@ def test_step_gradient_matches_independent_per_sample_computation(tiny_qwen3_dir
     objective = 0.0
     for i in range(len(batch)):
         p, r = batch.prompts[i], batch.responses[i]
-        logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1: len(p) + len(r) - 1] / 0.9
+        logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : len(p) + len(r) - 1] / 0.9
         logp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
         old_i = torch.tensor(old[i], dtype=torch.float32)
         ratio = torch.exp(logp - old_i)
@@ -74,8 +87,9 @@ def test_training_raises_logprobs_of_rewarded_responses(tiny_qwen3_dir):
     prompt = rng.integers(3, 128, 6).tolist()
     responses = [rng.integers(3, 128, 8).tolist() for _ in range(8)]
     advantages = [1.0 if i % 2 == 0 else -1.0 for i in range(8)]
-    trainer = Trainer(TrainerConfig(tiny_qwen3_dir, lr=3e-3, weight_decay=0.0, micro_batch_tokens=64,
-                                    loss=LossConfig(tis_cap=None)))
+    trainer = Trainer(
+        TrainerConfig(tiny_qwen3_dir, lr=3e-3, weight_decay=0.0, micro_batch_tokens=64, loss=LossConfig(tis_cap=None))
+    )
     before = [lp.sum() for lp in trainer.compute_logprobs([prompt] * 8, responses)]
     for _ in range(5):
         metrics = trainer.train_step(TrainBatch([prompt] * 8, responses, advantages))
@@ -90,8 +104,15 @@ def test_training_raises_logprobs_of_rewarded_responses(tiny_qwen3_dir):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_save_load_resumes_bit_for_bit(tmp_path, tiny_qwen3_dir, make_batch, dtype):
-    cfg = TrainerConfig(tiny_qwen3_dir, dtype=dtype, lr=1e-3, lr_warmup_steps=3, minibatches=2,
-                        micro_batch_tokens=40, loss=LossConfig(kl_coef=0.02))
+    cfg = TrainerConfig(
+        tiny_qwen3_dir,
+        dtype=dtype,
+        lr=1e-3,
+        lr_warmup_steps=3,
+        minibatches=2,
+        micro_batch_tokens=40,
+        loss=LossConfig(kl_coef=0.02),
+    )
     batches = [make_batch(6, seed=s) for s in (10, 11, 12)]
 
     straight = Trainer(cfg)
@@ -101,7 +122,7 @@ def test_save_load_resumes_bit_for_bit(tmp_path, tiny_qwen3_dir, make_batch, dty
     first.train_step(batches[0])
     first.save(tmp_path / "ckpt")
     rng_at_save = torch.get_rng_state()
-    torch.manual_seed(1234)                      # the checkpoint must restore RNG state too
+    torch.manual_seed(1234)  # the checkpoint must restore RNG state too
     resumed = Trainer(cfg)
     resumed.load(tmp_path / "ckpt")
     assert torch.equal(torch.get_rng_state(), rng_at_save)
@@ -121,7 +142,7 @@ def test_save_load_resumes_bit_for_bit(tmp_path, tiny_qwen3_dir, make_batch, dty
 def test_load_rejects_incomplete_checkpoint(tmp_path, tiny_qwen3_dir):
     trainer = Trainer(TrainerConfig(tiny_qwen3_dir))
     with pytest.raises(ValueError, match="trainer_state.pt"):
-        trainer.load(tiny_qwen3_dir)             # an HF directory, not a trainer checkpoint
+        trainer.load(tiny_qwen3_dir)  # an HF directory, not a trainer checkpoint
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -129,7 +150,7 @@ def test_bf16_export_names_dtype_and_bits(tmp_path, tie):
     path = make_tiny_hf_model(tmp_path / "m", "qwen3", tie=tie, seed=5)
     trainer = Trainer(TrainerConfig(str(path), dtype="bfloat16"))
     exported = trainer.export_weights()
-    saved = safetensors.numpy.load_file(str(path / "model.safetensors"))      # what HF's save_pretrained wrote
+    saved = safetensors.numpy.load_file(str(path / "model.safetensors"))  # what HF's save_pretrained wrote
     assert set(exported) == set(saved)
     assert ("lm_head.weight" in exported) == (not tie)
     for name, array in exported.items():
@@ -148,11 +169,11 @@ def test_bf16_keeps_fp32_masters_and_exports_them_rounded(tiny_qwen3_dir, make_b
     bf16_start = {k: v.copy() for k, v in trainer.export_weights().items()}
     trainer.train_step(make_batch(6, seed=16))
     steps = torch.cat([(m.detach() - s).abs().flatten() for m, s in zip(trainer.masters, start)])
-    assert 0.5e-6 < float(steps.max()) < 2e-6          # Adam's first step moves every weight with a gradient by ~lr
+    assert 0.5e-6 < float(steps.max()) < 2e-6  # Adam's first step moves every weight with a gradient by ~lr
     exported = trainer.export_weights()
     changed = sum(int((exported[k].view(np.uint16) != bf16_start[k].view(np.uint16)).sum()) for k in exported)
     total = sum(v.size for v in exported.values())
-    assert changed < 0.2 * total                       # most bf16 words did not move, yet the masters all did
+    assert changed < 0.2 * total  # most bf16 words did not move, yet the masters all did
     for name, master in zip(trainer.param_names, trainer.masters):
         want = master.detach().numpy().astype(ml_dtypes.bfloat16)
         assert np.array_equal(exported[name].view(np.uint16), want.view(np.uint16)), name
@@ -173,12 +194,14 @@ def test_fp32_export_aliases_live_parameters(tiny_qwen3_dir, make_batch):
 def saved_activation_elements(trainer, batch):
     """Elements autograd keeps for the backward of one forward: what activation checkpointing is meant to cut."""
     from trainer.logprobs import response_logprobs
+
     mb = trainer._plan(batch, list(range(len(batch))))[0]
     count = [0]
 
     def pack(x):
         count[0] += x.numel()
         return x
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
         response_logprobs(trainer.model, mb)
     return count[0]
@@ -195,15 +218,18 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_qwen3_dir, make_ba
     assert saved_activation_elements(ckpt_trainer, batch) < saved_activation_elements(plain_trainer, batch) / 3
 
 
-@pytest.mark.parametrize("mutate, field", [
-    (lambda b: b.advantages.pop(), "advantages"),
-    (lambda b: b.responses.pop(), "responses"),
-    (lambda b: b.rollout_logprobs[2].append(-1.0), r"rollout_logprobs\[2\]"),
-    (lambda b: b.responses.__setitem__(1, []), r"responses\[1\]"),
-    (lambda b: b.prompts[3].append(128), r"prompts\[3\]"),
-    (lambda b: b.advantages.__setitem__(0, float("nan")), r"advantages\[0\]"),
-    (lambda b: b.rollout_logprobs[4].__setitem__(0, float("-inf")), r"rollout_logprobs\[4\]"),
-])
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda b: b.advantages.pop(), "advantages"),
+        (lambda b: b.responses.pop(), "responses"),
+        (lambda b: b.rollout_logprobs[2].append(-1.0), r"rollout_logprobs\[2\]"),
+        (lambda b: b.responses.__setitem__(1, []), r"responses\[1\]"),
+        (lambda b: b.prompts[3].append(128), r"prompts\[3\]"),
+        (lambda b: b.advantages.__setitem__(0, float("nan")), r"advantages\[0\]"),
+        (lambda b: b.rollout_logprobs[4].__setitem__(0, float("-inf")), r"rollout_logprobs\[4\]"),
+    ],
+)
 def test_bad_batch_is_rejected_and_loses_nothing(tiny_qwen3_dir, make_batch, mutate, field):
     trainer = Trainer(TrainerConfig(tiny_qwen3_dir, lr=1e-3))
     before = {k: v.copy() for k, v in trainer.export_weights().items()}
@@ -214,7 +240,7 @@ def test_bad_batch_is_rejected_and_loses_nothing(tiny_qwen3_dir, make_batch, mut
     assert trainer.step == 0
     after = trainer.export_weights()
     assert all(np.array_equal(before[k], after[k]) for k in before)
-    trainer.train_step(make_batch(5, seed=15))                 # still usable
+    trainer.train_step(make_batch(5, seed=15))  # still usable
     assert trainer.step == 1
 
 
@@ -222,7 +248,8 @@ def test_bad_config_names_the_field(tiny_qwen3_dir):
     with pytest.raises(ValueError, match="dtype"):
         TrainerConfig(tiny_qwen3_dir, dtype="float16x")
     with pytest.raises(ValueError, match="tpu"):
-        Trainer(TrainerConfig(tiny_qwen3_dir, device="tpu"))   # torch_tpu is never installed here
+        Trainer(TrainerConfig(tiny_qwen3_dir, device="tpu"))  # torch_tpu is never installed here
     with pytest.raises(ValueError, match="minibatches"):
         Trainer(TrainerConfig(tiny_qwen3_dir, minibatches=4)).train_step(
-            TrainBatch([[5], [6]], [[7], [8]], [1.0, -1.0]))
+            TrainBatch([[5], [6]], [[7], [8]], [1.0, -1.0])
+        )

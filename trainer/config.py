@@ -1,0 +1,59 @@
+"""The trainer's typed configs: `TrainerConfig` (model, optimizer, micro-batching) and `LossConfig` (the policy loss).
+
+Each knob is declared once, here, with its type, default and allowed range; pydantic validates on construction,
+whether the config comes from a test or from the run config (rlloop/config.py turns these fields into the YAML
+`train:` and `grpo:` sections, so a new field here is a new YAML key). Imports no torch, so the driver can build and
+validate a config without loading the trainer.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Literal
+
+from pydantic import BeforeValidator, ConfigDict, Field, model_validator
+from pydantic.dataclasses import dataclass
+
+Fraction = Annotated[float, Field(ge=0, lt=1)]
+PositiveInt = Annotated[int, Field(ge=1)]
+STRICT = ConfigDict(extra="forbid")
+
+
+@dataclass(config=STRICT)
+class LossConfig:
+    """The GRPO-family policy loss (trainer/loss.py; definitions and TRL names in docs/design.md §4)."""
+
+    clip_eps_low: Annotated[float, Field(ge=0)] = 0.2
+    clip_eps_high: Annotated[float, Field(ge=0)] = 0.28  # clip-higher (DAPO): ε_high > ε_low lets rare tokens rise
+    loss_agg: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    kl_coef: Annotated[float, Field(ge=0)] = 0.0  # β; 0 skips the reference model entirely
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = 0.0  # bonus weight; entropy is computed and logged either way
+    tis_cap: Annotated[float, Field(gt=0)] | None = 2.0  # C of truncated importance sampling; None disables it
+    importance_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
+
+    @model_validator(mode="after")
+    def _clip_higher(self) -> LossConfig:
+        if self.clip_eps_high < self.clip_eps_low:
+            raise ValueError("clip_eps_high must be >= clip_eps_low (clip-higher)")
+        return self
+
+
+@dataclass(config=STRICT)
+class TrainerConfig:
+    model_path: Annotated[str, BeforeValidator(os.fspath)]  # HF dir or hub id (AutoModelForCausalLM)
+    dtype: Literal["float32", "bfloat16"] = "float32"  # model params and compute; AdamW masters stay fp32
+    device: Literal["cpu", "cuda", "tpu"] = "cpu"  # tpu needs torch_tpu, never installed on CPU machines
+    lr: Annotated[float, Field(gt=0)] = 1e-6
+    weight_decay: Annotated[float, Field(ge=0)] = 0.1  # on matrices only; norms and biases are not decayed
+    betas: tuple[Fraction, Fraction] = (0.9, 0.98)
+    eps: Annotated[float, Field(gt=0)] = 1e-8
+    max_grad_norm: Annotated[float, Field(gt=0)] = 1.0
+    lr_warmup_steps: Annotated[int, Field(ge=0)] = 0  # linear warmup to `lr`, then constant (the recipe: 0)
+    micro_batch_tokens: PositiveInt = 16384  # micro-batches packed to this token budget (padded length × rows)
+    minibatches: PositiveInt = 1  # optimizer steps per rollout batch (1 = one step per rollout, the recipe)
+    temperature: Annotated[float, Field(gt=0)] = 1.0  # log-probs are of logits / temperature (the sampling one)
+    max_response_len: PositiveInt | None = None  # dr_grpo's constant; None: the longest response in the minibatch
+    loss: LossConfig = Field(default_factory=LossConfig)
+    gradient_checkpointing: bool = False
+    seed: int = 0
