@@ -1,4 +1,5 @@
 """Shared test fixtures: an offline environment and tiny random HF models that the tests make themselves."""
+
 import os
 
 # Set before anything imports transformers / datasets / jax: a failed hub call retries for tens of seconds, and two
@@ -25,9 +26,21 @@ def make_tiny_hf_model(path, family: str = "qwen3", tie: bool = True, seed: int 
     import transformers
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                  tie_word_embeddings=tie, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     common.update(overrides)
     if family == "qwen3":
         cfg = transformers.Qwen3Config(rope_theta=1e6, **common)
@@ -35,9 +48,17 @@ def make_tiny_hf_model(path, family: str = "qwen3", tie: bool = True, seed: int 
         common.pop("head_dim")
         cfg = transformers.Qwen2Config(rope_theta=1e6, **common)
     elif family == "llama":
-        cfg = transformers.LlamaConfig(rope_theta=5e5, rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                       "original_max_position_embeddings": 64}, **common)
+        cfg = transformers.LlamaConfig(
+            rope_theta=5e5,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            **common,
+        )
     else:
         raise ValueError(family)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

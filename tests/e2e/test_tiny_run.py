@@ -1,4 +1,5 @@
 """Whole runs of the embedded example: the real components, Ray actors, shared-memory delta sync, resume, Ctrl-C."""
+
 import json
 import os
 import signal
@@ -32,14 +33,28 @@ def ray_processes() -> str:
 def run_cli(*args: str, **kw) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("XLA_FLAGS", None)  # the actors set their own
-    return subprocess.Popen([sys.executable, "-m", "rlloop.run", TINY, *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlloop.run", TINY, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
 
 
 def test_local_run_resumes_exactly_where_it_stopped(tmp_path):
     """4 steps straight == 2 steps, stop, --resume to 4: same samples, same losses, same weights."""
-    common = ["rollout.backend=hf", "cluster.use_ray=false", "tracking.progress=false", "run.save_every=2",
-              "run.eval_every=0", "rollout.prompts_per_step=4", "sync.transport=disk"]
+    common = [
+        "rollout.backend=hf",
+        "cluster.use_ray=false",
+        "tracking.progress=false",
+        "run.save_every=2",
+        "run.eval_every=0",
+        "rollout.prompts_per_step=4",
+        "sync.transport=disk",
+    ]
     straight = load_config(TINY, common + ["run.steps=4", f"run.dir={tmp_path / 'a'}"])
     train(straight)
     first = load_config(TINY, common + ["run.steps=2", f"run.dir={tmp_path / 'b'}"])
@@ -48,8 +63,15 @@ def test_local_run_resumes_exactly_where_it_stopped(tmp_path):
     train(resumed, resume=True)
     a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
     assert [m["step"] for m in b] == [1, 2, 3, 4]
-    for key in ("rollout/raw_reward", "rollout/response_len/mean", "train/loss", "train/grad_norm",
-                "train/logprob_abs_diff", "sync/version", "rollout/weight_version"):
+    for key in (
+        "rollout/raw_reward",
+        "rollout/response_len/mean",
+        "train/loss",
+        "train/grad_norm",
+        "train/logprob_abs_diff",
+        "sync/version",
+        "rollout/weight_version",
+    ):
         assert [m[key] for m in a] == pytest.approx([m[key] for m in b], rel=1e-6, abs=1e-9), key
     assert [m["rollout/weight_version"] for m in b] == [0, 1, 2, 3]  # each step sampled by the previous policy
 
@@ -77,8 +99,14 @@ def test_tiny_example_with_ray_learns_and_leaves_nothing_behind(tmp_path):
 
 def test_ctrl_c_stops_cleanly_and_resume_continues(tmp_path):
     before = shm_segments()
-    args = [f"run.dir={tmp_path}", "tracking.progress=false", "run.save_every=1", "run.eval_every=0",
-            "rollout.backend=hf", "run.steps=6"]
+    args = [
+        f"run.dir={tmp_path}",
+        "tracking.progress=false",
+        "run.save_every=1",
+        "run.eval_every=0",
+        "rollout.backend=hf",
+        "run.steps=6",
+    ]
     proc = run_cli(*args, start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not (tmp_path / "checkpoints" / "step_000002").exists():
@@ -95,24 +123,62 @@ def test_ctrl_c_stops_cleanly_and_resume_continues(tmp_path):
     assert resume.returncode == 0, out[-3000:]
     steps = [m["step"] for m in metrics(tmp_path)]
     assert steps[-1] == 6 and steps == sorted(set(steps))
-    assert steps[:len(done)] == done[:len(steps)] or steps[0] == 1
+    assert steps[: len(done)] == done[: len(steps)] or steps[0] == 1
     assert not ray_processes() and shm_segments() <= before
 
 
 def test_ray_job_submit_runs_the_same_command(tmp_path):
     """`ray job submit -- python -m rlloop.run ...` against a local head, as on a cluster."""
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
     env.pop("XLA_FLAGS", None)
     port = 6390
-    subprocess.run(["ray", "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=true",
-                    "--dashboard-port=8275", "--disable-usage-stats"], env=env, check=True, capture_output=True)
+    subprocess.run(
+        [
+            "ray",
+            "start",
+            "--head",
+            f"--port={port}",
+            "--num-cpus=2",
+            "--include-dashboard=true",
+            "--dashboard-port=8275",
+            "--disable-usage-stats",
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     try:
         job = subprocess.run(
-            ["ray", "job", "submit", "--address", "http://127.0.0.1:8275", "--working-dir", str(ROOT), "--",
-             sys.executable, "-m", "rlloop.run", TINY, f"run.dir={tmp_path}", "run.steps=2", "run.eval_every=0",
-             "rollout.backend=hf", "tracking.progress=false"],
-            env=env, capture_output=True, text=True, timeout=600)
+            [
+                "ray",
+                "job",
+                "submit",
+                "--address",
+                "http://127.0.0.1:8275",
+                "--working-dir",
+                str(ROOT),
+                "--",
+                sys.executable,
+                "-m",
+                "rlloop.run",
+                TINY,
+                f"run.dir={tmp_path}",
+                "run.steps=2",
+                "run.eval_every=0",
+                "rollout.backend=hf",
+                "tracking.progress=false",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert job.returncode == 0 and "succeeded" in job.stdout.lower(), job.stdout[-3000:] + job.stderr[-2000:]
         assert [m["step"] for m in metrics(tmp_path)] == [1, 2]
     finally:
@@ -125,11 +191,19 @@ def test_two_trainer_ranks_over_gloo_match_one(tmp_path):
     store: the same numbers as one rank in one process with shared memory."""
     import ray
 
-    common = ["rollout.backend=hf", "tracking.progress=false", "run.save_every=0", "run.eval_every=0",
-              "run.steps=2", "rollout.prompts_per_step=4"]
+    common = [
+        "rollout.backend=hf",
+        "tracking.progress=false",
+        "run.save_every=0",
+        "run.eval_every=0",
+        "run.steps=2",
+        "rollout.prompts_per_step=4",
+    ]
     ray.init(num_cpus=4, include_dashboard=False, configure_logging=False)  # 1 rollout + 2 ranks on 2 real cores
     try:
-        train(load_config(TINY, common + ["cluster.train_chips=2", "sync.transport=ray", f"run.dir={tmp_path / 'two'}"]))
+        train(
+            load_config(TINY, common + ["cluster.train_chips=2", "sync.transport=ray", f"run.dir={tmp_path / 'two'}"])
+        )
     finally:
         ray.shutdown()
     train(load_config(TINY, common + ["cluster.use_ray=false", f"run.dir={tmp_path / 'one'}"]))
@@ -141,8 +215,14 @@ def test_two_trainer_ranks_over_gloo_match_one(tmp_path):
 
 def test_a_killed_rollout_actor_stops_the_run_cleanly_and_resume_recovers(tmp_path):
     before = shm_segments()
-    args = [f"run.dir={tmp_path}", "tracking.progress=false", "run.save_every=1", "run.eval_every=0",
-            "rollout.backend=hf", "run.steps=4"]
+    args = [
+        f"run.dir={tmp_path}",
+        "tracking.progress=false",
+        "run.save_every=1",
+        "run.eval_every=0",
+        "rollout.backend=hf",
+        "run.steps=4",
+    ]
     proc = run_cli(*args)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not (tmp_path / "checkpoints" / "step_000001").exists():

@@ -1,0 +1,55 @@
+"""The package boundaries, enforced: rollout/, trainer/ and weight_sync/ never import each other, rlloop or Ray
+(nor does weight_sync import torch or jax).
+
+They exchange plain data (token ids, numpy arrays keyed by HF names, small dataclasses), so each can be read,
+tested and replaced alone (docs/design.md §2). Every import statement is checked, lazy ones inside functions too.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPONENTS = ("rollout", "trainer", "weight_sync")
+# Moving bytes needs no framework: weight_sync takes numpy arrays from whichever side gives them.
+ALSO_FORBIDDEN = {"weight_sync": {"torch", "jax"}}
+
+
+def imported_modules(path: Path, root: Path) -> list[tuple[int, str]]:
+    """(line, top-level package) of every import in a file; relative imports resolve inside its own package."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            out.append((node.lineno, path.relative_to(root).parts[0] if node.level else node.module.split(".")[0]))
+    return out
+
+
+def violations(package: str, root: Path = ROOT) -> list[str]:
+    forbidden = ({"rlloop", "ray", *COMPONENTS} - {package}) | ALSO_FORBIDDEN.get(package, set())
+    return [
+        f"{path.relative_to(root)}:{line} imports {module}"
+        for path in sorted((root / package).rglob("*.py"))
+        for line, module in imported_modules(path, root)
+        if module in forbidden
+    ]
+
+
+@pytest.mark.parametrize("package", COMPONENTS)
+def test_component_imports_no_other_component_nor_rlloop_nor_ray(package):
+    assert violations(package) == []
+
+
+def test_the_check_sees_lazy_and_relative_imports(tmp_path):
+    """A check that could never fail would prove nothing: plant each kind of import and see it reported."""
+    fake = tmp_path / "rollout"
+    fake.mkdir()
+    (fake / "a.py").write_text("import os\n\ndef f():\n    from trainer import Trainer\n    import ray.util\n")
+    (fake / "b.py").write_text("from . import a\nfrom rlloop.config import Config\n")
+    assert violations("rollout", tmp_path) == [
+        "rollout/a.py:4 imports trainer",
+        "rollout/a.py:5 imports ray",
+        "rollout/b.py:2 imports rlloop",
+    ]
