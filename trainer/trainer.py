@@ -98,6 +98,7 @@ class Trainer:
             lr=cfg.lr,
             betas=cfg.betas,
             eps=cfg.eps,
+            fused=cfg.adamw_fused,
         )
         warmup = cfg.lr_warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -123,6 +123,7 @@ def test_a_trainer_knob_is_one_field_reachable_from_yaml():
     assert load_config(TINY, ["train.lr_warmup_steps=5"]).trainer_config().lr_warmup_steps == 5
     with pytest.raises(ConfigError, match="train.lr_warmup_steps"):
         load_config(TINY, ["train.lr_warmup_steps=-1"])
+    assert load_config(TINY, ["train.adamw_fused=true"]).trainer_config().adamw_fused is True
 
 
 @pytest.mark.parametrize(

@@ -82,6 +82,20 @@ def test_step_gradient_matches_independent_per_sample_computation(tiny_qwen3_dir
         torch.testing.assert_close(got[name], param.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_fused_adamw_takes_the_same_step(tiny_qwen3_dir, make_batch):
+    batch = make_batch(4, seed=3)
+    trained = []
+    for fused in (False, True):
+        trainer = Trainer(TrainerConfig(tiny_qwen3_dir, lr=1e-2, adamw_fused=fused))
+        trainer.train_step(batch)
+        trained.append(trainer.export_weights())
+    for name, weight in trained[0].items():
+        np.testing.assert_allclose(trained[1][name], weight, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert any(
+        not np.array_equal(w, Trainer(TrainerConfig(tiny_qwen3_dir)).export_weights()[n]) for n, w in trained[1].items()
+    )  # the step did move the weights
+
+
 def test_training_raises_logprobs_of_rewarded_responses(tiny_qwen3_dir):
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, 128, 6).tolist()
