@@ -1,13 +1,63 @@
 """Per-token log-probabilities (and entropies) of response tokens under a Hugging Face causal LM.
 
 The rollout engine samples from softmax(logits / temperature); the trainer must score the same distribution, in
-fp32 whatever the model dtype, or the importance ratios drift (docs/design.md §4). Only the logits that predict response
-tokens are projected onto the vocabulary, via HF's `logits_to_keep`, since that projection dominates memory.
+fp32 whatever the model dtype, or the importance ratios drift (docs/design.md §4). The projection onto the vocabulary
+dominates memory (at 32k tokens per micro-batch and Qwen3's 151,936-token vocabulary, a full fp32 [B, L, V] logits
+tensor is ~20 GB), so it is never made:
+
+- the model's backbone (`model.get_decoder()`) runs without its LM head and returns hidden states;
+- only the hidden states at the positions that predict a real response token are kept (`response_mask`; padding is
+  never projected);
+- they go through the LM head (`model.get_output_embeddings()`, tied or not) in fp32, `hidden.float() @
+  weight.float().T`, chunk by chunk of `chunk_size` positions, and each chunk's log-softmax and entropy (§4.5:
+  `H = logsumexp(z) − Σ softmax(z)·z` at `z = logits / T`) are taken from that chunk's logits alone;
+- each chunk runs under non-reentrant activation checkpointing, so the backward pass recomputes one chunk's
+  [chunk, V] logits at a time instead of keeping every chunk's alive.
+
+Peak memory beyond the backbone is therefore a few [chunk, V] fp32 tensors, plus, for a non-fp32 model, one fp32
+copy of the LM head weight (its gradient is then summed over the chunks in fp32 too). For bf16 models the logits come
+from bf16 hidden states and bf16 weights upcast to fp32, not from bf16 logits.
 """
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from trainer.batching import MicroBatch
+
+# A [chunk, V] fp32 logits tensor holds at most this many elements (64 MiB) unless `chunk_size` says otherwise:
+# 110 positions for a 151,936-token vocabulary, every position at once for a tiny test vocabulary. A chunk's backward
+# holds about five such tensors (recomputed logits, softmax, their gradients).
+CHUNK_ELEMENTS = 1 << 24
+
+
+def default_chunk_size(vocab_size: int) -> int:
+    return max(1, CHUNK_ELEMENTS // vocab_size)
+
+
+def _chunk_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, H] hidden states → log π(target) [n] and, when `with_entropy`, the entropy [n] (else an empty tensor),
+    from fp32 logits z = (hidden @ weight.T + bias) / T that exist only inside this call."""
+    z = hidden.float() @ weight.T if bias is None else torch.addmm(bias, hidden.float(), weight.T)
+    z.div_(temperature)  # in place: the matmul saves its inputs, not its output
+    log_norm = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm
+    # Nothing below is saved for the log-probs' backward, so a checkpoint's recomputation stops before it unless the
+    # entropy carries a gradient.
+    if not with_entropy:
+        return logp, z.new_empty(0)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        probs = torch.softmax(z, dim=-1)
+        # Without a graph the product can overwrite the softmax; with one, softmax's backward needs it.
+        entropy = log_norm - (probs.mul_(z) if not torch.is_grad_enabled() else probs * z).sum(-1)
+    return logp, entropy
 
 
 def response_logprobs(
@@ -16,39 +66,54 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(response token | prefix) as a [B, R] fp32 tensor aligned with `mb.response_mask`, plus the entropy of
-    each of those next-token distributions when `with_entropy` (else None). Padding positions hold junk; mask them.
+    each of those next-token distributions when `with_entropy` (else None). Padding positions hold 0; mask them.
     Log-probs are differentiable when called with grad enabled; the entropy only with `entropy_grad` (it is usually
-    just logged, and its graph would hold another [B, R, vocab] tensor).
+    just logged). `chunk_size` positions are projected onto the vocabulary at a time (default: `default_chunk_size`).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    device = next(model.parameters()).device
+    config = getattr(model, "config", None)
+    for knob in ("final_logit_softcapping", "logit_scale"):
+        if getattr(config, knob, None) not in (None, 1.0):
+            raise NotImplementedError(f"response_logprobs does not apply the model's {knob}")
+    head = model.get_output_embeddings()
+    weight, bias = head.weight, getattr(head, "bias", None)
+    chunk_size = chunk_size or default_chunk_size(weight.shape[0])
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    device = weight.device
     input_ids = mb.input_ids.to(device)
-    width = input_ids.shape[1]
-    # Logits at column c predict the token at c + 1, so response tokens are predicted from columns
-    # response_start - 1 onwards. Keep the trailing window from the earliest such column; the last column predicts
-    # past the end of every row and is dropped.
-    first = int(mb.response_start.min().item()) - 1
-    out = model(
-        input_ids=input_ids, attention_mask=mb.attention_mask.to(device), use_cache=False, logits_to_keep=width - first
-    )
-    logits = out.logits[:, :-1].float() / temperature  # [B, W, V] predicts columns first+1 .. L-1
-    targets = input_ids[:, first + 1 :]  # [B, W]
-    log_norm = torch.logsumexp(logits, dim=-1)  # [B, W]
-    token_logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm
+    mask = mb.response_mask.to(device)
+    rows, cols = mask.nonzero(as_tuple=True)  # every real response token: row, index t within the response
+    # Response token t of row b sits at column response_start[b] + t and is predicted from column
+    # response_start[b] + t − 1 (position c predicts token c + 1).
+    target_cols = mb.response_start.to(device)[rows] + cols
+    if target_cols.numel() and int(target_cols.min()) < 1:
+        raise ValueError("a response token at column 0 has no context to be predicted from")
 
-    # Per row, response token t sits at window column (response_start - 1 - first) + t.
-    resp_width = mb.response_mask.shape[1]
-    cols = (mb.response_start.to(device) - 1 - first).unsqueeze(-1) + torch.arange(resp_width, device=device)
-    cols = cols.clamp(max=token_logp.shape[1] - 1)  # padding positions past the row end
-    logp = token_logp.gather(1, cols)
+    out = model.get_decoder()(input_ids=input_ids, attention_mask=mb.attention_mask.to(device), use_cache=False)
+    hidden = out.last_hidden_state[rows, target_cols - 1]  # [N, H], in the model's dtype
+    targets = input_ids[rows, target_cols]  # [N]
+    del out
 
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            # H = logsumexp(z) − Σ softmax(z)·z
-            ent = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-            entropy = ent.gather(1, cols)
-    return logp, entropy
+    weight32 = weight.float()  # once, not per chunk: its gradient is summed over the chunks in fp32
+    bias32 = bias.float() if bias is not None else None
+    checkpointed = torch.is_grad_enabled() and (hidden.requires_grad or weight32.requires_grad)
+    logps, entropies = [hidden.new_empty(0, dtype=torch.float32)], [hidden.new_empty(0, dtype=torch.float32)]
+    for lo in range(0, hidden.shape[0], chunk_size):
+        args = (hidden[lo : lo + chunk_size], weight32, bias32, targets[lo : lo + chunk_size])
+        args += (temperature, with_entropy, entropy_grad)
+        if checkpointed:
+            logp, entropy = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+        else:
+            logp, entropy = _chunk_logprobs(*args)
+        logps.append(logp)
+        entropies.append(entropy)
+
+    def scatter(values: list[torch.Tensor]) -> torch.Tensor:  # [N] values back to the [B, R] layout, 0 elsewhere
+        return torch.zeros(mask.shape, dtype=torch.float32, device=device).index_put((rows, cols), torch.cat(values))
+
+    return scatter(logps), scatter(entropies) if with_entropy else None

@@ -65,3 +65,115 @@ def test_packing_respects_budget_and_keeps_every_sample():
         padded = max(lengths[i] for i in g) * len(g)
         assert padded <= 20 or len(g) == 1  # an over-long sample goes alone
     assert [4] in groups
+
+
+def full_logits_reference(model, mb, temperature):
+    """Straightforward: the whole [B, L, V] fp32 logits from HF's own forward, a full log-softmax and softmax, then the
+    response tokens picked out row by row. Returns [B, R] log-probs and entropies, 0 on padding."""
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits.float() / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    entropy_all = -(torch.softmax(logits, dim=-1) * logp_all).sum(-1)
+    logp = torch.zeros(mb.response_mask.shape)
+    entropy = torch.zeros(mb.response_mask.shape)
+    for row in range(len(mb.indices)):
+        n, start = int(mb.response_mask[row].sum()), int(mb.response_start[row])
+        pred = slice(start - 1, start - 1 + n)  # column c predicts the token at c + 1
+        targets = mb.input_ids[row, start : start + n]
+        logp[row, :n] = logp_all[row, pred].gather(-1, targets[:, None]).squeeze(-1)
+        entropy[row, :n] = entropy_all[row, pred]
+    return logp, entropy
+
+
+def grads_of(model, loss):
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("entropy_grad", [True, False])
+def test_chunked_logprobs_entropy_and_grads_equal_full_logits(tmp_path, make_batch, tie, entropy_grad):
+    path = make_tiny_hf_model(tmp_path / "m", "qwen3", tie=tie, seed=5)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tie
+    batch = make_batch(5, seed=4)
+    mb = collate(batch, list(range(5)))
+    assert len(set(mb.attention_mask.sum(1).tolist())) > 1  # right-padded rows of different lengths
+    chunk = 7
+    assert mb.num_tokens > 3 * chunk and mb.num_tokens % chunk  # several chunks, the last one partial
+    temperature = 0.8
+    rng = torch.Generator().manual_seed(0)
+    w_logp, w_ent = (
+        torch.randn(mb.response_mask.shape, generator=rng),
+        torch.randn(mb.response_mask.shape, generator=rng),
+    )
+    mask = mb.response_mask
+
+    logp, entropy = response_logprobs(
+        model, mb, temperature, with_entropy=True, entropy_grad=entropy_grad, chunk_size=chunk
+    )
+    assert logp.dtype == entropy.dtype == torch.float32 and logp.shape == entropy.shape == mask.shape
+    assert entropy.requires_grad == entropy_grad
+    # A token mean, as the trainer's losses are: gradients of order 0.1, where fp32 summation noise is ~1e-7.
+    loss = ((logp * w_logp * mask).sum() + ((entropy * w_ent * mask).sum() if entropy_grad else 0.0)) / mb.num_tokens
+    got = grads_of(model, loss)
+
+    want_logp, want_entropy = full_logits_reference(model, mb, temperature)
+    want_loss = (want_logp * w_logp * mask).sum() + ((want_entropy * w_ent * mask).sum() if entropy_grad else 0.0)
+    want_loss = want_loss / mb.num_tokens
+    want = grads_of(model, want_loss)
+
+    torch.testing.assert_close(logp.detach(), want_logp.detach(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(entropy.detach(), want_entropy.detach(), atol=1e-6, rtol=0)
+    assert (logp[mask == 0] == 0).all() and (entropy[mask == 0] == 0).all()
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_chunk_size_does_not_change_the_numbers(tiny_qwen3_dir, make_batch):
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).eval()
+    mb = collate(make_batch(4, seed=6), [0, 1, 2, 3])
+    with torch.no_grad():
+        whole = response_logprobs(model, mb, 1.3, with_entropy=True, chunk_size=10**6)
+        for chunk in (1, 3, mb.num_tokens - 1):
+            parts = response_logprobs(model, mb, 1.3, with_entropy=True, chunk_size=chunk)
+            for a, b in zip(parts, whole):
+                torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_backward_keeps_no_logits(tmp_path, make_batch):
+    """What autograd keeps between the forward and the backward, outside the per-chunk checkpoints (which keep only
+    their inputs): no tensor over the vocabulary, neither all positions' logits nor a chunk's."""
+    vocab, chunk = 4096, 8
+    path = make_tiny_hf_model(tmp_path / "m", "qwen3", tie=False, vocab_size=vocab, seed=1)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    mb = collate(make_batch(6, seed=7, max_response=24), list(range(6)))
+    assert mb.num_tokens > 4 * chunk
+    shapes = []
+
+    def pack(x):
+        shapes.append(tuple(x.shape))
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        logp, entropy = response_logprobs(model, mb, 1.0, with_entropy=True, chunk_size=chunk)
+    assert shapes and not [s for s in shapes if s[-1] == vocab]  # the LM head weight is [V, H]
+    (logp * mb.response_mask).sum().backward()  # and the recomputation in the backward works
+    assert model.lm_head.weight.grad is not None
+
+
+def test_bf16_model_scores_with_fp32_logits(tiny_qwen3_dir, make_batch):
+    """bf16 hidden states and LM head, upcast: the logits are fp32 products of the bf16 values, not bf16 logits."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.bfloat16).eval()
+    mb = collate(make_batch(3, seed=8), [0, 1, 2])
+    with torch.no_grad():
+        logp, entropy = response_logprobs(model, mb, 0.7, with_entropy=True, chunk_size=5)
+        hidden = model.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state
+        logits = hidden.float() @ model.get_output_embeddings().weight.float().T / 0.7
+    assert logp.dtype == entropy.dtype == torch.float32
+    logp_all = torch.log_softmax(logits, dim=-1)
+    for row in range(3):
+        n, start = int(mb.response_mask[row].sum()), int(mb.response_start[row])
+        want = logp_all[row, start - 1 : start - 1 + n].gather(-1, mb.input_ids[row, start : start + n, None])
+        torch.testing.assert_close(logp[row, :n], want.squeeze(-1), atol=1e-5, rtol=0)
