@@ -19,7 +19,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Mapping
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -313,8 +313,16 @@ class JaxEngine:
         row[: len(stop)] = stop
         return row
 
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Completion]:
-        """`n` samples of every prompt, sorted by (prompt_index, sample_index), each tagged with the weight version."""
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling: SamplingParams,
+        between_dispatches: Callable[[], None] | None = None,
+    ) -> list[Completion]:
+        """`n` samples of every prompt, sorted by (prompt_index, sample_index), each tagged with the weight versions
+        that started and finished it. `between_dispatches()` runs before every decode dispatch: weights it loads
+        apply from the next token on (an in-flight update), for running rows and newly admitted ones alike."""
         stop_row = self._validate(prompts, n, sampling)
         t_start, compiles_before = time.perf_counter(), compile_count()
         slots, max_new = self.cfg.max_batch, sampling.max_new_tokens
@@ -325,6 +333,7 @@ class JaxEngine:
         state.set_sampling(sampling, stop_row, self.cfg.seed)
         out_tok = np.zeros((slots, max_new), np.int32)
         out_lp = np.zeros((slots, max_new), np.float32)
+        started_at = np.zeros(slots, np.int64)  # weight version each slot's sample started with
         done: list[Completion] = []
         st = dict(
             prefill_s=0.0,
@@ -339,10 +348,13 @@ class JaxEngine:
         )
 
         while sched.has_work():
+            if between_dispatches is not None:
+                between_dispatches()
             adm = sched.admit()
             if adm.requests:
                 t0 = time.perf_counter()
                 self._admit(adm, state, max_new, st)
+                started_at[adm.slots] = self.weight_version
                 jax.block_until_ready(self.cache)
                 st["prefill_s"] += time.perf_counter() - t0
             b = pick_bucket(self.decode_buckets, sched.extent())
@@ -378,6 +390,7 @@ class JaxEngine:
                         out_tok[slot, :k].tolist(),
                         out_lp[slot, :k].tolist(),
                         _FINISH_REASON[int(finish[slot])],
+                        int(started_at[slot]),
                         self.weight_version,
                     )
                 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
@@ -67,7 +67,15 @@ class HFEngine(RolloutEngine):
         eos = () if sampling.ignore_eos else self.eos_token_ids
         return tuple(sorted(set(eos) | set(sampling.stop_token_ids)))
 
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Completion]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling: SamplingParams,
+        between_dispatches: Callable[[], None] | None = None,
+    ) -> list[Completion]:
+        """`model.generate` over batches of rows; `between_dispatches` runs before each batch (weights load between
+        batches, never inside one)."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         for i, prompt in enumerate(prompts):
@@ -85,6 +93,8 @@ class HFEngine(RolloutEngine):
             torch.manual_seed(sampling.seed)
             for lo in range(0, len(rows), self.max_batch):
                 chunk = rows[lo : lo + self.max_batch]
+                if between_dispatches is not None:
+                    between_dispatches()
                 completions += self._generate_batch([prompts[p] for p, _ in chunk], chunk, sampling)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -8,7 +8,7 @@ These are the only rollout types that cross package boundaries (the RL loop buil
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Mapping, Protocol, get_args, runtime_checkable
+from typing import Callable, Literal, Mapping, Protocol, get_args, runtime_checkable
 
 import numpy as np
 
@@ -68,7 +68,14 @@ class Completion:
     token_ids: list[int]  # generated tokens (includes the stop token if one ended it)
     logprobs: list[float]  # log-prob of each generated token under the distribution actually sampled from
     finish_reason: str  # "stop" | "length"
-    weight_version: int
+    weight_version: int  # the version that started the sample (prefill and its first token)
+    # The version that produced its last token: later than weight_version when new weights were loaded while it
+    # was generating (an in-flight update; see RolloutEngine.generate's `between_dispatches`).
+    last_weight_version: int | None = None
+
+    def __post_init__(self):
+        if self.last_weight_version is None:
+            self.last_weight_version = self.weight_version
 
 
 @runtime_checkable
@@ -79,11 +86,20 @@ class RolloutEngine(Protocol):
     `load_weights` takes numpy / ml_dtypes arrays keyed by Hugging Face parameter names.
     `stats` describes the last `generate` call (tokens, seconds, tokens/s, and backend-specific counters).
     `warmup` builds whatever the backend compiles and returns seconds per compiled bucket ({} if it compiles nothing).
+    `between_dispatches`, if given, is called by the JAX engine before each decode dispatch, so the caller can
+    `load_weights` mid-generation (PipelineRL's in-flight update: tokens after it come from the new weights); a
+    backend that generates in one call (HF) ignores it.
     """
 
     def warmup(self) -> dict[str, float]: ...
 
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[Completion]: ...
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling: SamplingParams,
+        between_dispatches: Callable[[], None] | None = None,
+    ) -> list[Completion]: ...
 
     def load_weights(self, named_arrays: Mapping[str, np.ndarray], version: int) -> None: ...
 

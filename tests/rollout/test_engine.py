@@ -142,6 +142,48 @@ def test_load_weights_swaps_model_without_compiling(tmp_path, engine, hf, tiny_q
     assert engine.generate([prompt], 1, sp)[0].token_ids == _hf_greedy(hf, prompt, 10)
 
 
+def test_weights_loaded_between_dispatches_apply_in_flight(tmp_path, tiny_qwen3_dir, hf):
+    """PipelineRL's in-flight update: rows running across a weight load record both versions; the tokens before it
+    are the old policy's, rows admitted after it are entirely the new policy's (HF's greedy tokens on those weights)."""
+    other_dir = make_tiny_hf_model(tmp_path / "other", "qwen3", tie=True, seed=7)
+    eng = small_engine(tiny_qwen3_dir)  # 8 slots, 4 steps per dispatch
+    eng.warmup()
+    prompts = _prompts(np.random.default_rng(5), 3, lo=4, hi=12)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    calls = []
+
+    def swap_after_first_dispatch():
+        calls.append(len(calls))
+        if len(calls) == 2:
+            eng.load_weights(load_safetensors_dir(str(other_dir)), version=1)
+
+    before = compile_count()
+    out = eng.generate(prompts, 4, sp, between_dispatches=swap_after_first_dispatch)  # 12 rows, 8 slots
+    assert compile_count() == before and len(calls) > 2
+    spanning = [c for c in out if c.weight_version == 0]
+    late = [c for c in out if c.weight_version == 1]
+    assert len(spanning) == 8 and len(late) == 4  # the first 8 rows were running when the weights changed
+    assert all(c.last_weight_version == 1 for c in out)
+    for c in spanning:
+        assert c.token_ids[:4] == _hf_greedy_ignore_eos(hf, prompts[c.prompt_index], 4)
+    new = _hf(other_dir)
+    for c in late:
+        assert c.token_ids == _hf_greedy_ignore_eos(new, prompts[c.prompt_index], 12)
+
+
+def _hf_greedy_ignore_eos(model, prompt, max_new):
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 def test_engine_from_config_only_dir_waits_for_weights(tmp_path, hf, tiny_qwen3_dir):
     cfg_only = tmp_path / "cfg_only"
     cfg_only.mkdir()
