@@ -8,14 +8,17 @@ the end); inside `ray job submit` the job's cluster is used. Actors are thin `ra
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import re
+import threading
 from pathlib import Path
 
 from rlloop.config import Config
 from rlloop.placement import actor_options, plan_placement
-from rlloop.workers import RolloutWorker, SyncSpec, TrainerWorker
+from rlloop.workers import CPU_AFFINITY_ENV, RolloutWorker, SyncSpec, TrainerWorker
+from rollout import mix_seed
 
 # Passed to every actor: offline switches, tokens and caches must reach workers on other nodes too.
 FORWARDED_ENV = (
@@ -53,14 +56,17 @@ class ClusterError(RuntimeError):
     """The cluster cannot host the plan, or an actor died; the message says which and what to do."""
 
 
-def actor_env(cfg: Config, threads: int, rollout: bool) -> dict[str, str]:
+def actor_env(cfg: Config, threads: int, rollout: bool, bundle: int) -> dict[str, str]:
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     env.update({"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"})
     if cfg.cluster.device == "cpu":
+        # A CPU "chip" is `threads` cores of its own: XLA and torch size their pools from the cores a process may
+        # run on, so without pinning every actor spreads over every core and they slow each other down.
+        env[CPU_AFFINITY_ENV] = ",".join(str(bundle * threads + i) for i in range(threads))
         env["JAX_PLATFORMS"] = "cpu"
         if rollout:  # a CPU "chip" per engine device, so tensor parallel decode works on CPU hosts too
             env["XLA_FLAGS"] = (
-                f"--xla_force_host_platform_device_count={cfg.cluster.rollout_chips} "
+                f"--xla_force_host_platform_device_count={cfg.cluster.rollout_chips // cfg.cluster.rollout_engines} "
                 f"--xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'}"
             )
     return env
@@ -70,6 +76,8 @@ class Cluster:
     def __init__(self, cfg: Config, run_dir: Path):
         self.cfg, self.remote, self.owns_ray = cfg, cfg.cluster.use_ray, False
         self.pg = None
+        self.engines: list = []
+        self.trainers: list = []
         sync, threads = sync_spec(cfg, run_dir), cfg.cluster.cpus_per_actor
         engine = dict(
             engine=cfg.engine_config(),
@@ -84,10 +92,15 @@ class Cluster:
             dict(trainer=cfg.trainer_config(), rank=r, world_size=world, sync=sync, threads=threads)
             for r in range(world)
         ]
+        # Work handed to each engine and not yet returned (prompt + response tokens), for balancing; and, without
+        # Ray, one lock per engine: a local engine is not safe to call from two threads (the async loop modes).
+        self._pending = [0] * cfg.cluster.rollout_engines
+        self._balance = threading.Lock()
+        self._engine_locks = [threading.Lock() for _ in range(cfg.cluster.rollout_engines)]
         if not self.remote:
             if world > 1:
                 raise ClusterError("cluster.train_chips > 1 needs Ray (cluster.use_ray: true)")
-            self.rollout = RolloutWorker(**engine)
+            self.engines = [RolloutWorker(**engine) for _ in range(cfg.cluster.rollout_engines)]
             self.trainers = [TrainerWorker(**ranks[0])]
             self.trainers[0].setup()
             return
@@ -123,30 +136,20 @@ class Cluster:
             ) from None
 
         def options(bundle: int, rollout: bool) -> dict:
-            return actor_options(plan, bundle, self.pg, actor_env(cfg, cfg.cluster.cpus_per_actor, rollout))
+            return actor_options(plan, bundle, self.pg, actor_env(cfg, cfg.cluster.cpus_per_actor, rollout, bundle))
 
-        self.rollout = ray.remote(RolloutWorker).options(**options(plan.rollout_bundle, True)).remote(**engine)
+        self.engines = [
+            ray.remote(RolloutWorker).options(**options(b, True)).remote(**engine) for b in plan.rollout_bundles
+        ]
         self.trainers = [
             ray.remote(TrainerWorker).options(**options(b, False)).remote(**kwargs)
             for b, kwargs in zip(plan.trainer_bundles, ranks)
         ]
-        master = self._call(self.trainers[0], "rendezvous") if len(self.trainers) > 1 else None
+        master = self._call_all(self.trainers[:1], "rendezvous", [()])[0] if len(self.trainers) > 1 else None
         self._call_all(self.trainers, "setup", [(master,)] * len(self.trainers))
 
-    def _call(self, worker, method: str, *args):
-        if not self.remote:
-            return getattr(worker, method)(*args)
-        import ray
-
-        try:
-            return ray.get(getattr(worker, method).remote(*args))
-        except ray.exceptions.RayActorError as e:
-            role = "rollout" if worker is self.rollout else "trainer"
-            raise ClusterError(
-                f"the {role} actor died during {method}(); the last checkpoint is intact: rerun with --resume.\n{e}"
-            ) from None
-
     def _call_all(self, workers: list, method: str, args: list[tuple]) -> list:
+        """`method(*args[i])` on every worker at once (Ray) or in turn (local); an actor's death is a ClusterError."""
         if not self.remote:
             return [getattr(w, method)(*a) for w, a in zip(workers, args)]
         import ray
@@ -154,16 +157,50 @@ class Cluster:
         try:
             return ray.get([getattr(w, method).remote(*a) for w, a in zip(workers, args)])
         except ray.exceptions.RayActorError as e:
+            role = "rollout" if workers[0] in self.engines else "trainer"
             raise ClusterError(
-                f"a trainer actor died during {method}(); the last checkpoint is intact: rerun with --resume.\n{e}"
+                f"a {role} actor died during {method}(); the last checkpoint is intact: rerun with --resume.\n{e}"
             ) from None
 
     # ------------------------------------------------------------------ what the loop calls
     def warmup(self) -> dict[str, float]:
-        return self._call(self.rollout, "warmup")
+        return self._call_all(self.engines, "warmup", [()] * len(self.engines))[0]  # the same programs everywhere
 
-    def generate(self, prompts: list[list[int]], n: int, sampling) -> tuple[list, dict]:
-        return self._call(self.rollout, "generate", prompts, n, sampling)
+    def generate(self, prompts: list[list[int]], n: int, sampling, in_flight_updates: bool = False):
+        """`n` completions per prompt, ordered as one engine returns them, and merged stats. Prompts go to the engine
+        with the least pending work (longest first), so concurrent calls (eval during async generation) balance too;
+        engine i > 0 samples with seed mix_seed(seed, i), so shares never repeat each other's random streams."""
+        shares = self._assign(prompts, n, sampling.max_new_tokens)
+        calls = [(e, idx) for e, idx in enumerate(shares) if idx]
+        args = [([prompts[i] for i in idx], n, _share_sampling(sampling, e), in_flight_updates) for e, idx in calls]
+        try:
+            if self.remote:
+                results = self._call_all([self.engines[e] for e, _ in calls], "generate", args)
+            else:
+                results = []
+                for (e, _), a in zip(calls, args):
+                    with self._engine_locks[e]:
+                        results.append(self.engines[e].generate(*a))
+        finally:
+            with self._balance:
+                for e, idx in calls:
+                    self._pending[e] -= sum(len(prompts[i]) + sampling.max_new_tokens for i in idx) * n
+        completions = []
+        for (_, idx), (share, _) in zip(calls, results):
+            for c in share:
+                c.prompt_index = idx[c.prompt_index]
+            completions += share
+        completions.sort(key=lambda c: (c.prompt_index, c.sample_index))
+        return completions, merge_stats({e: stats for (e, _), (_, stats) in zip(calls, results)})
+
+    def _assign(self, prompts: list[list[int]], n: int, max_new: int) -> list[list[int]]:
+        shares = [[] for _ in self.engines]
+        with self._balance:
+            for i in sorted(range(len(prompts)), key=lambda i: -len(prompts[i])):
+                e = min(range(len(shares)), key=lambda e: (self._pending[e], e))
+                shares[e].append(i)
+                self._pending[e] += (len(prompts[i]) + max_new) * n
+        return [sorted(s) for s in shares]
 
     def train_step(self, batch) -> dict[str, float]:
         from trainer import shard_batch
@@ -172,9 +209,27 @@ class Cluster:
         shards = [(shard_batch(batch, r, world),) for r in range(world)]
         return self._call_all(self.trainers, "train_step", shards)[0]  # metrics are all-reduced: equal on all ranks
 
+    def push_weights(self, version: int) -> dict[str, float]:
+        """Rank 0 publishes `version`; the engines take it at their next pull."""
+        return self._call_all(self.trainers[:1], "push_weights", [(version,)])[0]
+
+    def pull_weights(self) -> dict[str, float]:
+        """Every engine loads the newest version (queued behind a generation in flight, as slime's async loop does);
+        engine 0's receiver metrics plus each engine's version."""
+        if self.remote:
+            pulled = self._call_all(self.engines, "pull_weights", [()] * len(self.engines))
+        else:
+            pulled = []
+            for lock, engine in zip(self._engine_locks, self.engines):
+                with lock:
+                    pulled.append(engine.pull_weights())
+        out = dict(pulled[0])
+        if len(pulled) > 1:
+            out |= {f"rollout/engine_{e}/version": m["sync/rollout_version"] for e, m in enumerate(pulled)}
+        return out
+
     def sync_weights(self, version: int) -> dict[str, float]:
-        pushed = self._call(self.trainers[0], "push_weights", version)
-        return {**pushed, **self._call(self.rollout, "pull_weights")}
+        return {**self.push_weights(version), **self.pull_weights()}
 
     def save(self, path: str) -> None:
         self._call_all(self.trainers, "save", [(path,)] * len(self.trainers))
@@ -184,7 +239,7 @@ class Cluster:
 
     def close(self) -> None:
         """Stop the workers (gracefully first, so shared memory is released), then Ray if we started it."""
-        workers = [w for w in (getattr(self, "rollout", None), *getattr(self, "trainers", [])) if w is not None]
+        workers = [*self.engines, *self.trainers]
         if not self.remote:
             for w in workers:
                 w.close()
@@ -202,3 +257,26 @@ class Cluster:
             ray.util.remove_placement_group(self.pg)
         if self.owns_ray and ray.is_initialized():
             ray.shutdown()
+
+
+def _share_sampling(sampling, engine: int):
+    return sampling if engine == 0 else dataclasses.replace(sampling, seed=mix_seed(sampling.seed, engine))
+
+
+def merge_stats(per_engine: dict[int, dict]) -> dict[str, float]:
+    """One generate call's stats over its engines: counts add up, `busy_s` is the slowest engine's, and with several
+    engines each one's tokens/s and busy seconds are kept as rollout/engine_N/*."""
+    stats = list(per_engine.values())
+    tokens = [s.get("gen_tokens", s.get("tokens", 0.0)) for s in stats]
+    merged = {
+        "compiles": sum(s.get("compiles", 0.0) for s in stats),
+        "pad_frac": stats[0].get("pad_frac", 0.0)
+        if len(stats) == 1
+        else sum(s.get("pad_frac", 0.0) * t for s, t in zip(stats, tokens)) / max(sum(tokens), 1.0),
+        "busy_s": max(s.get("busy_s", 0.0) for s in stats),
+    }
+    if len(per_engine) > 1 or next(iter(per_engine)) > 0:
+        for e, s in per_engine.items():
+            merged[f"rollout/engine_{e}/tok_per_s"] = s.get("tok_s", 0.0)
+            merged[f"rollout/engine_{e}/busy_s"] = s.get("busy_s", 0.0)
+    return merged

@@ -100,6 +100,7 @@ class RolloutSection(knobs_of(EngineConfig, wired=("model_path", "dtype", "max_s
     temperature: Annotated[float, Field(gt=0)] = 1.0
     top_p: Prob = 1.0
     top_k: int = -1  # -1: off
+    ignore_eos: bool = False  # benchmarks: every response runs to max_response_len
     compile_cache_dir: str | None = "~/.cache/rlloop/jax"  # XLA's persistent cache: later runs skip most warmup
 
 
@@ -129,10 +130,19 @@ class SyncSection(Section):
 class ClusterSection(Section):
     device: Literal["tpu", "gpu", "cpu"] = "cpu"
     rollout_chips: PositiveInt = 1
+    rollout_engines: PositiveInt = 1  # each engine gets rollout_chips / rollout_engines chips (its TP size)
     train_chips: PositiveInt = 1
     address: str | None = None  # Ray address; None: $RAY_ADDRESS or a local Ray
     use_ray: bool = True  # False: everything in this process (debugging)
     cpus_per_actor: PositiveInt = 1
+
+
+class LoopSection(Section):
+    # sync: rollout, then train, then sync. async: one step off-policy (slime's train_async): step k+1 generates on
+    # the engines' weights while step k trains. fully_async: the engines generate continuously into a buffer and
+    # load new weights between decode dispatches (PipelineRL / Miles --fully-async). docs/design.md §9.
+    mode: Literal["sync", "async", "fully_async"] = "sync"
+    max_staleness: NonNegInt = 1  # fully_async: a group whose first version lags the trainer by more is dropped
 
 
 class TrackingSection(Section):
@@ -155,12 +165,23 @@ class Config(Section):
     train: TrainSection = TrainSection()
     sync: SyncSection = SyncSection()
     cluster: ClusterSection = ClusterSection()
+    loop: LoopSection = LoopSection()
     tracking: TrackingSection = TrackingSection()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
         if self.grpo.overlong_buffer >= self.rollout.max_response_len:
             raise ValueError("grpo.overlong_buffer must be < rollout.max_response_len")
+        if self.loop.mode != "sync" and self.grpo.tis_cap is None:
+            raise ValueError(
+                f"loop.mode={self.loop.mode} trains on samples of older weights: it needs the off-policy "
+                "correction against the rollout log-probs, grpo.tis_cap (e.g. 2.0), not null"
+            )
+        if self.cluster.rollout_chips % self.cluster.rollout_engines:
+            raise ValueError(
+                f"cluster.rollout_chips={self.cluster.rollout_chips} does not split evenly over "
+                f"cluster.rollout_engines={self.cluster.rollout_engines}"
+            )
         # The components' own checks (cross-field ones too) at load time, not in an actor minutes later.
         for section, build in (
             ("grpo", self.loss_config),
@@ -184,7 +205,7 @@ class Config(Section):
             model_path=self.model.path,
             dtype=self.model.dtype,
             max_seq_len=self.data.max_prompt_len + self.rollout.max_response_len,
-            tp=self.cluster.rollout_chips,
+            tp=self.cluster.rollout_chips // self.cluster.rollout_engines,
             seed=self.run.seed,
         )
 

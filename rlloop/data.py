@@ -29,6 +29,8 @@ class Prompt:
     token_ids: list[int]
     answer: str
     messages: list[dict]
+    cursor: dict | None = None  # PromptData.state_dict() just before this prompt was drawn: resume from here to
+    # draw it again (the async loop modes checkpoint the cursor of the oldest prompt not yet trained on)
 
 
 def load_rows(path: str, split: str = "train"):
@@ -148,10 +150,12 @@ class PromptData:
             if self.position == len(self._order):
                 self.epoch, self.position = self.epoch + 1, 0
                 self._order = self._make_order()
+            cursor = self.state_dict()
             prompt = self.get(self._order[self.position])
             self.position += 1
             seen_in_call += 1
             if prompt is not None:
+                prompt.cursor = cursor
                 batch.append(prompt)
             elif seen_in_call > len(self._order) and not batch:
                 raise DataError(

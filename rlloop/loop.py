@@ -19,6 +19,7 @@ from rlloop.config import Config, to_yaml
 from rlloop.data import load_datasets
 from rlloop.model import load_tokenizer
 from rlloop.rollout_manager import RolloutManager
+from rlloop.schedules import rollout_schedule
 from rlloop.tracking import Tracker
 
 
@@ -30,7 +31,7 @@ def train(cfg: Config, resume: bool = False) -> Path:
     data, eval_data = load_datasets(cfg, tokenizer)
     ckpt = latest_checkpoint(run_dir) if resume else None
     start = load_state(ckpt)["step"] if ckpt else 0
-    with ExitStack() as stack:  # closed in reverse: tracker, reward workers, cluster (actors, shm, Ray)
+    with ExitStack() as stack:  # closed in reverse: rollout thread, tracker, reward workers, cluster (actors, Ray)
         cluster = stack.enter_context(closing(Cluster(cfg, run_dir)))
         rollout = stack.enter_context(closing(RolloutManager(cfg, cluster, tokenizer, data, eval_data)))
         tracker = stack.enter_context(closing(Tracker(cfg, run_dir, start)))
@@ -42,16 +43,19 @@ def train(cfg: Config, resume: bool = False) -> Path:
         evaluating = eval_data is not None and cfg.run.eval_every > 0
         if evaluating and start == 0:
             tracker.log(0, rollout.evaluate())
+        batches = stack.enter_context(closing(rollout_schedule(cfg.loop, rollout)))  # sync | async | fully_async
 
         for step in range(start + 1, cfg.run.steps + 1):
             t_step = time.perf_counter()
-            batch = rollout.collect(step)  # rollout + reward + advantages
+            batch = batches.next(step)  # rollout + reward + advantages
             metrics = batch.metrics
             if batch.samples is not None:
                 t0 = time.perf_counter()
                 metrics |= cluster.train_step(batch.samples.to_train_batch())
                 t1 = time.perf_counter()
-                metrics |= cluster.sync_weights(version=step)
+                metrics |= cluster.push_weights(version=step)
+                if cfg.loop.mode == "sync":  # the async modes load it before (async) or while (fully_async) generating
+                    metrics |= cluster.pull_weights()
                 metrics |= {"perf/train_s": t1 - t0, "perf/sync_s": time.perf_counter() - t1}
                 if cfg.tracking.save_rollouts:
                     tracker.save_rollouts(step, batch.samples.rows())
@@ -60,5 +64,5 @@ def train(cfg: Config, resume: bool = False) -> Path:
             metrics |= {"perf/step_s": time.perf_counter() - t_step, **rollout.counters()}
             tracker.log(step, metrics)
             if cfg.run.save_every and (step % cfg.run.save_every == 0 or step == cfg.run.steps):
-                save_checkpoint(run_dir, step, {"data": data.state_dict()}, cluster.save)
+                save_checkpoint(run_dir, step, {"data": batches.resume_state()}, cluster.save)
     return run_dir

@@ -1,8 +1,8 @@
 """Which actor gets which chips: a Ray placement-group plan from `cluster.device` and the chip counts.
 
-One rollout engine holds `rollout_chips` chips (tensor parallel inside JAX); the trainer runs one rank per chip
-(`train_chips` ranks, torch.distributed). On `cpu` a "chip" is `cpus_per_actor` cores. The shm transport needs both
-sides on one host, so its plan packs strictly.
+Each of the `rollout_engines` engines holds `rollout_chips / rollout_engines` chips (tensor parallel inside JAX, in
+its own mesh); the trainer runs one rank per chip (`train_chips` ranks, torch.distributed). On `cpu` a "chip" is
+`cpus_per_actor` cores. The shm transport needs both sides on one host, so its plan packs strictly.
 """
 
 from __future__ import annotations
@@ -17,32 +17,43 @@ RESOURCE = {"tpu": "TPU", "gpu": "GPU", "cpu": None}
 @dataclass
 class Placement:
     bundles: list[dict[str, float]]
-    rollout_bundle: int
-    trainer_bundles: list[int]
+    rollout_bundles: list[int]  # one per rollout engine
+    trainer_bundles: list[int]  # one per trainer rank
     strategy: str
     device: str
+
+    @property
+    def rollout_bundle(self) -> int:
+        """The first engine's bundle (the only one with `cluster.rollout_engines: 1`)."""
+        return self.rollout_bundles[0]
 
     def describe(self) -> str:
         lines = [f"placement group ({self.strategy}), device {self.device}:"]
         for i, bundle in enumerate(self.bundles):
-            who = "rollout engine" if i == self.rollout_bundle else f"trainer rank {self.trainer_bundles.index(i)}"
+            if i in self.rollout_bundles:
+                who = f"rollout engine {self.rollout_bundles.index(i)}"
+            else:
+                who = f"trainer rank {self.trainer_bundles.index(i)}"
             lines.append(f"  bundle {i}: {who:<16} {bundle}")
         return "\n".join(lines)
 
 
 def plan_placement(cluster: ClusterSection, same_host: bool) -> Placement:
+    """`rollout_engines` engine bundles of `rollout_chips / rollout_engines` chips each, then one bundle per rank."""
     accel = RESOURCE[cluster.device]
     cpus = float(cluster.cpus_per_actor)
+    engines = cluster.rollout_engines
     if accel is None:
-        rollout = {"CPU": cpus}
-        ranks = [{"CPU": cpus} for _ in range(cluster.train_chips)]
+        engine = {"CPU": cpus}
+        rank = {"CPU": cpus}
     else:
-        rollout = {"CPU": cpus, accel: float(cluster.rollout_chips)}
-        ranks = [{"CPU": cpus, accel: 1.0} for _ in range(cluster.train_chips)]
+        engine = {"CPU": cpus, accel: float(cluster.rollout_chips // engines)}
+        rank = {"CPU": cpus, accel: 1.0}
+    bundles = [dict(engine) for _ in range(engines)] + [dict(rank) for _ in range(cluster.train_chips)]
     return Placement(
-        bundles=[rollout, *ranks],
-        rollout_bundle=0,
-        trainer_bundles=list(range(1, 1 + len(ranks))),
+        bundles=bundles,
+        rollout_bundles=list(range(engines)),
+        trainer_bundles=list(range(engines, len(bundles))),
         strategy="STRICT_PACK" if same_host else "PACK",
         device=cluster.device,
     )

@@ -9,6 +9,7 @@ spent (then the batch trains short).
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,7 @@ class Samples:
                 "reward": float(r),
                 "advantage": float(a),
                 "weight_version": c.weight_version,
+                "last_weight_version": c.last_weight_version,
                 "finish_reason": c.finish_reason,
             }
             for j, (c, text, r, a) in enumerate(zip(self.completions, self.texts, self.rewards, self.advantages))
@@ -88,6 +90,7 @@ class RolloutManager:
         r = cfg.reward
         self.scorer = RewardScorer(r.fn, timeout_s=r.timeout_s, failure_reward=r.failure_reward, workers=r.workers)
         self.stop_ids = stop_token_ids(tokenizer)
+        self._scoring = threading.Lock()
         self.eval_name = cfg.eval.name or (Path(cfg.eval.path).stem if cfg.eval.path else None)
 
     def sampling(self, seed: int, temperature: float | None = None) -> SamplingParams:
@@ -97,66 +100,80 @@ class RolloutManager:
             top_p=r.top_p,
             top_k=r.top_k,
             max_new_tokens=r.max_response_len,
-            stop_token_ids=self.stop_ids,
+            stop_token_ids=() if r.ignore_eos else self.stop_ids,
             seed=seed,
+            ignore_eos=r.ignore_eos,
         )
 
-    def generate(self, prompts: list[Prompt], n: int, sampling: SamplingParams) -> Generation:
-        completions, stats = self.cluster.generate([p.token_ids for p in prompts], n, sampling)
-        texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        answers = [prompts[c.prompt_index].answer for c in completions]
-        return Generation(completions, texts, np.asarray(self.scorer.score(texts, answers), np.float32), stats)
+    def generate(self, prompts: list[Prompt], n: int, sampling: SamplingParams, in_flight: bool = False) -> Generation:
+        completions, stats = self.cluster.generate([p.token_ids for p in prompts], n, sampling, in_flight)
+        with self._scoring:  # the async loop modes score from two threads (the rollout thread and eval)
+            texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+            answers = [prompts[c.prompt_index].answer for c in completions]
+            rewards = np.asarray(self.scorer.score(texts, answers), np.float32)
+        return Generation(completions, texts, rewards, stats)
+
+    def groups(self, prompts: list[Prompt], seed: int, in_flight: bool = False) -> tuple[list[Group], dict]:
+        """G scored samples of each prompt, as groups, and the generation's stats (wall seconds included)."""
+        g = self.cfg.rollout.group_size
+        t0 = time.perf_counter()
+        gen = self.generate(prompts, g, self.sampling(seed), in_flight)
+        stats = {**gen.stats, "wall_s": time.perf_counter() - t0}
+        groups = [
+            Group(
+                p,
+                gen.completions[i * g : (i + 1) * g],
+                gen.texts[i * g : (i + 1) * g],
+                gen.rewards[i * g : (i + 1) * g],
+            )
+            for i, p in enumerate(prompts)
+        ]
+        return groups, stats
 
     def collect(self, step: int) -> StepRollout:
-        """Rollout, reward and advantages of one step."""
+        """Rollout, reward and advantages of one step, generated now on the engines' current weights."""
         cfg = self.cfg
-        g, want = cfg.rollout.group_size, cfg.rollout.prompts_per_step
-        kept: list[tuple[Prompt, slice, Generation]] = []
-        metrics = {"perf/rollout_s": 0.0, "perf/compiles": 0.0, "rollout/tokens": 0.0}
-        all_raw, all_zero, pad = [], [], []
+        want = cfg.rollout.prompts_per_step
+        kept: list[Group] = []
+        tally = RolloutTally()
         for round_ in range(cfg.grpo.max_sampling_rounds if cfg.grpo.dynamic_sampling else 1):
             prompts = self.data.next_batch(want - len(kept))
-            t0 = time.perf_counter()
-            gen = self.generate(prompts, g, self.sampling(mix_seed(cfg.run.seed, step * 101 + round_)))
-            metrics["perf/rollout_s"] += time.perf_counter() - t0
-            metrics["perf/compiles"] += gen.stats.get("compiles", 0.0)
-            metrics["rollout/tokens"] += sum(len(c.token_ids) for c in gen.completions)
-            pad.append(gen.stats.get("pad_frac", 0.0))
-            zero = zero_std_groups(gen.rewards, g)
-            all_raw.append(gen.rewards)
-            all_zero.append(zero)
-            kept += [
-                (p, slice(i * g, (i + 1) * g), gen)
-                for i, p in enumerate(prompts)
-                if not (cfg.grpo.dynamic_sampling and zero[i])
-            ]
+            groups, stats = self.groups(prompts, mix_seed(cfg.run.seed, step * 101 + round_))
+            tally.add(groups, stats)
+            kept += [grp for grp in groups if not (cfg.grpo.dynamic_sampling and grp.zero_std)]
             if len(kept) >= want:
                 break
-        raw_all, zero_all = np.concatenate(all_raw), np.concatenate(all_zero)
-        if not kept:  # every group was uninformative: train on nothing rather than on noise
-            return StepRollout(None, metrics | rollout_metrics(raw_all, zero_all, [], pad))
-        completions = [c for _, sl, gen in kept for c in gen.completions[sl]]
-        raw = np.concatenate([gen.rewards[sl] for _, sl, gen in kept])
+        return self.batch(step, kept, tally)
+
+    def batch(self, step: int, groups: list[Group], tally: RolloutTally) -> StepRollout:
+        """Shape rewards (overlong), compute group advantages and the step's rollout metrics."""
+        cfg = self.cfg
+        metrics = tally.metrics()
+        if not groups:  # every group was uninformative: train on nothing rather than on noise
+            return StepRollout(None, metrics | rollout_metrics([], step))
+        completions = [c for grp in groups for c in grp.completions]
+        raw = np.concatenate([grp.rewards for grp in groups])
         lengths = np.array([len(c.token_ids) for c in completions])
         rewards = raw + overlong_penalty(
             lengths, cfg.rollout.max_response_len, cfg.grpo.overlong_buffer, cfg.grpo.overlong_penalty
         )
         samples = Samples(
-            group_size=g,
-            prompts=[p for p, _, _ in kept],
+            group_size=cfg.rollout.group_size,
+            prompts=[grp.prompt for grp in groups],
             completions=completions,
-            texts=[t for _, sl, gen in kept for t in gen.texts[sl]],
+            texts=[t for grp in groups for t in grp.texts],
             raw_rewards=raw,
             rewards=rewards,
-            advantages=group_advantages(rewards, g, std_scale=cfg.grpo.std_scale),
+            advantages=group_advantages(rewards, cfg.rollout.group_size, std_scale=cfg.grpo.std_scale),
         )
-        metrics |= rollout_metrics(raw_all, zero_all, completions, pad)
-        metrics["rollout/groups_kept"] = len(kept)
-        metrics["perf/rollout_tok_per_s"] = metrics["rollout/tokens"] / max(metrics["perf/rollout_s"], 1e-9)
+        metrics |= rollout_metrics(completions, step)
+        metrics["rollout/groups_kept"] = len(groups)
         return StepRollout(samples, metrics)
 
     def evaluate(self) -> dict[str, float]:
-        """Mean accuracy (reward > 0) over `eval.samples` completions for each eval prompt."""
+        """Mean accuracy (reward > 0) over `eval.samples` completions for each eval prompt, on the newest weights
+        (in the async loop modes the engines may not have loaded them yet)."""
+        self.cluster.pull_weights()
         data, cfg = self.eval_data, self.cfg.eval
         n = min(len(data), cfg.max_prompts or len(data))
         prompts = [p for p in (data.get(i) for i in range(n)) if p is not None]
@@ -174,16 +191,76 @@ class RolloutManager:
         self.scorer.close()
 
 
-def rollout_metrics(raw: np.ndarray, zero: np.ndarray, completions: list[Completion], pad: list[float]) -> dict:
-    lengths = np.array([len(c.token_ids) for c in completions]) if completions else np.zeros(1)
+@dataclass
+class Group:
+    """G completions of one prompt, decoded and scored."""
+
+    prompt: Prompt
+    completions: list[Completion]
+    texts: list[str]
+    rewards: np.ndarray  # raw, from the reward function
+
+    @property
+    def zero_std(self) -> bool:
+        """All rewards equal: no advantage signal (DAPO's dynamic sampling drops these)."""
+        return bool(zero_std_groups(self.rewards, len(self.rewards))[0])
+
+    @property
+    def first_version(self) -> int:
+        return min(c.weight_version for c in self.completions)
+
+
+class RolloutTally:
+    """What generating a step cost and saw, over all its rounds or chunks: every group generated, kept or not."""
+
+    def __init__(self):
+        self.rewards, self.zero, self.pad, self.extra = [], [], [], {}
+        self.seconds = self.busy = self.compiles = self.tokens = 0.0
+
+    def add(self, groups: list[Group], stats: dict) -> None:
+        self.rewards += [grp.rewards for grp in groups]
+        self.zero += [grp.zero_std for grp in groups]
+        self.pad.append(stats.get("pad_frac", 0.0))
+        self.seconds += stats["wall_s"]
+        self.busy += stats.get("busy_s", 0.0)
+        self.compiles += stats.get("compiles", 0.0)
+        self.tokens += sum(len(c.token_ids) for grp in groups for c in grp.completions)
+        self.extra |= {k: v for k, v in stats.items() if k.startswith("rollout/engine_")}
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "perf/rollout_s": self.seconds,
+            "perf/compiles": self.compiles,
+            "rollout/tokens": self.tokens,
+            "rollout/raw_reward": float(np.concatenate(self.rewards).mean()) if self.rewards else 0.0,
+            "rollout/zero_std_ratio": float(np.mean(self.zero)) if self.zero else 0.0,
+            "perf/pad_frac": float(np.mean(self.pad)) if self.pad else 0.0,
+            "perf/rollout_busy_s": self.busy,
+            "perf/rollout_tok_per_s": self.tokens / max(self.seconds, 1e-9),
+            **self.extra,
+        }
+
+
+def rollout_metrics(completions: list[Completion], step: int) -> dict:
+    """Lengths, truncation and weight versions of the samples trained on at `step`. Staleness is in versions: the
+    trainer holds version step - 1, a sample started on `weight_version`."""
+    if not completions:
+        return {
+            "rollout/response_len/mean": 0.0,
+            "rollout/response_len/max": 0.0,
+            "rollout/truncated_ratio": 0.0,
+            "rollout/weight_version": -1.0,
+        }
+    lengths = np.array([len(c.token_ids) for c in completions])
+    staleness = np.array([step - 1 - c.weight_version for c in completions])
     return {
-        "rollout/raw_reward": float(raw.mean()),
         "rollout/response_len/mean": float(lengths.mean()),
         "rollout/response_len/max": float(lengths.max()),
-        "rollout/truncated_ratio": float(np.mean([c.finish_reason == "length" for c in completions]))
-        if completions
-        else 0.0,
-        "rollout/zero_std_ratio": float(zero.mean()),
-        "rollout/weight_version": float(min(c.weight_version for c in completions)) if completions else -1.0,
-        "perf/pad_frac": float(np.mean(pad)) if pad else 0.0,
+        "rollout/truncated_ratio": float(np.mean([c.finish_reason == "length" for c in completions])),
+        "rollout/weight_version": float(min(c.weight_version for c in completions)),
+        "rollout/staleness/mean": float(staleness.mean()),
+        "rollout/staleness/max": float(staleness.max()),
+        "rollout/versions_spanned_ratio": float(
+            np.mean([c.last_weight_version != c.weight_version for c in completions])
+        ),
     }

@@ -14,10 +14,17 @@ from dataclasses import dataclass
 from rollout import EngineConfig
 from trainer import TrainerConfig
 
+CPU_AFFINITY_ENV = "RLLOOP_CPUS"  # set by the Cluster on CPU hosts: the cores this actor's "chip" is made of
+
 
 def limit_threads(n: int) -> None:
-    """Two cores are easily oversubscribed: pin torch's pools (XLA's is set through XLA_FLAGS before jax loads)."""
+    """Two cores are easily oversubscribed: pin torch's pools (XLA's is set through XLA_FLAGS before jax loads), and
+    on CPU hosts the process itself to its own cores (taken modulo the cores this node has)."""
     import torch
+
+    if os.environ.get(CPU_AFFINITY_ENV):
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[int(c) % len(cores)] for c in os.environ[CPU_AFFINITY_ENV].split(",")})
 
     os.environ["OMP_NUM_THREADS"] = str(n)
     torch.set_num_threads(n)
@@ -94,17 +101,27 @@ class RolloutWorker:
     def warmup(self) -> dict[str, float]:
         return self.engine.warmup()
 
-    def generate(self, prompts: list[list[int]], n: int, sampling) -> tuple[list, dict]:
-        completions = self.engine.generate(prompts, n, sampling)
-        return completions, self.engine.stats()
-
-    def pull_weights(self) -> dict[str, float]:
-        """Load the newest verified version, if there is one; a refused (corrupt) version keeps the old weights."""
+    def generate(
+        self, prompts: list[list[int]], n: int, sampling, in_flight_updates: bool = False
+    ) -> tuple[list, dict]:
+        """Completions and the engine's stats (plus `busy_s`, this call's wall time in the actor). With
+        `in_flight_updates`, newly pushed weights are loaded between decode dispatches (fully async RL)."""
         t0 = time.perf_counter()
+        hook = self._pull_in_flight if in_flight_updates else None
+        completions = self.engine.generate(prompts, n, sampling, between_dispatches=hook)
+        return completions, {**self.engine.stats(), "busy_s": time.perf_counter() - t0}
+
+    def _pull_in_flight(self) -> None:
+        """Load the newest verified version if there is one; a refused (corrupt) version keeps the old weights."""
         got = self.receiver.pull()
         if got is not None:
             self.version, arrays = got
             self.engine.load_weights(arrays, self.version)
+
+    def pull_weights(self) -> dict[str, float]:
+        """Load the newest verified version, if any, and report the receiver's sync metrics."""
+        t0 = time.perf_counter()
+        self._pull_in_flight()
         return {
             **self.receiver.metrics(),
             "sync/rollout_version": self.version,
@@ -140,7 +157,9 @@ class TrainerWorker:
             self.sender = self.sync.sender()
 
     def train_step(self, batch) -> dict[str, float]:
-        return self.trainer.train_step(batch)
+        t0 = time.perf_counter()
+        metrics = self.trainer.train_step(batch)
+        return {**metrics, "perf/train_busy_s": time.perf_counter() - t0}
 
     def push_weights(self, version: int) -> dict[str, float]:
         if self.sender is None:

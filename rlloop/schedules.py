@@ -1,0 +1,170 @@
+"""When generation runs relative to training: the three `loop.mode`s, each a source of one training batch per step.
+
+    sync        generate step k, then train it (on-policy: samples are the weights of step k - 1).
+    async       slime's train_async: as soon as step k's samples are in, step k + 1 starts generating on the
+                engines' current weights while step k trains; before step k + 2 starts, the engines load what step k
+                produced ("sync generate before update weights"). Samples are one version stale.
+    fully_async Miles' --fully-async / PipelineRL: a producer thread keeps the engines generating, chunk after
+                chunk, into a buffer of groups; the engines load new weights between decode dispatches (a sample
+                may span versions; both ends are recorded); the trainer takes a batch as soon as one is buffered,
+                dropping groups whose first version lags its own by more than `loop.max_staleness`. DAPO's dynamic
+                sampling filters at buffer entry.
+
+Every source returns `StepRollout`s (rlloop/rollout_manager.py) and knows where the data must resume after a crash:
+`resume_state()` is the data cursor of the oldest prompt not yet trained on (in flight or buffered), so a checkpoint
+plus `--resume` neither loses a prompt nor trains on one twice. The async sources run the driver-side work
+(generation calls, decoding, rewards) in a background thread; engines and trainer are separate actors, so their
+chips work at the same time. docs/design.md §9.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from rlloop.config import LoopSection
+from rlloop.rollout_manager import Group, RolloutManager, RolloutTally, StepRollout
+from rollout import mix_seed
+
+
+class SyncRollout:
+    def __init__(self, manager: RolloutManager):
+        self.manager = manager
+
+    def next(self, step: int) -> StepRollout:
+        return self.manager.collect(step)
+
+    def resume_state(self) -> dict:
+        return self.manager.data.state_dict()
+
+    def close(self) -> None:
+        pass
+
+
+class OneStepOffPolicy:
+    """`loop.mode: async`. Step k's batch was generated while step k - 1 trained."""
+
+    def __init__(self, manager: RolloutManager):
+        self.manager = manager
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="rlloop-rollout")
+        self.pending: tuple[int, dict, Future] | None = None  # (step, data cursor before it drew, its batch)
+
+    def _start(self, step: int) -> None:
+        cursor = self.manager.data.state_dict()  # taken before the thread draws: the resume point of `step`
+        self.pending = (step, cursor, self.pool.submit(self.manager.collect, step))
+
+    def next(self, step: int) -> StepRollout:
+        if self.pending is None or self.pending[0] != step:
+            self._start(step)
+        t0 = time.perf_counter()
+        batch = self.pending[2].result()
+        waited = time.perf_counter() - t0
+        # The weights of step - 1 were pushed after it trained; the engines load them now, before step + 1 starts
+        # (queued behind nothing: step's generation has finished).
+        pulled = self.manager.cluster.pull_weights()
+        if step < self.manager.cfg.run.steps:
+            self._start(step + 1)
+        else:
+            self.pending = None
+        batch.metrics |= pulled | {"perf/rollout_wait_s": waited}
+        return batch
+
+    def resume_state(self) -> dict:
+        return self.pending[1] if self.pending is not None else self.manager.data.state_dict()
+
+    def close(self) -> None:
+        # Let a generation in flight finish (its actor calls cannot be cancelled), then stop the thread.
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class FullyAsyncRollout:
+    """`loop.mode: fully_async`. A producer thread generates chunks of `prompts_per_step` prompts without pause,
+    up to one batch ahead of the trainer, with in-flight weight updates."""
+
+    def __init__(self, manager: RolloutManager, loop: LoopSection):
+        self.manager, self.max_staleness = manager, loop.max_staleness
+        self.want = manager.cfg.rollout.prompts_per_step
+        self.buffer: deque[Group] = deque()
+        self.tally = RolloutTally()  # what was generated since the last batch was taken
+        self.in_flight_cursor: dict | None = None
+        self.dropped_stale = self.dropped_zero_std = 0
+        self.error: BaseException | None = None
+        self.stopping = False
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._produce, name="rlloop-producer", daemon=True)
+        self.thread.start()
+
+    def _produce(self) -> None:
+        cfg, chunk = self.manager.cfg, 0
+        try:
+            while True:
+                with self.cond:
+                    # Back-pressure: at most one batch waits in the buffer (more would only grow stale).
+                    self.cond.wait_for(lambda: self.stopping or len(self.buffer) < self.want)
+                    if self.stopping:
+                        return
+                    self.in_flight_cursor = self.manager.data.state_dict()
+                    prompts = self.manager.data.next_batch(self.want)
+                chunk += 1
+                groups, stats = self.manager.groups(prompts, mix_seed(cfg.run.seed, 1_000_000 + chunk), True)
+                with self.cond:
+                    self.tally.add(groups, stats)
+                    for grp in groups:
+                        if cfg.grpo.dynamic_sampling and grp.zero_std:
+                            self.dropped_zero_std += 1
+                        else:
+                            self.buffer.append(grp)
+                    self.in_flight_cursor = None
+                    self.cond.notify_all()
+        except BaseException as e:  # surfaced in the trainer's thread by next()
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def next(self, step: int) -> StepRollout:
+        """The oldest `prompts_per_step` fresh groups; blocks until the producer has them."""
+        taken: list[Group] = []
+        t0 = time.perf_counter()
+        with self.cond:
+            while len(taken) < self.want:
+                self.cond.wait_for(lambda: self.buffer or self.error is not None)
+                if self.error is not None:
+                    raise self.error
+                grp = self.buffer.popleft()
+                self.cond.notify_all()  # room in the buffer: the producer may go on
+                if step - 1 - grp.first_version > self.max_staleness:  # the trainer holds version step - 1
+                    self.dropped_stale += 1
+                else:
+                    taken.append(grp)
+            tally, self.tally = self.tally, RolloutTally()
+            counts = {
+                "rollout/stale_groups_dropped": self.dropped_stale,
+                "rollout/zero_std_groups_dropped": self.dropped_zero_std,
+            }
+            self.cond.notify_all()
+        batch = self.manager.batch(step, taken, tally)
+        batch.metrics |= counts | {"perf/rollout_wait_s": time.perf_counter() - t0}
+        return batch
+
+    def resume_state(self) -> dict:
+        with self.cond:
+            if self.buffer:
+                return self.buffer[0].prompt.cursor
+            return self.in_flight_cursor or self.manager.data.state_dict()
+
+    def close(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        self.thread.join()
+
+
+def rollout_schedule(loop: LoopSection, manager: RolloutManager):
+    """The batch source of `loop.mode`."""
+    if loop.mode == "async":
+        return OneStepOffPolicy(manager)
+    if loop.mode == "fully_async":
+        return FullyAsyncRollout(manager, loop)
+    return SyncRollout(manager)
