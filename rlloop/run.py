@@ -40,8 +40,8 @@ def dry_run(cfg: Config) -> None:
     print(f"# run directory: {cfg.run_dir}")
     plan = plan_placement(cfg.cluster, same_host=cfg.sync.transport == "shm")
     print(
-        f"# rollout: {cfg.cluster.rollout_chips} {cfg.cluster.device} chip(s), {cfg.rollout.backend} engine; "
-        f"trainer: {cfg.cluster.train_chips} rank(s)"
+        f"# rollout: {cfg.cluster.rollout_chips} {cfg.cluster.device} chip(s) in {cfg.cluster.rollout_engines} "
+        f"{cfg.rollout.backend} engine(s); trainer: {cfg.cluster.train_chips} rank(s); loop: {cfg.loop.mode}"
     )
     print("\n".join("# " + line for line in plan.describe().splitlines()))
 

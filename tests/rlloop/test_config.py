@@ -46,6 +46,10 @@ BAD_OVERRIDES = [
     (["reward.fn=no_such_module:score"], "reward.fn"),
     (["reward.fn=tests.rlloop.reward_fns:missing"], "reward.fn"),
     (["grpo.overlong_buffer=9000"], "overlong_buffer"),
+    (["loop.mode=async", "grpo.tis_cap=null"], "grpo.tis_cap"),
+    (["loop.mode=fully_async", "grpo.tis_cap=null"], "loop.mode=fully_async"),
+    (["loop.mode=eventually"], "loop.mode"),
+    (["cluster.rollout_engines=3"], "cluster.rollout_engines=3"),
 ]
 
 
@@ -114,7 +118,7 @@ def test_dry_run_prints_recipe_and_tpu_plan(capsys):
     assert main([REAL, "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "Qwen/Qwen3-4B" in out and "DAPO-Math-17k" in out
-    assert "bundle 0: rollout engine   {'CPU': 1.0, 'TPU': 2.0}" in out
+    assert "bundle 0: rollout engine 0 {'CPU': 1.0, 'TPU': 2.0}" in out
     assert out.count("'TPU': 1.0") == 2  # two trainer ranks, one chip each
 
 
@@ -153,3 +157,10 @@ def test_wired_values_come_from_their_sections():
     assert (engine.tp, engine.dtype, trainer.dtype, trainer.device) == (2, "bfloat16", "bfloat16", "tpu")
     assert trainer.temperature == cfg.rollout.temperature and trainer.seed == engine.seed == cfg.run.seed
     assert trainer.loss.clip_eps_high == cfg.grpo.clip_eps_high == 0.28 and trainer.loss.loss_agg == "dapo"
+
+
+def test_dry_run_shows_every_engine(capsys):
+    assert main([REAL, "cluster.rollout_engines=2", "loop.mode=async", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout engine 0 {'CPU': 1.0, 'TPU': 1.0}" in out and "rollout engine 1 {'CPU': 1.0, 'TPU': 1.0}" in out
+    assert "loop: async" in out
