@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 import re
 import threading
@@ -32,6 +33,7 @@ FORWARDED_ENV = (
     "PYTHONPATH",
 )
 PLACEMENT_TIMEOUT_S = 120
+log = logging.getLogger(__name__)
 
 
 def run_id_for(run_dir: Path) -> str:
@@ -97,6 +99,7 @@ class Cluster:
         self._pending = [0] * cfg.cluster.rollout_engines
         self._balance = threading.Lock()
         self._engine_locks = [threading.Lock() for _ in range(cfg.cluster.rollout_engines)]
+        self.restarts = 0  # engines rebuilt after dying (rollout/engine_restarts)
         if not self.remote:
             if world > 1:
                 raise ClusterError("cluster.train_chips > 1 needs Ray (cluster.use_ray: true)")
@@ -138,9 +141,9 @@ class Cluster:
         def options(bundle: int, rollout: bool) -> dict:
             return actor_options(plan, bundle, self.pg, actor_env(cfg, cfg.cluster.cpus_per_actor, rollout, bundle))
 
-        self.engines = [
-            ray.remote(RolloutWorker).options(**options(b, True)).remote(**engine) for b in plan.rollout_bundles
-        ]
+        # Kept to rebuild an engine that dies (run.max_restarts): the same bundle, environment and config.
+        self._engine_spec = [(options(b, True), engine) for b in plan.rollout_bundles]
+        self.engines = [ray.remote(RolloutWorker).options(**opts).remote(**kw) for opts, kw in self._engine_spec]
         self.trainers = [
             ray.remote(TrainerWorker).options(**options(b, False)).remote(**kwargs)
             for b, kwargs in zip(plan.trainer_bundles, ranks)
@@ -175,7 +178,8 @@ class Cluster:
         args = [([prompts[i] for i in idx], n, _share_sampling(sampling, e), in_flight_updates) for e, idx in calls]
         try:
             if self.remote:
-                results = self._call_all([self.engines[e] for e, _ in calls], "generate", args)
+                refs = [self.engines[e].generate.remote(*a) for (e, _), a in zip(calls, args)]
+                results = [self._engine_result(e, ref, "generate", a) for (e, _), a, ref in zip(calls, args, refs)]
             else:
                 results = []
                 for (e, _), a in zip(calls, args):
@@ -192,6 +196,43 @@ class Cluster:
             completions += share
         completions.sort(key=lambda c: (c.prompt_index, c.sample_index))
         return completions, merge_stats({e: stats for (e, _), (_, stats) in zip(calls, results)})
+
+    def _engine_result(self, e: int, ref, method: str, args: tuple):
+        """The result of engine e's call; if the engine died (or hung past cluster.actor_timeout_s), it is rebuilt
+        with the trainer's current weights and the call is made again on it: a sampled share comes out the same,
+        since its seeds depend only on the request."""
+        import ray
+
+        while True:
+            try:
+                return ray.get(ref, timeout=self.cfg.cluster.actor_timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e_info:
+                self._restart_engine(e, f"{method}(): {type(e_info).__name__}")
+                ref = getattr(self.engines[e], method).remote(*args)
+
+    def _restart_engine(self, e: int, why: str) -> None:
+        import ray
+
+        if self.restarts >= self.cfg.run.max_restarts:
+            raise ClusterError(
+                f"rollout engine {e}: its actor died during {why} after {self.restarts} restart(s) (run.max_restarts="
+                f"{self.cfg.run.max_restarts}); the last checkpoint is intact: rerun with --resume."
+            )
+        self.restarts += 1
+        log.warning(
+            "rollout engine %d died during %s; restarting it (%d/%d)", e, why, self.restarts, self.cfg.run.max_restarts
+        )
+        ray.kill(self.engines[e])
+        opts, kwargs = self._engine_spec[e]
+        self.engines[e] = ray.remote(RolloutWorker).options(**opts).remote(**kwargs)
+        try:
+            # The new engine has the checkpoint's weights: give it the trainer's current ones directly (an object
+            # ref, never through the driver), and make the next push a keyframe, since it has no base for deltas.
+            ray.get(self.engines[e].warmup.remote())
+            ray.get(self.engines[e].load_weights.remote(self.trainers[0].current_weights.remote()))
+            ray.get(self.trainers[0].force_keyframe.remote())
+        except ray.exceptions.RayActorError as err:
+            raise ClusterError(f"restarting rollout engine {e} failed; rerun with --resume.\n{err}") from None
 
     def _assign(self, prompts: list[list[int]], n: int, max_new: int) -> list[list[int]]:
         shares = [[] for _ in self.engines]
@@ -217,7 +258,8 @@ class Cluster:
         """Every engine loads the newest version (queued behind a generation in flight, as slime's async loop does);
         engine 0's receiver metrics plus each engine's version."""
         if self.remote:
-            pulled = self._call_all(self.engines, "pull_weights", [()] * len(self.engines))
+            refs = [engine.pull_weights.remote() for engine in self.engines]
+            pulled = [self._engine_result(e, ref, "pull_weights", ()) for e, ref in enumerate(refs)]
         else:
             pulled = []
             for lock, engine in zip(self._engine_locks, self.engines):

@@ -56,6 +56,7 @@ class RunSection(Section):
     steps: PositiveInt = 100
     save_every: NonNegInt = 20  # 0: never
     eval_every: NonNegInt = 20  # 0: never
+    max_restarts: NonNegInt = 3  # rollout engines rebuilt after dying before the run gives up (exit 1, --resume)
 
 
 class ModelSection(Section):
@@ -135,6 +136,7 @@ class ClusterSection(Section):
     address: str | None = None  # Ray address; None: $RAY_ADDRESS or a local Ray
     use_ray: bool = True  # False: everything in this process (debugging)
     cpus_per_actor: PositiveInt = 1
+    actor_timeout_s: Annotated[float, Field(gt=0)] | None = 1800.0  # an engine call taking longer counts as dead
 
 
 class LoopSection(Section):

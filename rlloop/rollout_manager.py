@@ -185,6 +185,7 @@ class RolloutManager:
         return {
             "data/dropped_prompts": self.data.dropped,
             "rollout/reward_failures": self.scorer.errors + self.scorer.timeouts,
+            "rollout/engine_restarts": self.cluster.restarts,
         }
 
     def close(self) -> None:

@@ -118,6 +118,11 @@ class RolloutWorker:
             self.version, arrays = got
             self.engine.load_weights(arrays, self.version)
 
+    def load_weights(self, versioned: tuple[int, dict]) -> None:
+        """Load (version, HF-named arrays) given directly, not through the sync transport (a restarted engine)."""
+        self.version, arrays = versioned
+        self.engine.load_weights(arrays, self.version)
+
     def pull_weights(self) -> dict[str, float]:
         """Load the newest verified version, if any, and report the receiver's sync metrics."""
         t0 = time.perf_counter()
@@ -167,6 +172,15 @@ class TrainerWorker:
         t0 = time.perf_counter()
         stats = self.sender.push(self.trainer.export_weights(), version)
         return {**stats.metrics(), "perf/push_s": time.perf_counter() - t0}
+
+    def current_weights(self) -> tuple[int, dict]:
+        """(the last version pushed, the weights now): what a restarted engine loads."""
+        version = self.sender.version if self.sender is not None and self.sender.version is not None else 0
+        return version, self.trainer.export_weights()
+
+    def force_keyframe(self) -> None:
+        if self.sender is not None:
+            self.sender.force_keyframe()
 
     def save(self, path: str) -> None:
         self.trainer.save(path)

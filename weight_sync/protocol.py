@@ -110,6 +110,11 @@ class Sender(_Endpoint):
         self.last_stats: SyncStats | None = None
         self._last: dict[str, np.ndarray] | None = None  # bits of the last version sent (delta mode only)
         self._deltas_since_key = 0
+        self._keyframe_next = False
+
+    def force_keyframe(self) -> None:
+        """Make the next push a keyframe: a receiver that joins late (a restarted engine) has no base for deltas."""
+        self._keyframe_next = True
 
     # -- transport hooks --
     def _publish(self, manifest: Manifest, blobs: Mapping[str, np.ndarray]) -> int:
@@ -159,7 +164,8 @@ class Sender(_Endpoint):
         )
 
     def _encode(self, arrays: dict[str, np.ndarray], version: int):
-        requested = self._take_keyframe_request()  # always polled, so a request is consumed by the next push
+        requested = self._take_keyframe_request() or self._keyframe_next  # polled always: consumed by this push
+        self._keyframe_next = False
         changed: dict[str, np.ndarray] = {}
         if self.delta and self._compatible(arrays):
             changed = {n: delta_codec.changed_indices(self._last[n], a) for n, a in arrays.items()}

@@ -213,7 +213,7 @@ def test_two_trainer_ranks_over_gloo_match_one(tmp_path):
     assert [m["sync/rollout_version"] for m in two] == [1, 2]
 
 
-def test_a_killed_rollout_actor_stops_the_run_cleanly_and_resume_recovers(tmp_path):
+def test_without_restarts_a_killed_rollout_actor_stops_the_run_cleanly_and_resume_recovers(tmp_path):
     before = shm_segments()
     args = [
         f"run.dir={tmp_path}",
@@ -222,6 +222,7 @@ def test_a_killed_rollout_actor_stops_the_run_cleanly_and_resume_recovers(tmp_pa
         "run.eval_every=0",
         "rollout.backend=hf",
         "run.steps=4",
+        "run.max_restarts=0",
     ]
     proc = run_cli(*args)
     deadline = time.monotonic() + 300
@@ -235,3 +236,25 @@ def test_a_killed_rollout_actor_stops_the_run_cleanly_and_resume_recovers(tmp_pa
     out, _ = resume.communicate(timeout=600)
     assert resume.returncode == 0, out[-3000:]
     assert [m["step"] for m in metrics(tmp_path)][-1] == 4
+
+
+def test_a_killed_rollout_actor_is_restarted_and_the_run_ends_as_if_nothing_happened(tmp_path):
+    """SIGKILL the engine mid-run: it is rebuilt with the trainer's weights, its requests are generated again, and
+    every step's samples and losses equal those of a run nobody touched."""
+    args = ["tracking.progress=false", "run.save_every=1", "run.eval_every=0", "rollout.backend=hf", "run.steps=4"]
+    straight = run_cli(f"run.dir={tmp_path / 'straight'}", *args)
+    out, _ = straight.communicate(timeout=600)
+    assert straight.returncode == 0, out[-3000:]
+    proc = run_cli(f"run.dir={tmp_path / 'killed'}", *args)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (tmp_path / "killed" / "checkpoints" / "step_000001").exists():
+        time.sleep(0.5)
+    subprocess.run(["pkill", "-9", "-f", "ray::RolloutWorker"], check=True)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and "restarting it" in out, out[-3000:]
+    healed, clean = metrics(tmp_path / "killed"), metrics(tmp_path / "straight")
+    assert [m["step"] for m in healed] == [1, 2, 3, 4]
+    assert healed[-1]["rollout/engine_restarts"] == 1 and clean[-1]["rollout/engine_restarts"] == 0
+    for key in ("rollout/raw_reward", "rollout/response_len/mean", "train/loss", "train/grad_norm"):
+        assert [m[key] for m in healed] == pytest.approx([m[key] for m in clean], rel=1e-6, abs=1e-9), key
+    assert not ray_processes()

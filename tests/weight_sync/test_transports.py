@@ -334,3 +334,27 @@ def test_wrong_base_is_caught_by_the_reconstruction_checksum_and_healed(transpor
         assert sender.push({"w": w}, 2).keyframe
         version, got = receiver.pull()
         assert version == 2 and got["w"].tobytes() == w.tobytes()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_late_receiver_gets_a_forced_keyframe(transport, run_id, tmp_path):
+    """A restarted engine joins with no base: force_keyframe makes the next push one it can load on its own."""
+    sender, first = _pair(transport, run_id, tmp_path, delta=True)
+    w = np.arange(1000, dtype=np.float32)
+    with sender, first:
+        sender.push({"w": w}, 0)
+        w = w.copy()
+        w[3] = -3
+        assert not sender.push({"w": w}, 1).keyframe
+        late = make_receiver(transport, run_id=run_id, root=tmp_path, delta=True)
+        with late:
+            sender.force_keyframe()
+            w = w.copy()
+            w[4] = -4
+            assert sender.push({"w": w}, 2).keyframe
+            version, got = late.pull()
+            assert version == 2 and got["w"].tobytes() == w.tobytes() and late.keyframe_requests == 0
+            w = w.copy()
+            w[5] = -5
+            assert not sender.push({"w": w}, 3).keyframe  # one forced keyframe, then deltas again
+            assert late.pull()[1]["w"].tobytes() == w.tobytes()
