@@ -100,6 +100,7 @@ class Cluster:
         self._balance = threading.Lock()
         self._engine_locks = [threading.Lock() for _ in range(cfg.cluster.rollout_engines)]
         self.restarts = 0  # engines rebuilt after dying (rollout/engine_restarts)
+        self.placement: dict[str, str] = {}  # role -> Ray node id
         if not self.remote:
             if world > 1:
                 raise ClusterError("cluster.train_chips > 1 needs Ray (cluster.use_ray: true)")
@@ -129,6 +130,8 @@ class Cluster:
                 configure_logging=False,
             )
         plan = plan_placement(cfg.cluster, same_host=cfg.sync.transport == "shm")
+        if cfg.sync.transport == "shm":
+            check_one_node_fits(plan)
         self.pg = placement_group(plan.bundles, strategy=plan.strategy, name=f"rlloop-{cfg.run.name}")
         try:
             ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
@@ -148,6 +151,8 @@ class Cluster:
             ray.remote(TrainerWorker).options(**options(b, False)).remote(**kwargs)
             for b, kwargs in zip(plan.trainer_bundles, ranks)
         ]
+        nodes = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
+        self.placement = {who: nodes[i] for i, who in enumerate(plan.roles())}  # written to <run dir>/cluster.json
         master = self._call_all(self.trainers[:1], "rendezvous", [()])[0] if len(self.trainers) > 1 else None
         self._call_all(self.trainers, "setup", [(master,)] * len(self.trainers))
 
@@ -299,6 +304,23 @@ class Cluster:
             ray.util.remove_placement_group(self.pg)
         if self.owns_ray and ray.is_initialized():
             ray.shutdown()
+
+
+def check_one_node_fits(plan) -> None:
+    """shm needs every role on one host: refuse, naming sync.transport, a plan that fits the cluster only across
+    nodes (custom node resources in different places, or more chips than any one node has)."""
+    import ray
+
+    def fits(have: dict) -> bool:
+        return all(have.get(key, 0.0) >= need for key, need in plan.total().items())
+
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    if not any(fits(node) for node in nodes) and fits(ray.cluster_resources()):
+        raise ClusterError(
+            f"sync.transport=shm needs the rollout engines and the trainer ranks on one node, but no node of this "
+            f"Ray cluster can hold the whole plan {plan.total()}; use sync.transport=disk (a directory every node "
+            f"can read, sync.dir) or sync.transport=ray (the object store).\n{plan.describe()}"
+        )
 
 
 def _share_sampling(sampling, engine: int):

@@ -39,6 +39,7 @@ def train(cfg: Config, resume: bool = False) -> Path:
             cluster.load(str(ckpt / "trainer"))
             data.load_state_dict(load_state(ckpt)["data"])
             cluster.sync_weights(version=start)
+        (run_dir / "cluster.json").write_text(json.dumps(cluster.placement, indent=1))  # role -> Ray node id
         (run_dir / "warmup.json").write_text(json.dumps(cluster.warmup(), indent=1))
         evaluating = eval_data is not None and cfg.run.eval_every > 0
         if evaluating and start == 0:

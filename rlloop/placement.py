@@ -27,13 +27,26 @@ class Placement:
         """The first engine's bundle (the only one with `cluster.rollout_engines: 1`)."""
         return self.rollout_bundles[0]
 
+    def total(self) -> dict[str, float]:
+        """What the whole plan asks for, summed over its bundles."""
+        out: dict[str, float] = {}
+        for bundle in self.bundles:
+            for key, value in bundle.items():
+                out[key] = out.get(key, 0.0) + value
+        return out
+
+    def roles(self) -> list[str]:
+        """Who holds each bundle, in bundle order."""
+        return [
+            f"rollout engine {self.rollout_bundles.index(i)}"
+            if i in self.rollout_bundles
+            else f"trainer rank {self.trainer_bundles.index(i)}"
+            for i in range(len(self.bundles))
+        ]
+
     def describe(self) -> str:
         lines = [f"placement group ({self.strategy}), device {self.device}:"]
-        for i, bundle in enumerate(self.bundles):
-            if i in self.rollout_bundles:
-                who = f"rollout engine {self.rollout_bundles.index(i)}"
-            else:
-                who = f"trainer rank {self.trainer_bundles.index(i)}"
+        for i, (who, bundle) in enumerate(zip(self.roles(), self.bundles)):
             lines.append(f"  bundle {i}: {who:<16} {bundle}")
         return "\n".join(lines)
 
@@ -49,6 +62,8 @@ def plan_placement(cluster: ClusterSection, same_host: bool) -> Placement:
     else:
         engine = {"CPU": cpus, accel: float(cluster.rollout_chips // engines)}
         rank = {"CPU": cpus, accel: 1.0}
+    engine |= cluster.rollout_resources
+    rank |= cluster.trainer_resources
     bundles = [dict(engine) for _ in range(engines)] + [dict(rank) for _ in range(cluster.train_chips)]
     return Placement(
         bundles=bundles,
