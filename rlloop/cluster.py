@@ -58,13 +58,13 @@ class ClusterError(RuntimeError):
     """The cluster cannot host the plan, or an actor died; the message says which and what to do."""
 
 
-def actor_env(cfg: Config, threads: int, rollout: bool, bundle: int) -> dict[str, str]:
+def actor_env(cfg: Config, threads: int, rollout: bool, cores: range) -> dict[str, str]:
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     env.update({"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"})
     if cfg.cluster.device == "cpu":
-        # A CPU "chip" is `threads` cores of its own: XLA and torch size their pools from the cores a process may
-        # run on, so without pinning every actor spreads over every core and they slow each other down.
-        env[CPU_AFFINITY_ENV] = ",".join(str(bundle * threads + i) for i in range(threads))
+        # A CPU "chip" is cores of its own (its bundle's): XLA and torch size their pools from the cores a process
+        # may run on, so without pinning every actor spreads over every core and they slow each other down.
+        env[CPU_AFFINITY_ENV] = ",".join(map(str, cores))
         env["JAX_PLATFORMS"] = "cpu"
         if rollout:  # a CPU "chip" per engine device, so tensor parallel decode works on CPU hosts too
             env["XLA_FLAGS"] = (
@@ -142,7 +142,11 @@ class Cluster:
             ) from None
 
         def options(bundle: int, rollout: bool) -> dict:
-            return actor_options(plan, bundle, self.pg, actor_env(cfg, cfg.cluster.cpus_per_actor, rollout, bundle))
+            # the bundle's own cores: disjoint between bundles, shared by the two roles of a colocated one
+            first = int(sum(b.get("CPU", 0) for b in plan.bundles[:bundle]))
+            cores = range(first, first + int(plan.bundles[bundle].get("CPU", 1)))
+            env = actor_env(cfg, cfg.cluster.cpus_per_actor, rollout, cores)
+            return actor_options(plan, bundle, self.pg, env, role="rollout" if rollout else "trainer")
 
         # Kept to rebuild an engine that dies (run.max_restarts): the same bundle, environment and config.
         self._engine_spec = [(options(b, True), engine) for b in plan.rollout_bundles]
@@ -152,7 +156,7 @@ class Cluster:
             for b, kwargs in zip(plan.trainer_bundles, ranks)
         ]
         nodes = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
-        self.placement = {who: nodes[i] for i, who in enumerate(plan.roles())}  # written to <run dir>/cluster.json
+        self.placement = {who: nodes[plan.bundle_of(who)] for who in plan.roles()}  # -> <run dir>/cluster.json
         master = self._call_all(self.trainers[:1], "rendezvous", [()])[0] if len(self.trainers) > 1 else None
         self._call_all(self.trainers, "setup", [(master,)] * len(self.trainers))
 
@@ -253,7 +257,18 @@ class Cluster:
 
         world = len(self.trainers)
         shards = [(shard_batch(batch, r, world),) for r in range(world)]
-        return self._call_all(self.trainers, "train_step", shards)[0]  # metrics are all-reduced: equal on all ranks
+        freed = {}
+        if self.cfg.cluster.colocate:  # the trainer's turn on the shared chips: the engines make room first
+            slept = self._call_all(self.engines, "sleep", [()] * len(self.engines))
+            freed = {
+                "rollout/device_bytes": float(sum(s["before"] for s in slept)),
+                "rollout/device_bytes_while_training": float(sum(s["after"] for s in slept)),
+            }
+            self._call_all(self.trainers, "wake", [()] * world)
+        metrics = self._call_all(self.trainers, "train_step", shards)[0]  # all-reduced: equal on all ranks
+        if self.cfg.cluster.colocate:
+            self._call_all(self.trainers, "sleep", [()] * world)
+        return metrics | freed
 
     def push_weights(self, version: int) -> dict[str, float]:
         """Rank 0 publishes `version`; the engines take it at their next pull."""
@@ -262,6 +277,8 @@ class Cluster:
     def pull_weights(self) -> dict[str, float]:
         """Every engine loads the newest version (queued behind a generation in flight, as slime's async loop does);
         engine 0's receiver metrics plus each engine's version."""
+        if self.cfg.cluster.colocate:  # the engines' turn: their cache and weights come back before they load
+            self._call_all(self.engines, "wake", [()] * len(self.engines))
         if self.remote:
             refs = [engine.pull_weights.remote() for engine in self.engines]
             pulled = [self._engine_result(e, ref, "pull_weights", ()) for e, ref in enumerate(refs)]

@@ -132,6 +132,10 @@ class ClusterSection(Section):
     device: Literal["tpu", "gpu", "cpu"] = "cpu"
     rollout_chips: PositiveInt = 1
     rollout_engines: PositiveInt = 1  # each engine gets rollout_chips / rollout_engines chips (its TP size)
+    # Engines and trainer ranks share the same chips in turns (Miles/slime's default on one node): the engine frees
+    # its KV cache and weights while the trainer steps; the trainer offloads to host memory while the engine runs
+    # (on CPU this is time-sharing only). Needs rollout_chips == train_chips and loop.mode: sync.
+    colocate: bool = False
     train_chips: PositiveInt = 1
     address: str | None = None  # Ray address; None: $RAY_ADDRESS or a local Ray
     use_ray: bool = True  # False: everything in this process (debugging)
@@ -182,6 +186,22 @@ class Config(Section):
             raise ValueError(
                 f"loop.mode={self.loop.mode} trains on samples of older weights: it needs the off-policy "
                 "correction against the rollout log-probs, grpo.tis_cap (e.g. 2.0), not null"
+            )
+        c = self.cluster
+        if c.colocate and self.loop.mode != "sync":
+            raise ValueError(
+                f"cluster.colocate: true takes turns on the chips, so it cannot overlap rollout and "
+                f"training: loop.mode must be sync, got {self.loop.mode}"
+            )
+        if c.colocate and c.device == "tpu":
+            raise ValueError(
+                "cluster.colocate: true needs cluster.device gpu or cpu: a TPU chip serves one process at "
+                "a time, so the engine and the trainer cannot take turns on it"
+            )
+        if c.colocate and c.rollout_chips != c.train_chips:
+            raise ValueError(
+                f"cluster.colocate: true puts both roles on the same chips: cluster.rollout_chips "
+                f"({c.rollout_chips}) must equal cluster.train_chips ({c.train_chips})"
             )
         if self.cluster.rollout_chips % self.cluster.rollout_engines:
             raise ValueError(

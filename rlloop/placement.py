@@ -21,6 +21,9 @@ class Placement:
     trainer_bundles: list[int]  # one per trainer rank
     strategy: str
     device: str
+    # What one actor of each role asks for; its whole bundle unless colocated, where the roles split each bundle.
+    rollout_request: dict[str, float] | None = None
+    trainer_request: dict[str, float] | None = None
 
     @property
     def rollout_bundle(self) -> int:
@@ -35,27 +38,40 @@ class Placement:
                 out[key] = out.get(key, 0.0) + value
         return out
 
+    def holders(self) -> list[list[str]]:
+        """Who is placed in each bundle, in bundle order (two roles per bundle when colocated)."""
+        out: list[list[str]] = [[] for _ in self.bundles]
+        for e, b in enumerate(self.rollout_bundles):
+            out[b].append(f"rollout engine {e}")
+        for r, b in enumerate(self.trainer_bundles):
+            out[b].append(f"trainer rank {r}")
+        return out
+
     def roles(self) -> list[str]:
-        """Who holds each bundle, in bundle order."""
-        return [
-            f"rollout engine {self.rollout_bundles.index(i)}"
-            if i in self.rollout_bundles
-            else f"trainer rank {self.trainer_bundles.index(i)}"
-            for i in range(len(self.bundles))
+        """One name per actor: the engines, then the trainer ranks."""
+        return [f"rollout engine {e}" for e in range(len(self.rollout_bundles))] + [
+            f"trainer rank {r}" for r in range(len(self.trainer_bundles))
         ]
+
+    def bundle_of(self, role: str) -> int:
+        kind, index = role.rsplit(" ", 1)
+        return (self.rollout_bundles if kind == "rollout engine" else self.trainer_bundles)[int(index)]
 
     def describe(self) -> str:
         lines = [f"placement group ({self.strategy}), device {self.device}:"]
-        for i, (who, bundle) in enumerate(zip(self.roles(), self.bundles)):
-            lines.append(f"  bundle {i}: {who:<16} {bundle}")
+        for i, (who, bundle) in enumerate(zip(self.holders(), self.bundles)):
+            lines.append(f"  bundle {i}: {' + '.join(who):<16} {bundle}")
         return "\n".join(lines)
 
 
 def plan_placement(cluster: ClusterSection, same_host: bool) -> Placement:
-    """`rollout_engines` engine bundles of `rollout_chips / rollout_engines` chips each, then one bundle per rank."""
+    """`rollout_engines` engine bundles of `rollout_chips / rollout_engines` chips each, then one bundle per rank;
+    colocated, the ranks share the engines' bundles instead (see `colocated_plan`)."""
     accel = RESOURCE[cluster.device]
     cpus = float(cluster.cpus_per_actor)
     engines = cluster.rollout_engines
+    if cluster.colocate:
+        return colocated_plan(cluster, accel, cpus, same_host)
     if accel is None:
         engine = {"CPU": cpus}
         rank = {"CPU": cpus}
@@ -74,11 +90,31 @@ def plan_placement(cluster: ClusterSection, same_host: bool) -> Placement:
     )
 
 
-def actor_options(plan: Placement, bundle: int, pg, env: dict[str, str] | None = None) -> dict:
-    """`ray.remote(...).options(**this)` for the actor of `bundle` in the placement group `pg` made from `plan`."""
+def colocated_plan(cluster: ClusterSection, accel: str | None, cpus: float, same_host: bool) -> Placement:
+    """Miles/slime's colocation: bundle i holds engine i (tp chips) and the tp trainer ranks of those chips. Each
+    role asks for half of the chips it uses, so Ray lets both onto the same chips; they take turns (the engine frees
+    its memory while the trainer steps, the trainer offloads while the engine generates)."""
+    tp = cluster.rollout_chips // cluster.rollout_engines
+    bundle = {"CPU": cpus * (1 + tp)} | ({accel: float(tp)} if accel else {})
+    bundle |= cluster.rollout_resources | cluster.trainer_resources
+    return Placement(
+        bundles=[dict(bundle) for _ in range(cluster.rollout_engines)],
+        rollout_bundles=list(range(cluster.rollout_engines)),
+        trainer_bundles=[r // tp for r in range(cluster.train_chips)],
+        strategy="STRICT_PACK" if same_host else "PACK",
+        device=cluster.device,
+        rollout_request={"CPU": cpus} | ({accel: tp / 2} if accel else {}) | cluster.rollout_resources,
+        trainer_request={"CPU": cpus} | ({accel: 0.5} if accel else {}) | cluster.trainer_resources,
+    )
+
+
+def actor_options(plan: Placement, bundle: int, pg, env: dict[str, str] | None = None, role: str = "") -> dict:
+    """`ray.remote(...).options(**this)` for the actor of `bundle` in the placement group `pg` made from `plan`
+    (`role` "rollout" or "trainer" picks a colocated plan's share of the bundle)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    res = dict(plan.bundles[bundle])
+    request = {"rollout": plan.rollout_request, "trainer": plan.trainer_request}.get(role)
+    res = dict(request if request is not None else plan.bundles[bundle])
     return {
         "num_cpus": res.pop("CPU", 0),
         "num_gpus": res.pop("GPU", 0),

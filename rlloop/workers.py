@@ -118,6 +118,18 @@ class RolloutWorker:
             self.version, arrays = got
             self.engine.load_weights(arrays, self.version)
 
+    def sleep(self) -> dict[str, float]:
+        """Colocated: free the engine's device memory while the trainer runs; returns the live bytes before/after."""
+        before = self.engine.device_bytes()
+        self.engine.release()
+        return {"before": before, "after": self.engine.device_bytes()}
+
+    def wake(self) -> None:
+        self.engine.resume()
+
+    def device_bytes(self) -> int:
+        return self.engine.device_bytes()
+
     def load_weights(self, versioned: tuple[int, dict]) -> None:
         """Load (version, HF-named arrays) given directly, not through the sync transport (a restarted engine)."""
         self.version, arrays = versioned
@@ -172,6 +184,13 @@ class TrainerWorker:
         t0 = time.perf_counter()
         stats = self.sender.push(self.trainer.export_weights(), version)
         return {**stats.metrics(), "perf/push_s": time.perf_counter() - t0}
+
+    def sleep(self) -> None:
+        """Colocated: move parameters and optimizer state off the accelerator while the engine runs."""
+        self.trainer.offload()
+
+    def wake(self) -> None:
+        self.trainer.reload()
 
     def current_weights(self) -> tuple[int, dict]:
         """(the last version pushed, the weights now): what a restarted engine loads."""

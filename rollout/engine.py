@@ -207,7 +207,16 @@ class JaxEngine:
             self.load_weights(named, 0)
         else:
             self.params = jax.device_put(zero_weights(mc, cfg.dtype), self._shardings)
-        self.cache = init_cache(
+        self.cache = self._new_cache()
+        self._host_params = None  # the weights while released (colocation)
+        self._static = dict(mc=mc, cache_sh=cache_sharding(self.mesh))
+        # fan-out copies only the positions a prompt can occupy (prefill takes all but a prompt's last token)
+        self._copy_len = self.prefill_buckets[-1]
+        self._stats: dict[str, float] = {}
+
+    def _new_cache(self):
+        mc, cfg = self.model_cfg, self.cfg
+        return init_cache(
             mc.num_layers,
             cfg.max_batch,
             mc.num_kv_heads,
@@ -216,10 +225,27 @@ class JaxEngine:
             jnp.dtype(cfg.dtype),
             cache_sharding(self.mesh),
         )
-        self._static = dict(mc=mc, cache_sh=cache_sharding(self.mesh))
-        # fan-out copies only the positions a prompt can occupy (prefill takes all but a prompt's last token)
-        self._copy_len = self.prefill_buckets[-1]
-        self._stats: dict[str, float] = {}
+
+    # -- colocation: give the chips' memory to a trainer in between generations ---------------------------------
+    def release(self) -> None:
+        """Delete the KV cache and the device weights (a host copy of the weights is kept); `resume()` rebuilds
+        both with the same layouts, so nothing recompiles."""
+        if self._host_params is not None:
+            return
+        self._host_params = jax.device_get(self.params)
+        for array in jax.tree.leaves((self.params, self.cache)):
+            array.delete()
+        self.params = self.cache = None
+
+    def resume(self) -> None:
+        if self._host_params is None:
+            return
+        self.params = jax.device_put(self._host_params, self._shardings)
+        self.cache, self._host_params = self._new_cache(), None
+
+    def device_bytes(self) -> int:
+        """Bytes of live JAX arrays on this process's devices (what release() gives back)."""
+        return sum(a.nbytes for a in jax.live_arrays())
 
     def _decode_dispatch(self, state: DecodeState, b: int):
         """Run one decode dispatch on rows 0..b-1; the cache is replaced, the rest is returned (on device)."""
@@ -282,7 +308,10 @@ class JaxEngine:
         Everything is validated before anything is replaced: a bad dict leaves the current weights in place.
         """
         host = params_from_named_arrays(self.model_cfg, named_arrays, self.cfg.dtype)
-        self.params = jax.device_put(host, self._shardings)
+        if getattr(self, "_host_params", None) is not None:  # released (colocation): applied when it resumes
+            self._host_params = host
+        else:
+            self.params = jax.device_put(host, self._shardings)
         self.weight_version = int(version)
 
     # -- generation -------------------------------------------------------------------------------------------------
@@ -324,6 +353,7 @@ class JaxEngine:
         that started and finished it. `between_dispatches()` runs before every decode dispatch: weights it loads
         apply from the next token on (an in-flight update), for running rows and newly admitted ones alike."""
         stop_row = self._validate(prompts, n, sampling)
+        self.resume()  # a released engine takes its memory back
         t_start, compiles_before = time.perf_counter(), compile_count()
         slots, max_new = self.cfg.max_batch, sampling.max_new_tokens
         sched = Scheduler(slots)

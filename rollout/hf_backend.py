@@ -67,6 +67,19 @@ class HFEngine(RolloutEngine):
         eos = () if sampling.ignore_eos else self.eos_token_ids
         return tuple(sorted(set(eos) | set(sampling.stop_token_ids)))
 
+    def release(self) -> None:
+        """Colocation: the model leaves the accelerator (on CPU there is nothing to free)."""
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def resume(self) -> None:
+        if self.device.type != "cpu":
+            self.model.to(self.device)
+
+    def device_bytes(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+
     def generate(
         self,
         prompts: list[list[int]],

@@ -10,6 +10,7 @@ kv_heads axis comes first so tensor parallelism can shard it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -36,10 +37,17 @@ def init_cache(
     dtype,
     sharding: jax.sharding.Sharding | None = None,
 ) -> KVCache:
-    """Zero cache; with a sharding, each buffer is created directly in its sharded layout (no host copy)."""
-    make_k = jax.jit(lambda: jnp.zeros((slots, kv_heads, head_dim, max_len), dtype), out_shardings=sharding)
-    make_v = jax.jit(lambda: jnp.zeros((slots, kv_heads, max_len, head_dim), dtype), out_shardings=sharding)
+    """Zero cache; with a sharding, each buffer is created directly in its sharded layout (no host copy). The
+    zero-makers are cached, so rebuilding a cache of the same layout (a colocated engine waking up) compiles
+    nothing."""
+    make_k = _zeros((slots, kv_heads, head_dim, max_len), jnp.dtype(dtype), sharding)
+    make_v = _zeros((slots, kv_heads, max_len, head_dim), jnp.dtype(dtype), sharding)
     return KVCache(tuple(make_k() for _ in range(num_layers)), tuple(make_v() for _ in range(num_layers)))
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros(shape: tuple[int, ...], dtype, sharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
 def write_layer(

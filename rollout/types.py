@@ -93,6 +93,12 @@ class RolloutEngine(Protocol):
 
     def warmup(self) -> dict[str, float]: ...
 
+    def release(self) -> None: ...  # colocation: free device memory until the next resume() / generate()
+
+    def resume(self) -> None: ...
+
+    def device_bytes(self) -> int: ...
+
     def generate(
         self,
         prompts: list[list[int]],

@@ -284,6 +284,30 @@ class Trainer:
         self.step += 1
         return grad_norm
 
+    # ------------------------------------------------------------------ colocation
+
+    def offload(self) -> None:
+        """Move parameters, fp32 masters and AdamW state to host memory, so a colocated engine can use the
+        accelerator; `reload()` brings them back. On CPU there is nothing to move."""
+        self._move_state(torch.device("cpu"))
+
+    def reload(self) -> None:
+        self._move_state(self.device)
+
+    def _move_state(self, device: torch.device) -> None:
+        if self.device.type == "cpu":
+            return
+        with torch.no_grad():
+            self.model.to(device)  # in place: the optimizer keeps pointing at the same Parameters
+            for m in self.masters:
+                m.data = m.data.to(device)
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if torch.is_tensor(value) and value.dim() > 0:
+                        state[key] = value.to(device)
+        if device.type == "cpu" and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     # ------------------------------------------------------------------ weights and checkpoints
 
     def export_weights(self) -> dict[str, np.ndarray]:

@@ -116,3 +116,18 @@ def test_two_engines_generate_every_prompt_once_and_hold_the_same_version(tmp_pa
         assert [(x.prompt_index, x.sample_index) for x in completions] == [(i, j) for i in range(7) for j in range(3)]
         out[engines] = [x.token_ids for x in completions]
     assert out[1] == out[2]
+
+
+def test_colocated_run_frees_the_engine_while_training_and_matches_the_split_run(tmp_path):
+    common = LOCAL + ["run.steps=3", "run.save_every=0", "rollout.prompts_per_step=4"]
+    train(load_config(TINY, common + [f"run.dir={tmp_path / 'split'}"]))
+    train(load_config(TINY, common + ["cluster.colocate=true", f"run.dir={tmp_path / 'colocated'}"]))
+    split, colocated = (
+        [json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+        for d in ("split", "colocated")
+    )
+    for m in colocated:
+        assert m["rollout/device_bytes_while_training"] < 0.5 * m["rollout/device_bytes"]  # cache + weights freed
+        assert m["perf/compiles"] == 0  # and back without compiling
+    for key in ("rollout/raw_reward", "train/loss", "train/grad_norm"):
+        assert [m[key] for m in colocated] == [m[key] for m in split], key

@@ -21,7 +21,7 @@ def visible_chips() -> str:
 
 @pytest.fixture(scope="module")
 def fake_tpu_host():
-    ray.init(num_cpus=4, resources={"TPU": 4}, include_dashboard=False, configure_logging=False)
+    ray.init(num_cpus=4, num_gpus=2, resources={"TPU": 4}, include_dashboard=False, configure_logging=False)
     yield
     ray.shutdown()
 
@@ -48,5 +48,21 @@ def test_a_plan_larger_than_the_host_does_not_fit(fake_tpu_host):
     try:
         ready, _ = ray.wait([pg.ready()], timeout=3)
         assert not ready
+    finally:
+        remove_placement_group(pg)
+
+
+def test_colocated_plan_puts_both_roles_on_the_same_chips(fake_tpu_host):
+    cfg = load_config(REAL, ["cluster.colocate=true", "cluster.device=gpu"])
+    plan = plan_placement(cfg.cluster, same_host=True)
+    assert plan.bundles == [{"CPU": 3.0, "GPU": 2.0}] and plan.rollout_bundles == [0] and plan.trainer_bundles == [0, 0]
+    assert "bundle 0: rollout engine 0 + trainer rank 0 + trainer rank 1" in plan.describe()
+    pg = placement_group(plan.bundles, strategy=plan.strategy)
+    try:
+        ray.get(pg.ready(), timeout=60)
+        engine = visible_chips.options(**actor_options(plan, 0, pg, role="rollout")).remote()
+        ranks = [visible_chips.options(**actor_options(plan, 0, pg, role="trainer")).remote() for _ in range(2)]
+        ready, _ = ray.wait([engine, *ranks], num_returns=3, timeout=60)
+        assert len(ready) == 3  # all three fit at once: they share the two chips
     finally:
         remove_placement_group(pg)

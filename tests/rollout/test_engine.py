@@ -248,3 +248,22 @@ def test_bfloat16_engine_logprobs_track_hf_fp32(tiny_qwen3_dir, hf):
         ref = _hf_logprobs(hf, prompts[c.prompt_index], c.token_ids)
         # bf16 weights / activations, fp32 logits: log-probs within bf16 rounding of the fp32 model's
         assert np.max(np.abs(np.array(c.logprobs) - ref)) < 0.05
+
+
+def test_release_frees_device_memory_and_resume_recompiles_nothing(tiny_qwen3_dir):
+    """Colocation: a released engine holds no device buffers; it comes back with the same weights and programs."""
+    eng = small_engine(tiny_qwen3_dir)
+    eng.warmup()
+    prompts = _prompts(np.random.default_rng(9), 3)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    want = eng.generate(prompts, 2, greedy)
+    held = eng.device_bytes()
+    cache_bytes = sum(a.nbytes for a in (*eng.cache.k, *eng.cache.v))
+    before = compile_count()
+    eng.release()
+    assert held - eng.device_bytes() >= cache_bytes  # the cache and the weights are gone from the devices
+    eng.load_weights(load_safetensors_dir(str(tiny_qwen3_dir)), version=1)  # while released: kept on the host
+    assert held - eng.device_bytes() >= cache_bytes
+    got = eng.generate(prompts, 2, greedy)  # resumes by itself
+    assert [c.token_ids for c in got] == [c.token_ids for c in want] and got[0].weight_version == 1
+    assert compile_count() == before
