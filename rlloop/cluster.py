@@ -58,6 +58,10 @@ class ClusterError(RuntimeError):
     """The cluster cannot host the plan, or an actor died; the message says which and what to do."""
 
 
+class TrainerDied(ClusterError):
+    """A trainer rank's actor died: the loop rebuilds the cluster from the last checkpoint (run.max_restarts)."""
+
+
 def actor_env(cfg: Config, threads: int, rollout: bool, cores: range) -> dict[str, str]:
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     env.update({"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"})
@@ -170,7 +174,8 @@ class Cluster:
             return ray.get([getattr(w, method).remote(*a) for w, a in zip(workers, args)])
         except ray.exceptions.RayActorError as e:
             role = "rollout" if workers[0] in self.engines else "trainer"
-            raise ClusterError(
+            error = ClusterError if role == "rollout" else TrainerDied
+            raise error(
                 f"a {role} actor died during {method}(); the last checkpoint is intact: rerun with --resume.\n{e}"
             ) from None
 

@@ -9,12 +9,13 @@ decoder itself in `rollout/`), the loss in `trainer/`, the transports in `weight
 from __future__ import annotations
 
 import json
+import logging
 import time
 from contextlib import ExitStack, closing
 from pathlib import Path
 
 from rlloop.checkpoint import latest_checkpoint, load_state, save_checkpoint
-from rlloop.cluster import Cluster
+from rlloop.cluster import Cluster, TrainerDied
 from rlloop.config import Config, to_yaml
 from rlloop.data import load_datasets
 from rlloop.model import load_tokenizer
@@ -22,8 +23,23 @@ from rlloop.rollout_manager import RolloutManager
 from rlloop.schedules import rollout_schedule
 from rlloop.tracking import Tracker
 
+log = logging.getLogger(__name__)
+
 
 def train(cfg: Config, resume: bool = False) -> Path:
+    """Run (or with `resume`, continue) the recipe. A trainer rank that dies costs a rebuild of the cluster from
+    the last checkpoint, with the same data order, up to `run.max_restarts` times (engines heal in place)."""
+    for restarts in range(cfg.run.max_restarts + 1):
+        try:
+            return run_recipe(cfg, resume=resume or restarts > 0, trainer_restarts=restarts)
+        except TrainerDied as e:
+            if restarts == cfg.run.max_restarts:
+                raise
+            log.warning("%s\nrestarting from the last checkpoint (%d/%d)", e, restarts + 1, cfg.run.max_restarts)
+    raise AssertionError("unreachable")
+
+
+def run_recipe(cfg: Config, resume: bool = False, trainer_restarts: int = 0) -> Path:
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -62,7 +78,8 @@ def train(cfg: Config, resume: bool = False) -> Path:
                     tracker.save_rollouts(step, batch.samples.rows())
             if evaluating and step % cfg.run.eval_every == 0:
                 metrics |= rollout.evaluate()
-            metrics |= {"perf/step_s": time.perf_counter() - t_step, **rollout.counters()}
+            metrics |= {"perf/step_s": time.perf_counter() - t_step, "train/restarts": trainer_restarts}
+            metrics |= rollout.counters()
             tracker.log(step, metrics)
             if cfg.run.save_every and (step % cfg.run.save_every == 0 or step == cfg.run.steps):
                 save_checkpoint(run_dir, step, {"data": batches.resume_state()}, cluster.save)

@@ -258,3 +258,25 @@ def test_a_killed_rollout_actor_is_restarted_and_the_run_ends_as_if_nothing_happ
     for key in ("rollout/raw_reward", "rollout/response_len/mean", "train/loss", "train/grad_norm"):
         assert [m[key] for m in healed] == pytest.approx([m[key] for m in clean], rel=1e-6, abs=1e-9), key
     assert not ray_processes()
+
+
+def test_a_killed_trainer_rank_rebuilds_from_the_checkpoint_and_the_run_matches(tmp_path):
+    """SIGKILL the trainer mid-run: the driver rebuilds the cluster from the last checkpoint, replays from there
+    with the same data order, and every step's numbers equal an untouched run's."""
+    args = ["tracking.progress=false", "run.save_every=1", "run.eval_every=0", "rollout.backend=hf", "run.steps=4"]
+    straight = run_cli(f"run.dir={tmp_path / 'straight'}", *args)
+    out, _ = straight.communicate(timeout=600)
+    assert straight.returncode == 0, out[-3000:]
+    proc = run_cli(f"run.dir={tmp_path / 'killed'}", *args)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (tmp_path / "killed" / "checkpoints" / "step_000002").exists():
+        time.sleep(0.5)
+    subprocess.run(["pkill", "-9", "-f", "ray::TrainerWorker"], check=True)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and "restarting from the last checkpoint (1/3)" in out, out[-3000:]
+    healed, clean = metrics(tmp_path / "killed"), metrics(tmp_path / "straight")
+    assert [m["step"] for m in healed] == [1, 2, 3, 4]  # the replayed step is logged once
+    assert healed[-1]["train/restarts"] == 1 and clean[-1]["train/restarts"] == 0
+    for key in ("rollout/raw_reward", "rollout/response_len/mean", "train/loss", "train/grad_norm"):
+        assert [m[key] for m in healed] == pytest.approx([m[key] for m in clean], rel=1e-6, abs=1e-9), key
+    assert not ray_processes()

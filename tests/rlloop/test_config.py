@@ -50,6 +50,12 @@ BAD_OVERRIDES = [
     (["loop.mode=fully_async", "grpo.tis_cap=null"], "loop.mode=fully_async"),
     (["loop.mode=eventually"], "loop.mode"),
     (["cluster.rollout_engines=3"], "cluster.rollout_engines=3"),
+    (["cluster.colocate=true"], "a TPU chip serves one process at a time"),
+    (["cluster.colocate=true", "cluster.device=gpu", "loop.mode=async"], "loop.mode must be sync"),
+    (
+        ["cluster.colocate=true", "cluster.device=gpu", "cluster.rollout_chips=1"],
+        "cluster.rollout_chips (1) must equal",
+    ),
 ]
 
 
