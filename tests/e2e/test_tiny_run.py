@@ -238,45 +238,40 @@ def test_without_restarts_a_killed_rollout_actor_stops_the_run_cleanly_and_resum
     assert [m["step"] for m in metrics(tmp_path)][-1] == 4
 
 
-def test_a_killed_rollout_actor_is_restarted_and_the_run_ends_as_if_nothing_happened(tmp_path):
-    """SIGKILL the engine mid-run: it is rebuilt with the trainer's weights, its requests are generated again, and
-    every step's samples and losses equal those of a run nobody touched."""
+def kill_mid_run_and_compare(tmp_path, actor: str, after_checkpoint: int) -> tuple[str, list[dict], list[dict]]:
+    """An untouched 4-step run, then the same run with `ray::<actor>` SIGKILLed once checkpoint N exists; returns
+    the killed run's output and both runs' metrics, after checking that their numbers agree step by step."""
     args = ["tracking.progress=false", "run.save_every=1", "run.eval_every=0", "rollout.backend=hf", "run.steps=4"]
     straight = run_cli(f"run.dir={tmp_path / 'straight'}", *args)
     out, _ = straight.communicate(timeout=600)
     assert straight.returncode == 0, out[-3000:]
     proc = run_cli(f"run.dir={tmp_path / 'killed'}", *args)
+    checkpoint = tmp_path / "killed" / "checkpoints" / f"step_{after_checkpoint:06d}"
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not (tmp_path / "killed" / "checkpoints" / "step_000001").exists():
+    while time.monotonic() < deadline and not checkpoint.exists():
         time.sleep(0.5)
-    subprocess.run(["pkill", "-9", "-f", "ray::RolloutWorker"], check=True)
+    subprocess.run(["pkill", "-9", "-f", f"ray::{actor}"], check=True)
     out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0 and "restarting it" in out, out[-3000:]
+    assert proc.returncode == 0, out[-3000:]
     healed, clean = metrics(tmp_path / "killed"), metrics(tmp_path / "straight")
-    assert [m["step"] for m in healed] == [1, 2, 3, 4]
-    assert healed[-1]["rollout/engine_restarts"] == 1 and clean[-1]["rollout/engine_restarts"] == 0
+    assert [m["step"] for m in healed] == [1, 2, 3, 4]  # a replayed step is logged once
     for key in ("rollout/raw_reward", "rollout/response_len/mean", "train/loss", "train/grad_norm"):
         assert [m[key] for m in healed] == pytest.approx([m[key] for m in clean], rel=1e-6, abs=1e-9), key
     assert not ray_processes()
+    return out, healed, clean
+
+
+def test_a_killed_rollout_actor_is_restarted_and_the_run_ends_as_if_nothing_happened(tmp_path):
+    """SIGKILL the engine mid-run: it is rebuilt with the trainer's weights, its requests are generated again, and
+    every step's samples and losses equal those of a run nobody touched."""
+    out, healed, clean = kill_mid_run_and_compare(tmp_path, "RolloutWorker", after_checkpoint=1)
+    assert "restarting it" in out
+    assert healed[-1]["rollout/engine_restarts"] == 1 and clean[-1]["rollout/engine_restarts"] == 0
 
 
 def test_a_killed_trainer_rank_rebuilds_from_the_checkpoint_and_the_run_matches(tmp_path):
     """SIGKILL the trainer mid-run: the driver rebuilds the cluster from the last checkpoint, replays from there
     with the same data order, and every step's numbers equal an untouched run's."""
-    args = ["tracking.progress=false", "run.save_every=1", "run.eval_every=0", "rollout.backend=hf", "run.steps=4"]
-    straight = run_cli(f"run.dir={tmp_path / 'straight'}", *args)
-    out, _ = straight.communicate(timeout=600)
-    assert straight.returncode == 0, out[-3000:]
-    proc = run_cli(f"run.dir={tmp_path / 'killed'}", *args)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not (tmp_path / "killed" / "checkpoints" / "step_000002").exists():
-        time.sleep(0.5)
-    subprocess.run(["pkill", "-9", "-f", "ray::TrainerWorker"], check=True)
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0 and "restarting from the last checkpoint (1/3)" in out, out[-3000:]
-    healed, clean = metrics(tmp_path / "killed"), metrics(tmp_path / "straight")
-    assert [m["step"] for m in healed] == [1, 2, 3, 4]  # the replayed step is logged once
+    out, healed, clean = kill_mid_run_and_compare(tmp_path, "TrainerWorker", after_checkpoint=2)
+    assert "restarting from the last checkpoint (1/3)" in out
     assert healed[-1]["train/restarts"] == 1 and clean[-1]["train/restarts"] == 0
-    for key in ("rollout/raw_reward", "rollout/response_len/mean", "train/loss", "train/grad_norm"):
-        assert [m[key] for m in healed] == pytest.approx([m[key] for m in clean], rel=1e-6, abs=1e-9), key
-    assert not ray_processes()

@@ -27,18 +27,20 @@ def hf(tiny_qwen3_dir):
     return _hf(tiny_qwen3_dir)
 
 
-def _hf_greedy(model, prompt, max_new):
+def _hf_greedy(model, prompt, max_new, eos=EOS):
+    """HF's greedy tokens, up to and including the first EOS; with eos=None, all max_new of them."""
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=max_new,
+            min_new_tokens=0 if eos is not None else max_new,
             do_sample=False,
             eos_token_id=EOS,
             pad_token_id=0,
         )
     toks = out[0, len(prompt) :].tolist()
-    return toks[: toks.index(EOS) + 1] if EOS in toks else toks
+    return toks[: toks.index(EOS) + 1] if eos is not None and EOS in toks else toks
 
 
 def _hf_logprobs(model, prompt, completion, temperature=1.0):
@@ -165,23 +167,10 @@ def test_weights_loaded_between_dispatches_apply_in_flight(tmp_path, tiny_qwen3_
     assert len(spanning) == 8 and len(late) == 4  # the first 8 rows were running when the weights changed
     assert all(c.last_weight_version == 1 for c in out)
     for c in spanning:
-        assert c.token_ids[:4] == _hf_greedy_ignore_eos(hf, prompts[c.prompt_index], 4)
+        assert c.token_ids[:4] == _hf_greedy(hf, prompts[c.prompt_index], 4, eos=None)
     new = _hf(other_dir)
     for c in late:
-        assert c.token_ids == _hf_greedy_ignore_eos(new, prompts[c.prompt_index], 12)
-
-
-def _hf_greedy_ignore_eos(model, prompt, max_new):
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new,
-            min_new_tokens=max_new,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
+        assert c.token_ids == _hf_greedy(new, prompts[c.prompt_index], 12, eos=None)
 
 
 def test_engine_from_config_only_dir_waits_for_weights(tmp_path, hf, tiny_qwen3_dir):
