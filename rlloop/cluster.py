@@ -170,13 +170,16 @@ class Cluster:
             return [getattr(w, method)(*a) for w, a in zip(workers, args)]
         import ray
 
+        timeout = self.cfg.cluster.actor_timeout_s
         try:
-            return ray.get([getattr(w, method).remote(*a) for w, a in zip(workers, args)])
-        except ray.exceptions.RayActorError as e:
+            return ray.get([getattr(w, method).remote(*a) for w, a in zip(workers, args)], timeout=timeout)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
             role = "rollout" if workers[0] in self.engines else "trainer"
             error = ClusterError if role == "rollout" else TrainerDied
+            # A hung actor is treated as dead: the restart (or close) kills it.
+            how = "died" if isinstance(e, ray.exceptions.RayActorError) else f"hung (no answer in {timeout:g} s)"
             raise error(
-                f"a {role} actor died during {method}(); the last checkpoint is intact: rerun with --resume.\n{e}"
+                f"a {role} actor {how} during {method}(); the last checkpoint is intact: rerun with --resume.\n{e}"
             ) from None
 
     # ------------------------------------------------------------------ what the loop calls
@@ -243,7 +246,9 @@ class Cluster:
             # The new engine has the checkpoint's weights: give it the trainer's current ones directly (an object
             # ref, never through the driver), and make the next push a keyframe, since it has no base for deltas.
             ray.get(self.engines[e].warmup.remote())
-            ray.get(self.engines[e].load_weights.remote(self.trainers[0].current_weights.remote()))
+            current = [t.current_weights.remote() for t in self.trainers]  # every rank joins an fsdp gather
+            ray.get(self.engines[e].load_weights.remote(current[0]))
+            ray.get(current[1:])
             ray.get(self.trainers[0].force_keyframe.remote())
         except ray.exceptions.RayActorError as err:
             raise ClusterError(f"restarting rollout engine {e} failed; rerun with --resume.\n{err}") from None
@@ -276,8 +281,9 @@ class Cluster:
         return metrics | freed
 
     def push_weights(self, version: int) -> dict[str, float]:
-        """Rank 0 publishes `version`; the engines take it at their next pull."""
-        return self._call_all(self.trainers[:1], "push_weights", [(version,)])[0]
+        """Rank 0 publishes `version` (the other ranks join the export's gather under fsdp); the engines take it at
+        their next pull."""
+        return self._call_all(self.trainers, "push_weights", [(version,)] * len(self.trainers))[0]
 
     def pull_weights(self) -> dict[str, float]:
         """Every engine loads the newest version (queued behind a generation in flight, as slime's async loop does);

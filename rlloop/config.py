@@ -140,7 +140,7 @@ class ClusterSection(Section):
     address: str | None = None  # Ray address; None: $RAY_ADDRESS or a local Ray
     use_ray: bool = True  # False: everything in this process (debugging)
     cpus_per_actor: PositiveInt = 1
-    actor_timeout_s: Annotated[float, Field(gt=0)] | None = 1800.0  # an engine call taking longer counts as dead
+    actor_timeout_s: Annotated[float, Field(gt=0)] | None = 1800.0  # an actor call taking longer counts as dead
     # Extra Ray resources each engine / trainer-rank bundle asks for: node labels that pin the roles to nodes, e.g.
     # {node_a: 0.01} with `ray start --resources='{"node_a": 1}'` on that node.
     rollout_resources: dict[str, Annotated[float, Field(gt=0)]] = {}

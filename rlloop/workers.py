@@ -176,13 +176,16 @@ class TrainerWorker:
     def train_step(self, batch) -> dict[str, float]:
         t0 = time.perf_counter()
         metrics = self.trainer.train_step(batch)
-        return {**metrics, "perf/train_busy_s": time.perf_counter() - t0}
+        state = self.trainer.state_nbytes()["total"]  # rank 0's share: what train.parallel=fsdp divides
+        return {**metrics, "perf/train_busy_s": time.perf_counter() - t0, "train/state_bytes_per_rank": state}
 
     def push_weights(self, version: int) -> dict[str, float]:
+        """Rank 0 publishes `version`. Called on every rank: under fsdp the export is a gather all ranks join."""
+        t0 = time.perf_counter()
+        weights = self.trainer.export_weights()
         if self.sender is None:
             return {}
-        t0 = time.perf_counter()
-        stats = self.sender.push(self.trainer.export_weights(), version)
+        stats = self.sender.push(weights, version)
         return {**stats.metrics(), "perf/push_s": time.perf_counter() - t0}
 
     def sleep(self) -> None:
@@ -193,9 +196,11 @@ class TrainerWorker:
         self.trainer.reload()
 
     def current_weights(self) -> tuple[int, dict]:
-        """(the last version pushed, the weights now): what a restarted engine loads."""
+        """(the last version pushed, the weights now): what a restarted engine loads. Called on every rank, like
+        push_weights; only rank 0's answer holds weights."""
+        weights = self.trainer.export_weights()
         version = self.sender.version if self.sender is not None and self.sender.version is not None else 0
-        return version, self.trainer.export_weights()
+        return version, weights
 
     def force_keyframe(self) -> None:
         if self.sender is not None:

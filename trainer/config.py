@@ -44,6 +44,9 @@ class TrainerConfig:
     model_path: Annotated[str, BeforeValidator(os.fspath)]  # HF dir or hub id (AutoModelForCausalLM)
     dtype: Literal["float32", "bfloat16"] = "float32"  # model params and compute; AdamW masters stay fp32
     device: Literal["cpu", "cuda", "tpu"] = "cpu"  # tpu needs torch_tpu, never installed on CPU machines
+    # ddp: every rank a full replica; fsdp: FSDP2 shards of parameters, gradients and AdamW state (trainer/parallel.py);
+    # auto: fsdp with several ranks. One rank is the plain model in every mode.
+    parallel: Literal["auto", "ddp", "fsdp"] = "auto"
     lr: Annotated[float, Field(gt=0)] = 1e-6
     weight_decay: Annotated[float, Field(ge=0)] = 0.1  # on matrices only; norms and biases are not decayed
     betas: tuple[Fraction, Fraction] = (0.9, 0.98)

@@ -9,26 +9,25 @@ gradient exactly, whatever the packing and however many ranks share the batch.
 bfloat16 keeps fp32 master weights for AdamW (Megatron-style): at RL learning rates (~1e-6) most updates are far below
 a bf16 weight's resolution and would round away. The model computes in bf16; gradients are accumulated in fp32 on the
 masters; after each step the masters are rounded into the model, which is also what `export_weights` returns.
+
+With several ranks the model is either replicated (`ddp`) or sharded with FSDP2 (`fsdp`); trainer/parallel.py says
+how, and why the two give the same numbers.
 """
 
 import copy
-import glob
-import os
-from dataclasses import asdict
 
 import ml_dtypes
 import numpy as np
-import safetensors.torch
 import torch
 import transformers
 
+from trainer import checkpoint
 from trainer.batching import MicroBatch, TrainBatch, collate, pack_micro_batches, split_minibatches, validate_batch
 from trainer.config import TrainerConfig
 from trainer.distributed import all_reduce_, all_reduce_grads_, broadcast_params_, init_distributed
-from trainer.logprobs import response_logprobs
 from trainer.loss import policy_loss
+from trainer.parallel import LogprobModel, even_out, full_tensors, local, resolve_parallel, shard_fsdp
 
-STATE_FILE = "trainer_state.pt"
 # Summed over micro-batches and ranks (they are aggregated losses); every other loss metric is a token mean.
 ADDITIVE_METRICS = ("loss", "pg_loss", "kl_loss")
 TOKEN_MEAN_METRICS = ("pg_clipfrac", "ppo_kl", "entropy", "logprob_abs_diff")
@@ -65,8 +64,13 @@ class Trainer:
         init_distributed(rank, world_size, cfg.device)
         # nccl only reduces device tensors; gloo takes CPU ones.
         self.reduce_device = self.device if cfg.device == "cuda" else torch.device("cpu")
+        self.parallel = resolve_parallel(cfg.parallel, world_size)
+        self.export_dtype = getattr(torch, cfg.dtype)
+        sharded = self.parallel == "fsdp"
 
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=getattr(torch, cfg.dtype))
+        # fsdp keeps fp32 shards (the masters) and computes in cfg.dtype through its mixed-precision policy.
+        load_dtype = torch.float32 if sharded else self.export_dtype
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=load_dtype)
         self.model.to(self.device)
         if cfg.gradient_checkpointing:
             # transformers >= 5.x renamed it; non-reentrant checkpointing works with inputs that need no grad.
@@ -79,15 +83,18 @@ class Trainer:
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
 
+        broadcast_params_(list(self.model.parameters()))
+        self.scorer, self.ref_scorer = LogprobModel(self.model), None
+        if cfg.loss.kl_coef != 0.0:
+            self.ref_scorer = LogprobModel(copy.deepcopy(self.model).eval().requires_grad_(False))
+        if sharded:
+            for scorer in filter(None, (self.scorer, self.ref_scorer)):
+                shard_fsdp(scorer, self.device, self.export_dtype)
+
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        broadcast_params_(self.params)
-        self.ref_model = None
-        if cfg.loss.kl_coef != 0.0:
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
-
-        if cfg.dtype == "float32":
+        if cfg.dtype == "float32" or sharded:
             self.masters = self.params
         else:
             self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
@@ -129,8 +136,8 @@ class Trainer:
         plans = [self._plan(batch, idx) for idx in minibatches]
         # With one minibatch the weights that scored the batch are the ones being trained: πold = πθ.detach(),
         # as TRL does, which saves a forward pass. Otherwise every minibatch must see the pre-step policy.
-        old = [self._score(self.model, mbs) for mbs in plans] if len(plans) > 1 else [None] * len(plans)
-        ref = [self._score(self.ref_model, mbs) for mbs in plans] if self.ref_model is not None else [None] * len(plans)
+        old = [self._score(self.scorer, mbs) for mbs in plans] if len(plans) > 1 else [None] * len(plans)
+        ref = [self._score(self.ref_scorer, mbs) for mbs in plans] if self.ref_scorer else [None] * len(plans)
 
         totals: dict[str, float] = {}
         grad_norms = []
@@ -166,11 +173,12 @@ class Trainer:
                 ).rollout_logp.to(self.device)
                 for mb in mbs
             ]
-        ref = self._score(self.ref_model, mbs) if self.ref_model is not None else None
+        ref = self._score(self.ref_scorer, mbs) if self.ref_scorer is not None else None
         self.optimizer.zero_grad(set_to_none=True)
         sums = self._accumulate_gradients(mbs, old, ref)
-        all_reduce_grads_(self.masters)
-        grads = {n: m.grad.detach().clone() for n, m in zip(self.param_names, self.masters) if m.grad is not None}
+        if self.parallel == "ddp":
+            all_reduce_grads_(self.masters)
+        grads = {n: _full(m.grad).clone() for n, m in zip(self.param_names, self.masters) if m.grad is not None}
         self.optimizer.zero_grad(set_to_none=True)
         return grads, self._finish_metrics(sums)
 
@@ -180,8 +188,8 @@ class Trainer:
         batch = TrainBatch(prompts, responses, [0.0] * len(prompts))
         validate_batch(batch, self.vocab_size)
         out: list[np.ndarray] = [None] * len(batch)
-        for mb in self._plan(batch, list(range(len(batch)))):
-            logp, _ = response_logprobs(self.model, mb, self.cfg.temperature)
+        mbs = self._plan(batch, list(range(len(batch))))
+        for mb, logp in zip(mbs, self._score(self.scorer, mbs)):
             for row, i in enumerate(mb.indices):
                 out[i] = logp[row, : len(responses[i])].cpu().numpy().astype(np.float32)
         return out
@@ -191,9 +199,14 @@ class Trainer:
         groups = pack_micro_batches(lengths, self.cfg.micro_batch_tokens)
         return [collate(batch, group, self.pad_id) for group in groups]
 
+    def _even_out(self, mbs: list[MicroBatch]) -> tuple[list[MicroBatch], int]:
+        """Under fsdp every rank must run as many forwards as the busiest one (trainer/parallel.py)."""
+        return even_out(mbs, self.pad_id, self.reduce_device) if self.parallel == "fsdp" else (mbs, len(mbs))
+
     @torch.no_grad()
-    def _score(self, model: torch.nn.Module, mbs: list[MicroBatch]) -> list[torch.Tensor]:
-        return [response_logprobs(model, mb, self.cfg.temperature)[0] for mb in mbs]
+    def _score(self, scorer: LogprobModel, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        padded, real = self._even_out(mbs)
+        return [scorer(mb, self.cfg.temperature)[0] for mb in padded][:real]
 
     def _accumulate_gradients(
         self, mbs: list[MicroBatch], old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None
@@ -221,10 +234,14 @@ class Trainer:
 
         sums = {k: 0.0 for k in ADDITIVE_METRICS + TOKEN_MEAN_METRICS}
         sums["tokens"], sums["micro_batches"] = 0.0, float(len(mbs))
-        for j, mb in enumerate(mbs):
+        padded, real = self._even_out(mbs)
+        for j, mb in enumerate(padded):
+            if j >= real:  # a filler: joins the collectives, adds nothing to the gradient
+                (self.scorer(mb, cfg.temperature)[0].sum() * 0.0).backward()
+                continue
             mask = mb.response_mask.to(self.device)
-            logp, entropy = response_logprobs(
-                self.model, mb, cfg.temperature, with_entropy=True, entropy_grad=cfg.loss.entropy_coef != 0.0
+            logp, entropy = self.scorer(
+                mb, cfg.temperature, with_entropy=True, entropy_grad=cfg.loss.entropy_coef != 0.0
             )
             loss, m = policy_loss(
                 logp,
@@ -270,8 +287,9 @@ class Trainer:
             p.grad = None
 
     def _optimizer_step(self) -> float:
-        all_reduce_grads_(self.masters)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.masters, self.cfg.max_grad_norm))
+        if self.parallel == "ddp":  # fsdp reduce-scattered them during backward
+            all_reduce_grads_(self.masters)
+        grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(self.masters, self.cfg.max_grad_norm)))
         if np.isfinite(grad_norm):
             self.optimizer.step()
             self.scheduler.step()
@@ -312,8 +330,14 @@ class Trainer:
 
     def export_weights(self) -> dict[str, np.ndarray]:
         """Current weights keyed by HF parameter name, as save_pretrained would write them (a tied lm_head is left
-        out). float32 arrays share memory with the live CPU parameters and bfloat16 ones are views of their bits:
-        copy or encode them before the next train_step changes them under you."""
+        out), in the model dtype.
+
+        ddp: float32 arrays share memory with the live CPU parameters and bfloat16 ones are views of their bits:
+        copy or encode them before the next train_step changes them under you.
+        fsdp: a collective, gathered one tensor at a time (trainer/parallel.py); every rank must call it, rank 0
+        gets the (fresh) arrays and the other ranks an empty dict."""
+        if self.parallel == "fsdp":
+            return {n: to_numpy(t) for n, t in full_tensors(self.model, self.export_dtype, keep=self.rank == 0)}
         out: dict[str, np.ndarray] = {}
         seen: set[int] = set()
         for name, tensor in self.model.state_dict(keep_vars=True).items():
@@ -323,54 +347,25 @@ class Trainer:
             out[name] = to_numpy(tensor)
         return out
 
+    def state_nbytes(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters (and fp32 masters), gradients and AdamW state: what fsdp shards."""
+        masters = [] if self.masters is self.params else self.masters
+        params = sum(local(p).nbytes for p in [*self.model.parameters(), *masters])
+        grads = sum(local(m.grad).nbytes for m in self.masters if m.grad is not None)
+        optim = sum(local(v).nbytes for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v))
+        return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+
     def save(self, path) -> None:
-        """Write an HF model directory plus trainer_state.pt (optimizer, scheduler, fp32 masters, RNG, step).
-        Rank 0 writes (ranks are identical); trainer_state.pt is written last, so its presence marks a complete
-        checkpoint."""
-        path = os.fspath(path)
-        if self.rank == 0:
-            os.makedirs(path, exist_ok=True)
-            self.model.save_pretrained(path)
-            state = {
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "masters": None if self.masters is self.params else [m.detach() for m in self.masters],
-                "torch_rng": torch.get_rng_state(),
-                "step": self.step,
-                "config": {k: v for k, v in asdict(self.cfg).items() if k != "loss"},
-            }
-            if torch.cuda.is_available():
-                state["cuda_rng"] = torch.cuda.get_rng_state_all()
-            tmp = os.path.join(path, STATE_FILE + ".tmp")
-            torch.save(state, tmp)
-            os.replace(tmp, os.path.join(path, STATE_FILE))
-        if self.world_size > 1:
-            torch.distributed.barrier()
+        """Write a checkpoint: an HF model directory plus the trainer state (trainer/checkpoint.py). Every rank
+        must call it."""
+        checkpoint.save(self, path)
 
     def load(self, path) -> None:
-        """Restore what `save` wrote into this trainer (same model architecture and config)."""
-        path = os.fspath(path)
-        state_path = os.path.join(path, STATE_FILE)
-        if not os.path.exists(state_path):
-            raise ValueError(f"{path!r} is not a complete trainer checkpoint: {STATE_FILE} is missing")
-        expected = self.export_weights()
-        loaded: dict[str, torch.Tensor] = {}
-        for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-            loaded.update(safetensors.torch.load_file(file))
-        missing = sorted(set(expected) - set(loaded))
-        if missing:
-            raise ValueError(f"checkpoint {path!r} lacks parameter {missing[0]!r} ({len(missing)} missing)")
-        state = torch.load(state_path, weights_only=True)
-        live = self.model.state_dict()
-        with torch.no_grad():
-            for name in expected:
-                live[name].copy_(loaded[name])
-            if state["masters"] is not None:
-                for m, saved in zip(self.masters, state["masters"]):
-                    m.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["torch_rng"])
-        if "cuda_rng" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
-        self.step = state["step"]
+        """Restore what `save` wrote into this trainer (same model architecture, config and parallel mode)."""
+        checkpoint.load(self, path)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A whole tensor from a possibly sharded one (a collective for a DTensor)."""
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -238,40 +239,81 @@ def test_without_restarts_a_killed_rollout_actor_stops_the_run_cleanly_and_resum
     assert [m["step"] for m in metrics(tmp_path)][-1] == 4
 
 
-def kill_mid_run_and_compare(tmp_path, actor: str, after_checkpoint: int) -> tuple[str, list[dict], list[dict]]:
-    """An untouched 4-step run, then the same run with `ray::<actor>` SIGKILLed once checkpoint N exists; returns
-    the killed run's output and both runs' metrics, after checking that their numbers agree step by step."""
-    args = ["tracking.progress=false", "run.save_every=1", "run.eval_every=0", "rollout.backend=hf", "run.steps=4"]
-    straight = run_cli(f"run.dir={tmp_path / 'straight'}", *args)
-    out, _ = straight.communicate(timeout=600)
-    assert straight.returncode == 0, out[-3000:]
-    proc = run_cli(f"run.dir={tmp_path / 'killed'}", *args)
-    checkpoint = tmp_path / "killed" / "checkpoints" / f"step_{after_checkpoint:06d}"
+KILL_ARGS = ["tracking.progress=false", "run.save_every=1", "run.eval_every=0", "rollout.backend=hf", "run.steps=4"]
+
+
+def temp_entries() -> set[str]:
+    """What sits in the temp directory, less Ray's own session logs (kept by Ray by design)."""
+    return {p for p in os.listdir(tempfile.gettempdir()) if p != "ray"}
+
+
+@pytest.fixture(scope="module")
+def untouched_run(tmp_path_factory) -> list[dict]:
+    """The 4-step run every fault below is compared against."""
+    run_dir = tmp_path_factory.mktemp("untouched")
+    proc = run_cli(f"run.dir={run_dir}", *KILL_ARGS)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    return metrics(run_dir)
+
+
+def fault_mid_run(tmp_path, clean: list[dict], actor: str, sig: signal.Signals, after_checkpoint: int, *extra):
+    """The untouched run again, with `ray::<actor>` sent `sig` once checkpoint N exists (SIGSTOP: it hangs); checks
+    that the run heals into the same numbers, step by step, and leaves nothing behind; returns its output and
+    metrics."""
+    shm, temp = shm_segments(), temp_entries()
+    proc = run_cli(f"run.dir={tmp_path}", *KILL_ARGS, *extra)
+    checkpoint = tmp_path / "checkpoints" / f"step_{after_checkpoint:06d}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not checkpoint.exists():
         time.sleep(0.5)
-    subprocess.run(["pkill", "-9", "-f", f"ray::{actor}"], check=True)
+    subprocess.run(["pkill", f"-{sig.name.removeprefix('SIG')}", "-f", f"ray::{actor}"], check=True)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
-    healed, clean = metrics(tmp_path / "killed"), metrics(tmp_path / "straight")
+    healed = metrics(tmp_path)
     assert [m["step"] for m in healed] == [1, 2, 3, 4]  # a replayed step is logged once
     for key in ("rollout/raw_reward", "rollout/response_len/mean", "train/loss", "train/grad_norm"):
         assert [m[key] for m in healed] == pytest.approx([m[key] for m in clean], rel=1e-6, abs=1e-9), key
     assert not ray_processes()
-    return out, healed, clean
+    assert shm_segments() <= shm, "shared-memory segments left behind"
+    assert temp_entries() <= temp, f"left in the temp dir: {temp_entries() - temp}"
+    return out, healed
 
 
-def test_a_killed_rollout_actor_is_restarted_and_the_run_ends_as_if_nothing_happened(tmp_path):
-    """SIGKILL the engine mid-run: it is rebuilt with the trainer's weights, its requests are generated again, and
-    every step's samples and losses equal those of a run nobody touched."""
-    out, healed, clean = kill_mid_run_and_compare(tmp_path, "RolloutWorker", after_checkpoint=1)
+# (actor, signal, after checkpoint N): each kind of death of each actor kind. SIGSTOP freezes the actor, which the
+# driver must notice by cluster.actor_timeout_s alone.
+ENGINE_FAULTS = [("RolloutWorker", signal.SIGKILL, 1), ("RolloutWorker", signal.SIGTERM, 2)]
+TRAINER_FAULTS = [("TrainerWorker", signal.SIGKILL, 2), ("TrainerWorker", signal.SIGTERM, 1)]
+HANG = ["cluster.actor_timeout_s=20"]
+
+
+@pytest.mark.parametrize("actor, sig, after", ENGINE_FAULTS, ids=lambda v: getattr(v, "name", str(v)))
+def test_a_dead_rollout_engine_is_restarted_and_the_run_ends_as_if_nothing_happened(
+    tmp_path, untouched_run, actor, sig, after
+):
+    """The engine is rebuilt with the trainer's weights, its requests are generated again, and every step's samples
+    and losses equal those of a run nobody touched."""
+    out, healed = fault_mid_run(tmp_path, untouched_run, actor, sig, after)
     assert "restarting it" in out
-    assert healed[-1]["rollout/engine_restarts"] == 1 and clean[-1]["rollout/engine_restarts"] == 0
+    assert healed[-1]["rollout/engine_restarts"] == 1 and untouched_run[-1]["rollout/engine_restarts"] == 0
 
 
-def test_a_killed_trainer_rank_rebuilds_from_the_checkpoint_and_the_run_matches(tmp_path):
-    """SIGKILL the trainer mid-run: the driver rebuilds the cluster from the last checkpoint, replays from there
-    with the same data order, and every step's numbers equal an untouched run's."""
-    out, healed, clean = kill_mid_run_and_compare(tmp_path, "TrainerWorker", after_checkpoint=2)
+@pytest.mark.parametrize("actor, sig, after", TRAINER_FAULTS, ids=lambda v: getattr(v, "name", str(v)))
+def test_a_dead_trainer_rank_rebuilds_from_the_checkpoint_and_the_run_matches(
+    tmp_path, untouched_run, actor, sig, after
+):
+    """The driver rebuilds the cluster from the last checkpoint, replays from there with the same data order, and
+    every step's numbers equal an untouched run's."""
+    out, healed = fault_mid_run(tmp_path, untouched_run, actor, sig, after)
     assert "restarting from the last checkpoint (1/3)" in out
-    assert healed[-1]["train/restarts"] == 1 and clean[-1]["train/restarts"] == 0
+    assert healed[-1]["train/restarts"] == 1 and untouched_run[-1]["train/restarts"] == 0
+
+
+def test_a_hung_trainer_is_treated_as_dead(tmp_path, untouched_run):
+    out, healed = fault_mid_run(tmp_path, untouched_run, "TrainerWorker", signal.SIGSTOP, 2, *HANG)
+    assert "hung (no answer in 20 s)" in out and healed[-1]["train/restarts"] == 1
+
+
+def test_a_hung_rollout_engine_is_restarted(tmp_path, untouched_run):
+    out, healed = fault_mid_run(tmp_path, untouched_run, "RolloutWorker", signal.SIGSTOP, 1, *HANG)
+    assert "GetTimeoutError" in out and healed[-1]["rollout/engine_restarts"] == 1

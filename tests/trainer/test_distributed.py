@@ -1,14 +1,19 @@
-"""Two gloo ranks, each on its slice of a batch, end with the same weights as one rank on the whole batch."""
+"""Two gloo ranks, each on its slice of a batch, end with the same weights as one rank on the whole batch, whether
+they replicate the model (ddp) or shard it with FSDP2 (fsdp); fsdp holds half the state per rank and its exports
+and checkpoints round-trip bit-exactly."""
 
 import json
+import os
 
 import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+import transformers
 
 from tests.trainer.conftest import random_batch
 from trainer import LossConfig, Trainer, TrainerConfig, shard_batch
+from weight_sync import make_receiver, make_sender
 
 # name, samples, minibatches, aggregation, kl_coef. Odd sample counts give the ranks unequal shares, which is where
 # a per-rank normalisation would go wrong. bnpo is absent on purpose: it normalises by each rank's own tokens
@@ -19,14 +24,18 @@ CASES = [
     ("dr_grpo_uneven", 7, 1, "dr_grpo", 0.0),
     ("grpo_uneven_kl", 7, 1, "grpo", 0.05),
 ]
+# bnpo normalises by each rank's own tokens, so two ranks equal each other across modes, not one rank.
+BNPO = ("bnpo_uneven", 7, 1, "bnpo", 0.0)
+MODES = ("ddp", "fsdp")
 
 
-def make_config(model_dir, minibatches, agg, kl_coef):
+def make_config(model_dir, minibatches, agg, kl_coef, parallel="auto"):
     return TrainerConfig(
         str(model_dir),
         lr=1e-3,
         minibatches=minibatches,
-        micro_batch_tokens=30,
+        micro_batch_tokens=30,  # a few micro-batches per rank, and not the same number on both ranks
+        parallel=parallel,
         loss=LossConfig(loss_agg=agg, kl_coef=kl_coef, tis_cap=2.0),
     )
 
@@ -36,12 +45,23 @@ def train_on_rank(rank, world_size, model_dir, init_file, out_dir):
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
-        for name, n, minibatches, agg, kl_coef in CASES:
-            trainer = Trainer(make_config(model_dir, minibatches, agg, kl_coef), rank, world_size)
-            metrics = trainer.train_step(shard_batch(random_batch(n, seed=n), rank, world_size))
-            np.savez(f"{out_dir}/{name}_rank{rank}.npz", **trainer.export_weights())
-            with open(f"{out_dir}/{name}_rank{rank}.json", "w") as f:
-                json.dump(metrics, f)
+        for parallel in MODES:
+            for name, n, minibatches, agg, kl_coef in [*CASES, BNPO]:
+                trainer = Trainer(make_config(model_dir, minibatches, agg, kl_coef, parallel), rank, world_size)
+                metrics = trainer.train_step(shard_batch(random_batch(n, seed=n), rank, world_size))
+                metrics["state_bytes"] = trainer.state_nbytes()["total"]
+                np.savez(f"{out_dir}/{parallel}_{name}_rank{rank}.npz", **trainer.export_weights())
+                with open(f"{out_dir}/{parallel}_{name}_rank{rank}.json", "w") as f:
+                    json.dump(metrics, f)
+        # A sharded checkpoint written, loaded into a fresh trainer, exported again; and its HF directory.
+        trainer.save(f"{out_dir}/checkpoint")
+        resumed = Trainer(make_config(model_dir, 1, "bnpo", 0.0, "fsdp"), rank, world_size)
+        resumed.load(f"{out_dir}/checkpoint")
+        np.savez(f"{out_dir}/fsdp_resumed_rank{rank}.npz", **resumed.export_weights())
+        batch = shard_batch(random_batch(6, seed=1), rank, world_size)
+        same = trainer.train_step(batch) == resumed.train_step(batch)
+        with open(f"{out_dir}/fsdp_resumed_step_rank{rank}.json", "w") as f:
+            json.dump(same, f)
         # Rank 1 gets a malformed share: both ranks must raise instead of rank 0 waiting in a collective forever.
         batch = shard_batch(random_batch(8, seed=8), rank, world_size)
         if rank == 1:
@@ -64,35 +84,95 @@ def two_rank_results(tmp_path_factory, tiny_qwen3_dir):
     return out
 
 
+def rank_results(out, parallel: str, name: str) -> tuple[dict, dict]:
+    """Rank 0's exported weights and metrics (fsdp exports to rank 0 only; ddp ranks must agree bitwise)."""
+    weights = [dict(np.load(out / f"{parallel}_{name}_rank{r}.npz")) for r in (0, 1)]
+    metrics = [json.loads((out / f"{parallel}_{name}_rank{r}.json").read_text()) for r in (0, 1)]
+    if parallel == "ddp":
+        for key, value in weights[0].items():
+            assert np.array_equal(value, weights[1][key]), f"ranks disagree on {key}"
+    else:
+        assert weights[1] == {}, "fsdp gathers the export to rank 0 only"
+    assert {k: v for k, v in metrics[0].items() if k != "state_bytes"} == {
+        k: v for k, v in metrics[1].items() if k != "state_bytes"
+    }
+    return weights[0], metrics[0]
+
+
+METRICS = (
+    "train/loss",
+    "train/pg_loss",
+    "train/kl_loss",
+    "train/grad_norm",
+    "train/entropy",
+    "train/pg_clipfrac",
+    "train/ppo_kl",
+    "train/logprob_abs_diff",
+    "train/tokens",
+)
+
+
+@pytest.mark.parametrize("parallel", MODES)
 @pytest.mark.parametrize("name, n, minibatches, agg, kl_coef", CASES)
-def test_two_ranks_equal_one_rank(two_rank_results, tiny_qwen3_dir, name, n, minibatches, agg, kl_coef):
+def test_two_ranks_equal_one_rank(two_rank_results, tiny_qwen3_dir, parallel, name, n, minibatches, agg, kl_coef):
     single = Trainer(make_config(tiny_qwen3_dir, minibatches, agg, kl_coef))
     initial = {k: v.copy() for k, v in single.export_weights().items()}
     single_metrics = single.train_step(random_batch(n, seed=n))
     want = single.export_weights()
 
-    ranks = [np.load(two_rank_results / f"{name}_rank{r}.npz") for r in (0, 1)]
+    got, metrics = rank_results(two_rank_results, parallel, name)
+    assert got.keys() == want.keys()
     moved = 0.0
     for key, value in want.items():
-        assert np.array_equal(ranks[0][key], ranks[1][key]), f"ranks disagree on {key}"
-        np.testing.assert_allclose(ranks[0][key], value, atol=1e-5, rtol=0, err_msg=key)
+        np.testing.assert_allclose(got[key], value, atol=1e-5, rtol=0, err_msg=key)
         moved = max(moved, float(np.abs(value - initial[key]).max()))
     assert moved > 1e-4  # the step did something, so agreement means something
-
-    metrics = json.loads((two_rank_results / f"{name}_rank0.json").read_text())
-    assert metrics == json.loads((two_rank_results / f"{name}_rank1.json").read_text())
-    for key in (
-        "train/loss",
-        "train/pg_loss",
-        "train/kl_loss",
-        "train/grad_norm",
-        "train/entropy",
-        "train/pg_clipfrac",
-        "train/ppo_kl",
-        "train/logprob_abs_diff",
-        "train/tokens",
-    ):
+    for key in METRICS:
         assert metrics[key] == pytest.approx(single_metrics[key], rel=1e-4, abs=1e-6), key
+
+
+def test_bnpo_fsdp_equals_ddp_on_two_ranks(two_rank_results):
+    ddp, ddp_metrics = rank_results(two_rank_results, "ddp", BNPO[0])
+    fsdp, fsdp_metrics = rank_results(two_rank_results, "fsdp", BNPO[0])
+    for key, value in ddp.items():
+        np.testing.assert_allclose(fsdp[key], value, atol=1e-5, rtol=0, err_msg=key)
+    for key in METRICS:
+        assert fsdp_metrics[key] == pytest.approx(ddp_metrics[key], rel=1e-4, abs=1e-6), key
+
+
+def test_fsdp_holds_half_the_state_per_rank(two_rank_results):
+    """Parameters, gradients and AdamW state after a step, per rank, as held in memory (local shards)."""
+    for name, *_ in CASES:
+        ddp = json.loads((two_rank_results / f"ddp_{name}_rank0.json").read_text())["state_bytes"]
+        fsdp = [json.loads((two_rank_results / f"fsdp_{name}_rank{r}.json").read_text())["state_bytes"] for r in (0, 1)]
+        assert sum(fsdp) == pytest.approx(ddp, rel=0.01), name  # nothing replicated, nothing lost
+        assert max(fsdp) <= 0.51 * ddp, name
+
+
+def test_fsdp_checkpoint_round_trips_bit_exactly(two_rank_results, tiny_qwen3_dir):
+    saved, _ = rank_results(two_rank_results, "fsdp", BNPO[0])
+    resumed = dict(np.load(two_rank_results / "fsdp_resumed_rank0.npz"))
+    assert resumed.keys() == saved.keys()
+    for key, value in saved.items():
+        assert np.array_equal(resumed[key], value), key
+    for r in (0, 1):  # and the next step after the resume is the same step
+        assert json.loads((two_rank_results / f"fsdp_resumed_step_rank{r}.json").read_text()) is True
+    # The HF directory beside the shards is the exported policy.
+    hf = transformers.AutoModelForCausalLM.from_pretrained(two_rank_results / "checkpoint", dtype=torch.float32)
+    for name, tensor in hf.state_dict().items():
+        if name in saved:
+            assert np.array_equal(tensor.numpy(), saved[name]), name
+
+
+def test_fsdp_export_goes_through_weight_sync_bit_exactly(two_rank_results, tmp_path):
+    exported, _ = rank_results(two_rank_results, "fsdp", CASES[0][0])
+    run_id = f"fsdp-export-{os.getpid()}"
+    with make_sender("shm", run_id=run_id) as sender, make_receiver("shm", run_id=run_id) as receiver:
+        sender.push(exported, version=1)
+        version, arrays = receiver.pull()
+    assert version == 1 and arrays.keys() == exported.keys()
+    for key, value in exported.items():
+        assert arrays[key].dtype == value.dtype and np.array_equal(arrays[key], value), key
 
 
 def test_a_rejected_share_fails_every_rank(two_rank_results):
