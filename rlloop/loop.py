@@ -77,10 +77,21 @@ def run_recipe(cfg: Config, resume: bool = False, trainer_restarts: int = 0) -> 
                 if cfg.tracking.save_rollouts:
                     tracker.save_rollouts(step, batch.samples.rows())
             if evaluating and step % cfg.run.eval_every == 0:
-                metrics |= rollout.evaluate()
+                t0 = time.perf_counter()
+                metrics |= rollout.evaluate() | {"perf/eval_s": time.perf_counter() - t0}
             metrics |= {"perf/step_s": time.perf_counter() - t_step, "train/restarts": trainer_restarts}
+            metrics |= step_overhead(metrics)
             metrics |= rollout.counters()
             tracker.log(step, metrics)
             if cfg.run.save_every and (step % cfg.run.save_every == 0 or step == cfg.run.steps):
                 save_checkpoint(run_dir, step, {"data": batches.resume_state()}, cluster.save)
     return run_dir
+
+
+def step_overhead(metrics: dict[str, float]) -> dict[str, float]:
+    """The step's seconds outside generation (or, in the async modes, waiting for it), training, sync and eval:
+    scoring, advantages, batch transfer, logging; what the loop itself costs."""
+    rollout = metrics.get("perf/rollout_wait_s", metrics.get("perf/rollout_s", 0.0))
+    busy = rollout + sum(metrics.get(f"perf/{k}_s", 0.0) for k in ("train", "sync", "eval"))
+    other = max(metrics["perf/step_s"] - busy, 0.0)
+    return {"perf/other_s": other, "perf/other_frac": other / max(metrics["perf/step_s"], 1e-9)}
