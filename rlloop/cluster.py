@@ -75,6 +75,11 @@ def actor_env(cfg: Config, threads: int, rollout: bool, cores: range) -> dict[st
                 f"--xla_force_host_platform_device_count={cfg.cluster.rollout_chips // cfg.cluster.rollout_engines} "
                 f"--xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'}"
             )
+    if cfg.cluster.device == "gpu" and rollout and cfg.cluster.colocate:
+        # JAX would grab 75% of the GPU at start and its pooling allocator never hands freed memory back: the
+        # engine's release() must return its cache and weights to CUDA for the trainer sharing the GPU to use.
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        env["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
     return env
 
 

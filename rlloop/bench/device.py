@@ -1,0 +1,241 @@
+"""`python -m rlloop.bench device`: the accelerator check, one short script for the minutes a device machine is lent.
+
+    python -m rlloop.bench device              # on a GPU (or TPU) host: a few minutes, one JSON line at the end
+    python -m rlloop.bench device --quick      # the same code paths on CPU with a tiny model (what the tests run)
+
+Four parts, each reported even when another fails (its error is recorded instead):
+  engine   the JAX engine in bf16 on a random Qwen3-0.6B-shaped model (28 layers, hidden 1024, 16/8 heads of 128,
+           vocab 151,936): tokens/s, MFU and MBU against the device's measured peaks (rlloop.bench.peaks), compiles
+           after warmup (must be 0)
+  trainer  one torch Trainer step in bf16 on the same shapes on cuda (cpu with --quick): seconds, tokens/s, MFU
+           against a measured torch matmul peak, peak device memory
+  tiny     the embedded example for a few steps with cluster.device=gpu and cluster.colocate=true (one GPU holds
+           both roles: the offload path runs for real); reward and compiles from its metrics.jsonl
+  nccl     two trainer ranks over nccl (fsdp) when the host has two GPUs: both ranks' loss, equal
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+from rlloop.bench.rollout import make_prompts, save_random_qwen3
+
+TINY = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml"
+QWEN3_0_6B = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+)
+QUICK = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
+
+
+def bench_engine(path: Path, args) -> dict:
+    from rlloop.bench.peaks import measure_peaks
+    from rollout.engine import JaxEngine
+    from rollout.engine_config import EngineConfig
+    from rollout.model_config import ModelConfig
+    from rollout.types import SamplingParams
+
+    vocab = ModelConfig.from_dir(str(path)).vocab_size
+    prompts = make_prompts(args.prompts, vocab, args.prompt_len // 2, args.prompt_len, seed=0)
+    sampling = SamplingParams(max_new_tokens=args.new_tokens, stop_token_ids=(), seed=0, ignore_eos=True)
+    engine = JaxEngine(
+        EngineConfig(
+            model_path=str(path),
+            dtype="bfloat16",
+            max_batch=args.prompts * args.n,
+            max_seq_len=args.prompt_len + args.new_tokens,
+        )
+    )
+    t0 = time.perf_counter()
+    engine.warmup()
+    warmup_s = time.perf_counter() - t0
+    engine.generate(prompts, args.n, sampling)  # first run: touches every program once more, not timed
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, args.n, sampling)
+    seconds = time.perf_counter() - t0
+    stats, peaks = engine.stats(), measure_peaks("bfloat16")
+    tokens = sum(len(c.token_ids) for c in out)
+    return {
+        "device_kind": peaks["device_kind"],
+        "tok_s": tokens / seconds,
+        "mfu": stats["flops"] / seconds / peaks["matmul_flops"],
+        "mbu": stats["bytes"] / seconds / peaks["mem_bytes_per_s"],
+        "compiles_after_warmup": stats["compiles"],
+        "warmup_s": warmup_s,
+        "peak_matmul_tflops": peaks["matmul_flops"] / 1e12,
+        "peak_mem_gb_s": peaks["mem_bytes_per_s"] / 1e9,
+    }
+
+
+def torch_matmul_peak(device: str) -> float:
+    import torch
+
+    n = 8192 if device == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    best = float("inf")
+    for _ in range(5):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ a
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
+def bench_trainer(path: Path, args) -> dict:
+    import torch
+
+    from trainer import TrainBatch, Trainer, TrainerConfig
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = TrainerConfig(str(path), dtype="bfloat16", device=device, lr=1e-6, gradient_checkpointing=True)
+    trainer = Trainer(cfg)
+    rng = np.random.default_rng(0)
+    rows = args.prompts * args.n
+    vocab = trainer.vocab_size
+    batch = TrainBatch(
+        [rng.integers(3, vocab, args.prompt_len).tolist() for _ in range(rows)],
+        [rng.integers(3, vocab, args.new_tokens).tolist() for _ in range(rows)],
+        rng.normal(size=rows).tolist(),
+    )
+    trainer.train_step(batch)  # allocator and kernel warmup
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    metrics = trainer.train_step(batch)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    params = sum(p.numel() for p in trainer.model.parameters())
+    tokens = rows * (args.prompt_len + args.new_tokens)
+    # 6 N per token for forward + backward, plus one more forward for the checkpointed recomputation.
+    flops = 8.0 * params * tokens
+    return {
+        "device": device,
+        "step_s": seconds,
+        "tok_s": tokens / seconds,
+        "mfu": flops / seconds / torch_matmul_peak(device),
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None,
+        "loss": metrics["train/loss"],
+    }
+
+
+def bench_tiny(args, workdir: Path) -> dict:
+    from rlloop.config import load_config
+    from rlloop.loop import train
+
+    overrides = [f"run.dir={workdir / 'tiny'}", f"run.steps={args.tiny_steps}", "run.save_every=0"]
+    overrides += ["run.eval_every=0", "tracking.progress=false"]
+    if args.quick:
+        overrides += ["cluster.use_ray=false"]
+    else:
+        overrides += ["cluster.device=gpu", "cluster.colocate=true"]
+    t0 = time.perf_counter()
+    run_dir = train(load_config(str(TINY), overrides))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {
+        "steps": len(rows),
+        "wall_s": time.perf_counter() - t0,
+        "reward_first": rows[0]["rollout/raw_reward"],
+        "reward_last": rows[-1]["rollout/raw_reward"],
+        "compiles": sum(r.get("perf/compiles", 0.0) for r in rows),
+        "logprob_abs_diff": max(r["train/logprob_abs_diff"] for r in rows),
+        "device_bytes_while_training": rows[-1].get("rollout/device_bytes_while_training"),
+    }
+
+
+def _nccl_rank(rank: int, path: str, init_file: str, out_dir: str) -> None:
+    import torch
+
+    from trainer import TrainBatch, Trainer, TrainerConfig, shard_batch
+
+    torch.cuda.set_device(rank)
+    torch.distributed.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        rng = np.random.default_rng(0)
+        batch = TrainBatch(
+            [rng.integers(3, 500, 32).tolist() for _ in range(8)],
+            [rng.integers(3, 500, 32).tolist() for _ in range(8)],
+            rng.normal(size=8).tolist(),
+        )
+        trainer = Trainer(TrainerConfig(path, dtype="bfloat16", device="cuda", parallel="fsdp"), rank, 2)
+        metrics = trainer.train_step(shard_batch(batch, rank, 2))
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(metrics))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def bench_nccl(path: Path, workdir: Path) -> dict:
+    import torch
+    import torch.multiprocessing as mp
+
+    if torch.cuda.device_count() < 2:
+        return {"skipped": f"needs 2 GPUs, this host has {torch.cuda.device_count()}"}
+    mp.spawn(_nccl_rank, args=(str(path), str(workdir / "nccl_init"), str(workdir)), nprocs=2, join=True)
+    losses = [json.loads((workdir / f"rank{r}.json").read_text())["train/loss"] for r in (0, 1)]
+    return {"losses": losses, "ranks_agree": losses[0] == losses[1]}
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m rlloop.bench device", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny shapes on CPU: the code paths, not the figures")
+    ap.add_argument("--parts", default="engine,trainer,tiny,nccl")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--tiny-steps", type=int, default=5)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.prompts, args.n, args.prompt_len, args.new_tokens, args.tiny_steps = 2, 2, 8, 8, 2
+    return args
+
+
+def main(argv: list[str]) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    # The engine and the trainer parts share this process's GPU: JAX must not reserve 75% of it up front.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    args = parse_args(argv)
+    report: dict = {"bench": "device", "quick": args.quick}
+    with tempfile.TemporaryDirectory(prefix="rlloop_bench_device_") as tmp:
+        workdir = Path(tmp)
+        path = save_random_qwen3(workdir / "model", **(QUICK if args.quick else QWEN3_0_6B))
+        parts = {
+            "engine": lambda: bench_engine(path, args),
+            "trainer": lambda: bench_trainer(path, args),
+            "tiny": lambda: bench_tiny(args, workdir),
+            "nccl": lambda: bench_nccl(path, workdir),
+        }
+        for name in args.parts.split(","):
+            t0 = time.perf_counter()
+            try:
+                report[name] = parts[name]()
+            except Exception as e:  # one broken part must not cost the figures of the others
+                traceback.print_exc()
+                report[name] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"[{name}] {time.perf_counter() - t0:.1f}s: {report[name]}", flush=True)
+    print(json.dumps(report))

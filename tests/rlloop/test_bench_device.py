@@ -1,0 +1,19 @@
+"""The accelerator check (`python -m rlloop.bench device`) runs every part on CPU with --quick: on a lent device
+machine there is no time to find out that the script itself is broken."""
+
+import json
+
+from rlloop.bench import device
+
+
+def test_device_check_runs_every_part_on_cpu(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    device.main(["--quick"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for part in ("engine", "trainer", "tiny", "nccl"):
+        assert "error" not in report[part], (part, report[part])
+    assert report["engine"]["compiles_after_warmup"] == 0 and report["engine"]["tok_s"] > 0
+    assert 0 < report["engine"]["mbu"] < 1 and 0 < report["trainer"]["mfu"] < 1
+    assert report["tiny"]["steps"] == 2 and report["tiny"]["compiles"] == 0
+    assert report["tiny"]["logprob_abs_diff"] < 1e-4  # fp32 on CPU: engine and trainer agree
+    assert "needs 2 GPUs" in report["nccl"]["skipped"]
