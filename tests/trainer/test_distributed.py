@@ -75,6 +75,9 @@ def train_on_rank(rank, world_size, model_dir, init_file, out_dir):
             f.write(outcome)
     finally:
         torch.distributed.destroy_process_group()
+    # Everything is written: skip interpreter finalization, where gloo's worker threads still holding FSDP's last
+    # collectives abort the process about once in 30 runs (pytorch/pytorch#179291), failing a test that passed.
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
