@@ -13,6 +13,7 @@ so a knob is declared, defaulted and range-checked once, in its component. `Conf
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -23,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from rollout import EngineConfig
 from rollout.types import DType
 from trainer import LossConfig, TrainerConfig
+
+log = logging.getLogger(__name__)
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -182,6 +185,15 @@ class Config(Section):
     def _cross_checks(self) -> Config:
         if self.grpo.overlong_buffer >= self.rollout.max_response_len:
             raise ValueError("grpo.overlong_buffer must be < rollout.max_response_len")
+        g = self.grpo
+        if g.overlong_buffer and g.std_scale and not g.dynamic_sampling:
+            # Eight wrong answers and one small length penalty: std scaling makes that penalty a full-size advantage
+            # (+0.35 x 7, -2.46). Dynamic sampling drops such groups by their raw reward first, as DAPO does.
+            log.warning(
+                "grpo.overlong_buffer with grpo.std_scale and without grpo.dynamic_sampling: in a group whose answers"
+                " are all equally right or wrong, the length penalty alone becomes full-size advantages; set "
+                "grpo.dynamic_sampling: true (DAPO's pairing) or grpo.std_scale: false"
+            )
         if self.loop.mode != "sync" and self.grpo.tis_cap is None:
             raise ValueError(
                 f"loop.mode={self.loop.mode} trains on samples of older weights: it needs the off-policy "

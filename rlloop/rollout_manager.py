@@ -9,6 +9,7 @@ spent (then the batch trains short).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -136,14 +137,16 @@ class RolloutManager:
         want = cfg.rollout.prompts_per_step
         kept: list[Group] = []
         tally = RolloutTally()
+        drawn = 0
         for round_ in range(cfg.grpo.max_sampling_rounds if cfg.grpo.dynamic_sampling else 1):
-            prompts = self.data.next_batch(want - len(kept))
-            groups, stats = self.groups(prompts, mix_seed(cfg.run.seed, step * 101 + round_))
+            prompts = self.data.next_batch(top_up(want, len(kept), drawn))
+            drawn += len(prompts)
+            groups, stats = self.groups(prompts, sampling_seed(cfg.run.seed, step, round_))
             tally.add(groups, stats)
             kept += [grp for grp in groups if not (cfg.grpo.dynamic_sampling and grp.zero_std)]
             if len(kept) >= want:
                 break
-        return self.batch(step, kept, tally)
+        return self.batch(step, kept[:want], tally)
 
     def batch(self, step: int, groups: list[Group], tally: RolloutTally) -> StepRollout:
         """Shape rewards (overlong), compute group advantages and the step's rollout metrics."""
@@ -190,6 +193,21 @@ class RolloutManager:
 
     def close(self) -> None:
         self.scorer.close()
+
+
+def sampling_seed(run_seed: int, step: int, round_: int = 0) -> int:
+    """The sampling seed of dynamic-sampling round `round_` of step `step`: a nested mix, so that no number of rounds
+    reaches another step's seeds (a flat `step * k + round` does at round k). fully_async chunks use step = -chunk."""
+    return mix_seed(mix_seed(run_seed, step), round_)
+
+
+def top_up(want: int, kept: int, drawn: int) -> int:
+    """How many prompts the next dynamic-sampling round draws: the missing groups divided by the fraction kept so
+    far (DAPO over-samples, so a batch rarely trains short), at most one full batch per round."""
+    missing = want - kept
+    if drawn == 0:
+        return want
+    return min(want, math.ceil(missing * drawn / kept)) if kept else want
 
 
 @dataclass

@@ -25,8 +25,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from rlloop.config import LoopSection
-from rlloop.rollout_manager import Group, RolloutManager, RolloutTally, StepRollout
-from rollout import mix_seed
+from rlloop.rollout_manager import Group, RolloutManager, RolloutTally, StepRollout, sampling_seed
 
 
 class SyncRollout:
@@ -108,7 +107,7 @@ class FullyAsyncRollout:
                     self.in_flight_cursor = self.manager.data.state_dict()
                     prompts = self.manager.data.next_batch(self.want)
                 chunk += 1
-                groups, stats = self.manager.groups(prompts, mix_seed(cfg.run.seed, 1_000_000 + chunk), True)
+                groups, stats = self.manager.groups(prompts, sampling_seed(cfg.run.seed, -chunk), True)
                 with self.cond:
                     self.tally.add(groups, stats)
                     for grp in groups:

@@ -37,9 +37,9 @@ def is_distributed() -> bool:
 
 
 def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """In-place all-reduce of one tensor (sum | max); returns it."""
+    """In-place all-reduce of one tensor (sum | max | min); returns it."""
     if is_distributed():
-        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
     return tensor
 
 

@@ -120,9 +120,13 @@ class Trainer:
 
         Returns `train/*` metrics for the whole batch over all ranks (identical on every rank).
         """
+        # A short batch (dynamic sampling ran out of rounds) may leave a rank fewer samples than `minibatches`: take
+        # fewer optimizer steps then, the same number on every rank, rather than fail the run.
+        fewest = all_reduce_(torch.tensor([len(batch)], device=self.reduce_device), op="min")
+        steps = max(1, min(self.cfg.minibatches, int(fewest)))
         try:
             validate_batch(batch, self.vocab_size)
-            minibatches = split_minibatches(len(batch), self.cfg.minibatches)
+            minibatches = split_minibatches(len(batch), steps)
             problem = None
         except ValueError as e:
             problem = e
@@ -151,6 +155,7 @@ class Trainer:
         metrics = self._finish_metrics(totals)
         metrics["train/grad_norm"] = float(np.mean(grad_norms))
         metrics["train/lr"] = lr
+        metrics["train/minibatches"] = float(len(plans))
         return metrics
 
     def compute_gradients(

@@ -170,3 +170,15 @@ def test_dry_run_shows_every_engine(capsys):
     out = capsys.readouterr().out
     assert "rollout engine 0 {'CPU': 1.0, 'TPU': 1.0}" in out and "rollout engine 1 {'CPU': 1.0, 'TPU': 1.0}" in out
     assert "loop: async" in out
+
+
+def test_overlong_shaping_with_std_scaling_warns_unless_dynamic_sampling_pairs_it(caplog):
+    risky = ["grpo.overlong_buffer=4", "grpo.std_scale=true", "grpo.dynamic_sampling=false"]
+    with caplog.at_level("WARNING", logger="rlloop.config"):
+        load_config(TINY, risky)
+    assert "length penalty alone becomes full-size advantages" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rlloop.config"):
+        load_config(TINY, [*risky[:2], "grpo.dynamic_sampling=true"])
+        load_config(TINY, [*risky[:1], "grpo.std_scale=false"])
+    assert "full-size advantages" not in caplog.text

@@ -11,7 +11,7 @@ from rlloop.advantages import group_advantages
 from rlloop.cluster import Cluster
 from rlloop.config import load_config
 from rlloop.data import load_datasets
-from rlloop.rollout_manager import RolloutManager
+from rlloop.rollout_manager import RolloutManager, sampling_seed, top_up
 
 TINY = str(Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml")
 
@@ -77,3 +77,17 @@ def test_overlong_shaping_penalises_truncated_responses(setup):
     )
     assert metrics["rollout/truncated_ratio"] == 1.0  # "Answer: N" needs more than 4 tokens
     np.testing.assert_allclose(samples.rewards, samples.raw_rewards - 1.0)
+
+
+def test_sampling_seeds_never_repeat_across_steps_rounds_and_chunks():
+    seeds = [sampling_seed(7, step, r) for step in range(1, 60) for r in range(150)]  # past a flat step * 101 + r
+    seeds += [sampling_seed(7, -chunk) for chunk in range(1, 5000)]  # fully_async chunks
+    assert len(set(seeds)) == len(seeds)
+
+
+def test_dynamic_sampling_over_samples_by_the_kept_fraction():
+    assert top_up(want=12, kept=0, drawn=0) == 12  # the first round draws the batch
+    assert top_up(want=12, kept=6, drawn=12) == 12  # half kept: 6 missing / 0.5
+    assert top_up(want=12, kept=9, drawn=12) == 4  # 3 missing / 0.75
+    assert top_up(want=12, kept=1, drawn=12) == 12  # never more than a batch per round
+    assert top_up(want=12, kept=0, drawn=12) == 12

@@ -263,7 +263,16 @@ def test_bad_config_names_the_field(tiny_qwen3_dir):
         TrainerConfig(tiny_qwen3_dir, dtype="float16x")
     with pytest.raises(ValueError, match="tpu"):
         Trainer(TrainerConfig(tiny_qwen3_dir, device="tpu"))  # torch_tpu is never installed here
-    with pytest.raises(ValueError, match="minibatches"):
-        Trainer(TrainerConfig(tiny_qwen3_dir, minibatches=4)).train_step(
-            TrainBatch([[5], [6]], [[7], [8]], [1.0, -1.0])
-        )
+
+
+def test_a_batch_shorter_than_minibatches_takes_fewer_optimizer_steps(tiny_qwen3_dir, make_batch):
+    """Dynamic sampling can run out of rounds and hand over fewer samples than `train.minibatches`: the trainer
+    takes one step per sample then (the same steps a config with that many minibatches takes), not an error."""
+    batch = make_batch(3, seed=21)
+    short = Trainer(TrainerConfig(tiny_qwen3_dir, lr=1e-3, minibatches=8))
+    metrics = short.train_step(batch)
+    assert metrics["train/minibatches"] == 3 and short.step == 3
+    exact = Trainer(TrainerConfig(tiny_qwen3_dir, lr=1e-3, minibatches=3))
+    assert exact.train_step(batch)["train/loss"] == metrics["train/loss"]
+    for key, value in exact.export_weights().items():
+        assert np.array_equal(value, short.export_weights()[key]), key
