@@ -70,9 +70,12 @@ def run_recipe(cfg: Config, resume: bool = False, trainer_restarts: int = 0) -> 
                 t0 = time.perf_counter()
                 metrics |= cluster.train_step(batch.samples.to_train_batch())
                 t1 = time.perf_counter()
-                metrics |= cluster.push_weights(version=step)
-                if cfg.loop.mode == "sync":  # the async modes load it before (async) or while (fully_async) generating
-                    metrics |= cluster.pull_weights()
+                if metrics["train/skipped_steps"] < metrics["train/minibatches"]:  # else: non-finite, nothing new
+                    metrics |= cluster.push_weights(version=step)
+                    if (
+                        cfg.loop.mode == "sync"
+                    ):  # the async modes load it before (async) or while (fully_async) generating
+                        metrics |= cluster.pull_weights()
                 metrics |= {"perf/train_s": t1 - t0, "perf/sync_s": time.perf_counter() - t1}
                 if cfg.tracking.save_rollouts:
                     tracker.save_rollouts(step, batch.samples.rows())

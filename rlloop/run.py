@@ -1,8 +1,9 @@
 """`python -m rlloop.run CONFIG.yaml [key.path=value ...] [--dry-run] [--resume]`: the user's entry point.
 
 The same command runs locally and as a Ray job (`ray job submit --working-dir . -- python -m rlloop.run ...`).
-Exit codes: 0 done, 1 an actor died or the cluster cannot host the plan, 2 bad config, model or data (the
-message names the key), 130 interrupted (resume with --resume).
+Exit codes: 0 done, 1 an actor died, the cluster cannot host the plan or training stayed non-finite for
+train.max_bad_steps steps, 2 bad config, model or data (the message names the key), 130 interrupted (resume with
+--resume).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlloop.data import DataError
     from rlloop.loop import train
     from rlloop.model import ModelError
+    from trainer import NonFiniteTraining
 
     try:
         run_dir = train(cfg, resume=args.resume)
@@ -75,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except ClusterError as e:
         print(f"cluster error: {e}", file=sys.stderr)
+        return 1
+    except NonFiniteTraining as e:
+        print(f"training error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(

@@ -15,6 +15,7 @@ _LAZY = {
     "kl_penalty": "trainer.loss",
     "policy_loss": "trainer.loss",
     "Trainer": "trainer.trainer",
+    "NonFiniteTraining": "trainer.trainer",
 }
 
 
@@ -24,4 +25,13 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'trainer' has no attribute {name!r}")
 
 
-__all__ = ["LossConfig", "TrainBatch", "Trainer", "TrainerConfig", "kl_penalty", "policy_loss", "shard_batch"]
+__all__ = [
+    "LossConfig",
+    "NonFiniteTraining",
+    "TrainBatch",
+    "Trainer",
+    "TrainerConfig",
+    "kl_penalty",
+    "policy_loss",
+    "shard_batch",
+]

@@ -52,6 +52,7 @@ class TrainerConfig:
     betas: tuple[Fraction, Fraction] = (0.9, 0.98)
     eps: Annotated[float, Field(gt=0)] = 1e-8
     max_grad_norm: Annotated[float, Field(gt=0)] = 1.0
+    max_bad_steps: PositiveInt = 3  # non-finite loss/gradient steps in a row (each skipped) before training stops
     adamw_fused: bool = False  # torch's fused AdamW kernel (CPU and CUDA): one kernel per step, not one per tensor
     lr_warmup_steps: Annotated[int, Field(ge=0)] = 0  # linear warmup to `lr`, then constant (the recipe: 0)
     micro_batch_tokens: PositiveInt = 16384  # micro-batches packed to this token budget (padded length × rows)

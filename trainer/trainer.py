@@ -33,6 +33,10 @@ ADDITIVE_METRICS = ("loss", "pg_loss", "kl_loss")
 TOKEN_MEAN_METRICS = ("pg_clipfrac", "ppo_kl", "entropy", "logprob_abs_diff")
 
 
+class NonFiniteTraining(RuntimeError):
+    """`train.max_bad_steps` optimizer steps in a row had a non-finite loss or gradient."""
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("TrainerConfig.device='cuda' but torch sees no CUDA device")
@@ -112,6 +116,7 @@ class Trainer:
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
         )
         self.step = 0
+        self.bad_steps = 0  # non-finite optimizer steps in a row
 
     # ------------------------------------------------------------------ training
 
@@ -156,6 +161,13 @@ class Trainer:
         metrics["train/grad_norm"] = float(np.mean(grad_norms))
         metrics["train/lr"] = lr
         metrics["train/minibatches"] = float(len(plans))
+        metrics["train/skipped_steps"] = float(sum(not np.isfinite(g) for g in grad_norms))
+        if self.bad_steps >= self.cfg.max_bad_steps:
+            raise NonFiniteTraining(
+                f"optimizer step {self.step}: the loss or its gradient was non-finite in {self.bad_steps} optimizer "
+                f"steps in a row (train.max_bad_steps={self.cfg.max_bad_steps}); those updates were skipped, so the "
+                "weights are intact. Lower train.lr or check the rewards, then rerun with --resume"
+            )
         return metrics
 
     def compute_gradients(
@@ -295,6 +307,9 @@ class Trainer:
         if self.parallel == "ddp":  # fsdp reduce-scattered them during backward
             all_reduce_grads_(self.masters)
         grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(self.masters, self.cfg.max_grad_norm)))
+        # A non-finite loss gives a non-finite gradient, and its norm is all-reduced: every rank skips the update
+        # together (reported as the grad norm and train/skipped_steps) instead of poisoning the weights.
+        self.bad_steps = 0 if np.isfinite(grad_norm) else self.bad_steps + 1
         if np.isfinite(grad_norm):
             self.optimizer.step()
             self.scheduler.step()
@@ -302,7 +317,6 @@ class Trainer:
                 with torch.no_grad():
                     for p, m in zip(self.params, self.masters):
                         p.copy_(m)
-        # A non-finite gradient skips the update (reported as the grad norm) instead of poisoning the weights.
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return grad_norm

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from tests.conftest import make_tiny_hf_model
-from trainer import LossConfig, TrainBatch, Trainer, TrainerConfig
+from trainer import LossConfig, NonFiniteTraining, TrainBatch, Trainer, TrainerConfig
 
 
 def perturbed(logprobs, seed, scale):
@@ -276,3 +276,18 @@ def test_a_batch_shorter_than_minibatches_takes_fewer_optimizer_steps(tiny_qwen3
     assert exact.train_step(batch)["train/loss"] == metrics["train/loss"]
     for key, value in exact.export_weights().items():
         assert np.array_equal(value, short.export_weights()[key]), key
+
+
+def test_non_finite_steps_are_skipped_and_stop_training_after_max_bad_steps(tiny_qwen3_dir, make_batch):
+    trainer = Trainer(TrainerConfig(tiny_qwen3_dir, lr=1e-3, max_bad_steps=2))
+    healthy = trainer.train_step(make_batch(4, seed=1))
+    assert healthy["train/skipped_steps"] == 0
+    with torch.no_grad():  # one poisoned weight: every loss and gradient from here on is NaN
+        trainer.model.get_decoder().norm.weight[0] = float("nan")
+    before = {k: v.copy() for k, v in trainer.export_weights().items()}
+    first = trainer.train_step(make_batch(4, seed=2))
+    assert first["train/skipped_steps"] == 1 and not math.isfinite(first["train/grad_norm"])
+    with pytest.raises(NonFiniteTraining, match=r"optimizer step 3: .* 2 optimizer steps in a row"):
+        trainer.train_step(make_batch(4, seed=3))
+    after = trainer.export_weights()
+    assert all(np.array_equal(before[k], after[k], equal_nan=True) for k in before)  # nothing was applied
