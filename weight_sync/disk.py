@@ -88,6 +88,7 @@ class DiskSender(Sender):
         self.keep = keep
         self.run_dir = Path(root) / _check_run_id(run_id)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.run_dir, 0o700)  # the weights are the owner's: nobody else lists or reads the versions
         # A new sender starts a new epoch: versions of an earlier writer (a crashed or resumed run) would otherwise
         # look newer than ours, and half-written .tmp-* directories of a killed one are garbage.
         for old in self.run_dir.iterdir():

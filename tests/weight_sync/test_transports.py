@@ -358,3 +358,24 @@ def test_a_late_receiver_gets_a_forced_keyframe(transport, run_id, tmp_path):
             w[5] = -5
             assert not sender.push({"w": w}, 3).keyframe  # one forced keyframe, then deltas again
             assert late.pull()[1]["w"].tobytes() == w.tobytes()
+
+
+def test_weights_are_readable_by_their_owner_only(run_id, tmp_path):
+    """Security: shm segments are 0600 and a disk sync directory 0700, whatever the umask."""
+    import os
+    import stat
+
+    from weight_sync.shm import segment_path
+
+    weights = {"w": np.arange(8, dtype=np.float32)}
+    with make_sender("shm", run_id=run_id) as sender:
+        sender.push(weights, version=1)
+        for part in ("ctl", "buf0"):
+            assert stat.S_IMODE(os.stat(segment_path(run_id, part)).st_mode) == 0o600, part
+    old = os.umask(0o000)
+    try:
+        with make_sender("disk", run_id=run_id, root=tmp_path) as sender:
+            sender.push(weights, version=1)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / run_id).st_mode) == 0o700
