@@ -1,0 +1,138 @@
+"""`python -m rlloop.compare RUN_DIR... [--vs RUN_DIR...]`: overlay runs with a seed band, and say whether they agree.
+
+The seeds' parity test, made a number: each group (the positional runs, A; the `--vs` runs, B; typically the same
+recipe on two backends, modes or rank counts, two seeds each) becomes one curve per metric, the mean over its runs at
+each step after a rolling mean over `--smooth` steps (per-step rewards are noisy; eval metrics are not smoothed).
+Group B's seed spread is the pooled standard deviation of its runs around their mean curve, floored by the standard
+error of one smoothed point (the runs' noise around their own rolling mean), so one run per group still has a scale.
+The verdict per metric is
+
+    distance = mean over shared steps of |mean_A - mean_B| / spread_B        within: distance <= --tolerance (2)
+
+`--out` writes the overlay (one panel per metric: each group's mean curve, its band of +-1 spread, and its runs
+faint). Ends with one JSON line: {metric: {"distance", "within"}}. Without --vs, it only draws the overlay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from rlloop.tracking import read_metrics
+
+DEFAULT_METRICS = ("rollout/raw_reward", "rollout/response_len/mean", "eval/*", "train/entropy")
+
+
+def load_group(run_dirs: list[str]) -> list[list[dict]]:
+    runs = []
+    for d in run_dirs:
+        rows = read_metrics(Path(d) / "metrics.jsonl")
+        if not rows:
+            raise SystemExit(f"compare: {d} has no metrics.jsonl rows")
+        runs.append(rows)
+    return runs
+
+
+def expand(patterns, runs: list[list[dict]]) -> list[str]:
+    keys = sorted({k for rows in runs for r in rows for k in r})
+    out = []
+    for p in patterns:
+        out += [k for k in keys if k.startswith(p[:-1])] if p.endswith("*") else [p] if p in keys else []
+    return list(dict.fromkeys(out))
+
+
+def curves(runs: list[list[dict]], metric: str, smooth: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """(steps every run has, [runs, steps] values rolling-mean smoothed over `smooth` steps (eval: never), the
+    standard error of one smoothed point: the runs' step-to-step noise around their own rolling mean, / sqrt(k))."""
+    series = [{r["step"]: r[metric] for r in rows if metric in r} for rows in runs]
+    steps = np.array(sorted(set.intersection(*(set(s) for s in series))))
+    values = np.array([[s[t] for t in steps] for s in series], dtype=float)
+    k = 1 if metric.startswith("eval/") else max(1, min(smooth, len(steps)))
+    if k == 1:
+        return steps, values, 0.0
+    kernel = np.ones(k) / k
+    smoothed = np.array([np.convolve(v, kernel, mode="valid") for v in values])
+    residual = values[:, k - 1 :] - smoothed
+    return steps[k - 1 :], smoothed, float(residual.std() / np.sqrt(k))
+
+
+def spread(values: np.ndarray, noise: float) -> float:
+    """The seed spread of a group's curves: their pooled std across runs, at least the noise of one point."""
+    across = float(np.sqrt(np.mean(values.var(axis=0, ddof=1)))) if len(values) > 1 else 0.0
+    return max(across, noise, 1e-9)
+
+
+def compare(a: list[list[dict]], b: list[list[dict]], metrics, smooth: int = 5, tolerance: float = 2.0) -> dict:
+    """{metric: {"distance": mean |mean_A - mean_B| / spread_B, "within": distance <= tolerance, ...}}."""
+    out = {}
+    for metric in expand(metrics, a + b):
+        steps_a, va, _ = curves(a, metric, smooth)
+        steps_b, vb, noise = curves(b, metric, smooth)
+        shared = np.intersect1d(steps_a, steps_b)
+        if not len(shared):
+            continue
+        ma = va[:, np.searchsorted(steps_a, shared)].mean(axis=0)
+        mb = vb[:, np.searchsorted(steps_b, shared)].mean(axis=0)
+        scale = spread(vb, noise)
+        distance = float(np.mean(np.abs(ma - mb)) / scale)
+        out[metric] = {"distance": distance, "within": distance <= tolerance, "spread": scale, "steps": len(shared)}
+    return out
+
+
+def plot(groups: dict[str, list[list[dict]]], metrics, smooth: int, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = expand(metrics, [rows for runs in groups.values() for rows in runs])
+    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.6 * len(keys)), squeeze=False)
+    for ax, metric in zip(axes[:, 0], keys):
+        for (label, runs), color in zip(groups.items(), ("tab:blue", "tab:orange")):
+            steps, values, noise = curves(runs, metric, smooth)
+            mean, s = values.mean(axis=0), spread(values, noise)
+            for v in values:
+                ax.plot(steps, v, color=color, alpha=0.25, lw=0.8)
+            ax.plot(steps, mean, color=color, label=f"{label} ({len(runs)} runs)")
+            ax.fill_between(steps, mean - s, mean + s, color=color, alpha=0.2)
+        ax.set_title(metric, fontsize=9)
+        ax.legend(fontsize=7)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rlloop.compare", description=__doc__.split("\n")[0])
+    p.add_argument("runs", nargs="+", help="run directories of group A")
+    p.add_argument("--vs", nargs="*", default=[], help="run directories of group B (the reference)")
+    p.add_argument("--metrics", default=",".join(DEFAULT_METRICS), help="comma-separated; prefix* expands")
+    p.add_argument("--smooth", type=int, default=5)
+    p.add_argument("--tolerance", type=float, default=2.0, help="largest distance, in B's spreads, that agrees")
+    p.add_argument("--labels", default="A,B")
+    p.add_argument("--out", default="compare.png")
+    args = p.parse_args(argv)
+    metrics = args.metrics.split(",")
+    a, labels = load_group(args.runs), args.labels.split(",")
+    groups = {labels[0]: a}
+    verdicts = {}
+    if args.vs:
+        b = load_group(args.vs)
+        groups[labels[1]] = b
+        verdicts = compare(a, b, metrics, args.smooth, args.tolerance)
+        for metric, v in verdicts.items():
+            word = "within" if v["within"] else "OUTSIDE"
+            print(f"{metric:32s} {word:8s} distance {v['distance']:.2f} spreads (spread {v['spread']:.4g})")
+    plot(groups, metrics, args.smooth, Path(args.out))
+    print(f"overlay: {args.out}")
+    print(json.dumps({m: {"distance": v["distance"], "within": v["within"]} for m, v in verdicts.items()}))
+    return 0 if all(v["within"] for v in verdicts.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
