@@ -143,6 +143,9 @@ class ClusterSection(Section):
     address: str | None = None  # Ray address; None: $RAY_ADDRESS or a local Ray
     use_ray: bool = True  # False: everything in this process (debugging)
     cpus_per_actor: PositiveInt = 1
+    # Memory of one chip, for the memory plan checked at start (rlloop/memory.py); None: the host's RAM on CPU,
+    # unchecked on accelerators. E.g. 141 for an H200, 192 for a TPU v7x chip.
+    device_memory_gb: Annotated[float, Field(gt=0)] | None = None
     actor_timeout_s: Annotated[float, Field(gt=0)] | None = 1800.0  # an actor call taking longer counts as dead
     # Extra Ray resources each engine / trainer-rank bundle asks for: node labels that pin the roles to nodes, e.g.
     # {node_a: 0.01} with `ray start --resources='{"node_a": 1}'` on that node.
@@ -165,6 +168,7 @@ class TrackingSection(Section):
     mode: Literal["auto", "online", "offline", "disabled"] = "auto"  # auto: offline unless an API key is set
     progress: bool = True
     save_rollouts: bool = False  # write each step's samples to <run dir>/rollouts/step_N.jsonl
+    sample_every: NonNegInt = 10  # W&B: a table of the step's completions every N steps (0: never)
 
 
 class Config(Section):

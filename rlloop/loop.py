@@ -77,8 +77,7 @@ def run_recipe(cfg: Config, resume: bool = False, trainer_restarts: int = 0) -> 
                     ):  # the async modes load it before (async) or while (fully_async) generating
                         metrics |= cluster.pull_weights()
                 metrics |= {"perf/train_s": t1 - t0, "perf/sync_s": time.perf_counter() - t1}
-                if cfg.tracking.save_rollouts:
-                    tracker.save_rollouts(step, batch.samples.rows())
+                tracker.log_samples(step, batch.samples)  # tracking.save_rollouts, W&B sample tables
             if evaluating and step % cfg.run.eval_every == 0:
                 t0 = time.perf_counter()
                 metrics |= rollout.evaluate() | {"perf/eval_s": time.perf_counter() - t0}

@@ -32,6 +32,11 @@ def check_references(cfg: Config) -> None:
         resolve(cfg.reward.fn)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    from rlloop.memory import plan_memory
+
+    memory = plan_memory(cfg)
+    if memory is not None:
+        memory.check()
 
 
 def dry_run(cfg: Config) -> None:
@@ -40,11 +45,20 @@ def dry_run(cfg: Config) -> None:
     print(to_yaml(cfg), end="")
     print(f"# run directory: {cfg.run_dir}")
     plan = plan_placement(cfg.cluster, same_host=cfg.sync.transport == "shm")
+    parallel = {"auto": "fsdp"}.get(cfg.train.parallel, cfg.train.parallel) if cfg.cluster.train_chips > 1 else "one"
     print(
         f"# rollout: {cfg.cluster.rollout_chips} {cfg.cluster.device} chip(s) in {cfg.cluster.rollout_engines} "
-        f"{cfg.rollout.backend} engine(s); trainer: {cfg.cluster.train_chips} rank(s); loop: {cfg.loop.mode}"
+        f"{cfg.rollout.backend} engine(s); trainer: {cfg.cluster.train_chips} rank(s) ({parallel}); "
+        f"loop: {cfg.loop.mode}"
     )
     print("\n".join("# " + line for line in plan.describe().splitlines()))
+    from rlloop.memory import plan_memory
+
+    memory = plan_memory(cfg)
+    if memory is None:
+        print(f"# memory plan: no config.json of {cfg.model.path} here (download the model to see it)")
+    else:
+        print("\n".join("# " + line for line in memory.describe().splitlines()))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,11 +75,26 @@ class Tracker:
             self.bar.set_postfix({k: f"{v:.3g}" for k, v in postfix.items() if v is not None}, refresh=False)
             self.bar.update(step - self.bar.n)
 
-    def save_rollouts(self, step: int, rows: list[dict]) -> None:
-        """`tracking.save_rollouts`: every sample of a step, one JSON line each, in rollouts/step_N.jsonl."""
-        out = self.run_dir / "rollouts"
-        out.mkdir(exist_ok=True)
-        (out / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    def log_samples(self, step: int, samples) -> None:
+        """A step's samples (`samples.rows()`): every one as a JSON line in rollouts/step_N.jsonl with
+        `tracking.save_rollouts`, and a W&B table of them every `tracking.sample_every` steps."""
+        t = self.cfg.tracking
+        table_now = self.wandb is not None and t.sample_every and step % t.sample_every == 0
+        if not (t.save_rollouts or table_now):
+            return
+        rows = samples.rows()
+        if t.save_rollouts:
+            out = self.run_dir / "rollouts"
+            out.mkdir(exist_ok=True)
+            (out / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if table_now:
+            import wandb
+
+            columns = ["prompt", "response", "answer", "reward", "advantage", "weight_version"]
+            data = [[json.dumps(r["prompt"]) if not isinstance(r["prompt"], str) else r["prompt"]] for r in rows]
+            for cells, r in zip(data, rows):
+                cells += [r["response"], r["answer"], r["reward"], r["advantage"], r["weight_version"]]
+            self.wandb.log({"samples": wandb.Table(columns=columns, data=data)}, step=step)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -90,7 +105,22 @@ class Tracker:
             plot_curves(rows, self.run_dir / "curves.png")
             (self.run_dir / "report.md").write_text(make_report(self.cfg, rows))
         if self.wandb is not None:
+            if rows:
+                self.wandb.summary.update(run_summary(rows))
             self.wandb.finish()
+
+
+def run_summary(rows: list[dict]) -> dict[str, float]:
+    """What W&B shows for the run as a whole: the last eval scores, the last reward, mean throughput."""
+    summary = {"steps": max(r["step"] for r in rows)}
+    for key in sorted({k for r in rows for k in r if k.startswith("eval/")}):
+        summary[f"final/{key}"] = _series(rows, key)[1][-1]
+    reward = _series(rows, "rollout/raw_reward")[1]
+    if reward:
+        summary["final/rollout/raw_reward"] = reward[-1]
+    summary["mean/perf/rollout_tok_per_s"] = _mean(_series(rows, "perf/rollout_tok_per_s")[1])
+    summary["mean/perf/step_s"] = _mean(_series(rows, "perf/step_s")[1])
+    return summary
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:

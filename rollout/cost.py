@@ -97,3 +97,11 @@ def decode_bytes(cfg: ModelConfig, itemsize: int, steps: int, rows: int, max_len
     dispatch's largest `kv_len`)."""
     per_row = decode_kv_positions(max_len, kv_len) * kv_bytes_per_token(cfg, itemsize)
     return steps * (weight_bytes(cfg, itemsize) + rows * per_row)
+
+
+def engine_memory(cfg: ModelConfig, itemsize: int, max_batch: int, max_seq_len: int, tp: int = 1) -> dict[str, int]:
+    """Bytes per device that an engine allocates up front: its weights and its static KV cache (max_batch rows of
+    max_seq_len positions, heads split over the tp devices), before any activation or compiled-program workspace."""
+    weights = weight_bytes(cfg, itemsize) // tp
+    kv_cache = max_batch * max_seq_len * kv_bytes_per_token(cfg, itemsize) // tp
+    return {"weights": weights, "kv_cache": kv_cache, "total": weights + kv_cache}

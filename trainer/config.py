@@ -14,6 +14,12 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, ConfigDict, Field, model_validator
 from pydantic.dataclasses import dataclass
 
+# A [chunk, V] fp32 logits tensor in trainer/logprobs.py holds at most this many elements (64 MiB) unless its
+# `chunk_size` says otherwise: 110 positions for a 151,936-token vocabulary, every position at once for a tiny test
+# vocabulary. A chunk's backward holds about five such tensors (recomputed logits, softmax, their gradients). Here,
+# not there, so that trainer/memory.py plans with it without importing torch.
+CHUNK_ELEMENTS = 1 << 24
+
 Fraction = Annotated[float, Field(ge=0, lt=1)]
 PositiveInt = Annotated[int, Field(ge=1)]
 STRICT = ConfigDict(extra="forbid")

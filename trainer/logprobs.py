@@ -23,11 +23,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from trainer.batching import MicroBatch
-
-# A [chunk, V] fp32 logits tensor holds at most this many elements (64 MiB) unless `chunk_size` says otherwise:
-# 110 positions for a 151,936-token vocabulary, every position at once for a tiny test vocabulary. A chunk's backward
-# holds about five such tensors (recomputed logits, softmax, their gradients).
-CHUNK_ELEMENTS = 1 << 24
+from trainer.config import CHUNK_ELEMENTS
 
 
 def default_chunk_size(vocab_size: int) -> int:

@@ -371,7 +371,12 @@ class Trainer:
         masters = [] if self.masters is self.params else self.masters
         params = sum(local(p).nbytes for p in [*self.model.parameters(), *masters])
         grads = sum(local(m.grad).nbytes for m in self.masters if m.grad is not None)
-        optim = sum(local(v).nbytes for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v))
+        optim = sum(  # AdamW's moments; its 0-dim step counters are left out
+            local(v).nbytes
+            for st in self.optimizer.state.values()
+            for v in st.values()
+            if torch.is_tensor(v) and v.dim()
+        )
         return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
 
     def save(self, path) -> None:

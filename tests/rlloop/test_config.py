@@ -166,7 +166,8 @@ def test_wired_values_come_from_their_sections():
 
 
 def test_dry_run_shows_every_engine(capsys):
-    assert main([REAL, "cluster.rollout_engines=2", "loop.mode=async", "--dry-run"]) == 0
+    # TP 1 per engine: 256 rows x 9,216 positions would need 356 GB on one chip; 128 rows fit a v7x chip
+    assert main([REAL, "cluster.rollout_engines=2", "rollout.max_batch=128", "loop.mode=async", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "rollout engine 0 {'CPU': 1.0, 'TPU': 1.0}" in out and "rollout engine 1 {'CPU': 1.0, 'TPU': 1.0}" in out
     assert "loop: async" in out

@@ -50,3 +50,36 @@ def test_wandb_goes_offline_without_an_api_key(tmp_path, monkeypatch):
     tracker.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and (tmp_path / "wandb_id").read_text() in runs[0].name
+
+
+def test_wandb_gets_sample_tables_and_no_secret_is_written(tmp_path, monkeypatch):
+    """A real (local, 2-step) run offline: a table of the step's completions every tracking.sample_every steps, and
+    the tokens in the environment appear in none of the run's files."""
+    from rlloop.loop import train
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_never_written")
+    cfg = load_config(
+        TINY,
+        [
+            f"run.dir={tmp_path}",
+            "run.steps=2",
+            "run.eval_every=0",
+            "run.save_every=0",
+            "rollout.prompts_per_step=4",
+            "cluster.use_ray=false",
+            "tracking.progress=false",
+            "tracking.wandb=true",
+            "tracking.sample_every=2",
+        ],
+    )
+    train(cfg)
+    tables = list(tmp_path.glob("wandb/offline-run-*/files/media/table/samples_*.table.json"))
+    assert len(tables) == 1  # step 2 only
+    table = json.loads(tables[0].read_text())
+    assert table["columns"] == ["prompt", "response", "answer", "reward", "advantage", "weight_version"]
+    assert len(table["data"]) == 4 * cfg.rollout.group_size
+    assert {row[5] for row in table["data"]} == {1}  # step 2 sampled with the weights of step 1
+    for f in tmp_path.rglob("*"):
+        if f.is_file() and f.suffix in (".yaml", ".jsonl", ".json", ".md", ".log", ".txt"):
+            assert "hf_secret_never_written" not in f.read_text(errors="ignore"), f

@@ -1,0 +1,130 @@
+"""The run's memory plan: what each rollout chip and each trainer rank will hold, checked before anything starts.
+
+The engine allocates its weights and a static KV cache up front (rollout.cost.engine_memory: layers x KV heads / TP
+x head dim x max_batch x max_seq_len x bytes); a trainer rank holds its parameter, gradient and optimizer state plus
+one micro-batch's activations and logits (trainer.memory.trainer_memory). Both need only the model's config.json, so
+a plan that cannot fit is a config error, naming the keys that fix it, before any actor or weight loads. The chip's
+memory is `cluster.device_memory_gb`; unset, it is the host's RAM on CPU (shared by every actor) and unchecked on
+accelerators. Worked example (docs/design.md §11): Qwen3-4B at max_batch 256 x 9,216 positions in bf16 needs 348 GB
+of KV cache, 174 GB per chip at TP 2: it fits a 192 GB TPU v7x chip and not a 141 GB H200.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlloop.config import Config, ConfigError
+from rollout.cost import engine_memory, kv_bytes_per_token, param_count
+from rollout.model_config import ModelConfig
+from trainer.memory import ITEMSIZE, trainer_memory
+
+GB = 1e9
+
+
+# config.json of the reference recipe's model, so that its plan is known before the first download.
+SHIPPED_CONFIGS = Path(__file__).parent / "assets" / "model_configs"
+
+
+def model_shape(path: str) -> ModelConfig | None:
+    """The model's architecture from its config.json: a local directory, a hub id in the local cache, or a copy
+    shipped with rlloop (the reference model); None when none has it."""
+    shipped = SHIPPED_CONFIGS / (path.replace("/", "--") + ".json")
+    if os.path.isdir(path):
+        try:
+            return ModelConfig.from_dir(path)
+        except (ValueError, KeyError, json.JSONDecodeError):
+            return None  # reported as a model error when the model loads
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(path, "config.json")
+    except Exception:  # a malformed repo id: the model loader names it
+        return None
+    if not isinstance(cached, str):
+        cached = str(shipped) if shipped.is_file() else None
+    if cached is None:
+        return None
+    with open(cached) as f:
+        return ModelConfig.from_hf_dict(json.load(f))
+
+
+@dataclass
+class MemoryPlan:
+    engine: dict[str, int]  # bytes per rollout chip
+    trainer: dict[str, int]  # bytes per trainer rank
+    device_bytes: int | None  # what one chip (or, on CPU, the host) has; None: unknown, unchecked
+    device_source: str
+    fixes: dict[str, str]  # role -> the keys that would make it fit
+
+    def describe(self) -> str:
+        e, t = self.engine, self.trainer
+        have = f" of {self.device_bytes / GB:.1f} GB ({self.device_source})" if self.device_bytes else ""
+        return (
+            f"memory per rollout chip: weights {e['weights'] / GB:.2f} GB + KV cache {e['kv_cache'] / GB:.2f} GB = "
+            f"{e['total'] / GB:.2f} GB{have}\n"
+            f"memory per trainer rank: state {t['state'] / GB:.2f} GB + activations {t['activations'] / GB:.2f} GB "
+            f"+ logits {t['logits'] / GB:.2f} GB = {t['total'] / GB:.2f} GB{have}"
+        )
+
+    def check(self) -> None:
+        if self.fixes:
+            raise ConfigError(f"the run does not fit in memory:\n{self.describe()}\n" + "\n".join(self.fixes.values()))
+
+
+def plan_memory(cfg: Config) -> MemoryPlan | None:
+    """The plan of `cfg`, or None when the model's config.json cannot be read without a download."""
+    shape = model_shape(cfg.model.path)
+    if shape is None:
+        return None
+    c, engine_cfg, trainer_cfg = cfg.cluster, cfg.engine_config(), cfg.trainer_config()
+    item = ITEMSIZE[cfg.model.dtype]
+    engine = engine_memory(shape, item, engine_cfg.max_batch, engine_cfg.max_seq_len, engine_cfg.tp)
+    trainer = trainer_memory(
+        trainer_cfg,
+        param_count(shape),
+        shape.hidden_size,
+        shape.intermediate_size,
+        shape.num_layers,
+        shape.vocab_size,
+        c.train_chips,
+    )
+    device, source = device_memory(cfg)
+    plan = MemoryPlan(engine, trainer, device, source, {})
+    if device is None:
+        return plan
+    if c.device == "cpu":  # one host: every engine and rank together
+        need = c.rollout_engines * engine["total"] + c.train_chips * trainer["total"]
+        if need > device:
+            plan.fixes["host"] = (
+                f"all actors together need {need / GB:.1f} GB of the host's {device / GB:.1f} GB: lower "
+                f"rollout.max_batch, rollout.max_response_len or train.micro_batch_tokens"
+            )
+        return plan
+    if engine["total"] > device:
+        per_row = engine_cfg.max_seq_len * kv_bytes_per_token(shape, item) // engine_cfg.tp
+        rows = (device - engine["weights"]) // per_row
+        plan.fixes["rollout"] = (
+            f"rollout: {engine['total'] / GB:.1f} GB per chip exceeds {device / GB:.1f} GB by "
+            f"{(engine['total'] - device) / GB:.1f} GB; rollout.max_batch <= {rows} fits, or fewer positions per "
+            f"row (rollout.max_response_len, data.max_prompt_len), or more chips per engine (cluster.rollout_chips "
+            f"/ cluster.rollout_engines)"
+        )
+    if trainer["total"] > device:
+        plan.fixes["trainer"] = (
+            f"trainer: {trainer['total'] / GB:.1f} GB per rank exceeds {device / GB:.1f} GB by "
+            f"{(trainer['total'] - device) / GB:.1f} GB; lower train.micro_batch_tokens, set "
+            f"train.gradient_checkpointing: true, or shard over more ranks (cluster.train_chips with "
+            f"train.parallel: fsdp)"
+        )
+    return plan
+
+
+def device_memory(cfg: Config) -> tuple[int | None, str]:
+    if cfg.cluster.device_memory_gb is not None:
+        return int(cfg.cluster.device_memory_gb * GB), "cluster.device_memory_gb"
+    if cfg.cluster.device == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host RAM"
+    return None, "unknown: set cluster.device_memory_gb to check"

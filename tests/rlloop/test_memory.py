@@ -1,0 +1,57 @@
+"""The memory plan (rlloop/memory.py): its figures equal what the engine and the trainer then allocate, the worked
+example of the docs comes out as stated, and a plan that does not fit is a config error naming the fix."""
+
+from pathlib import Path
+
+import pytest
+
+from rlloop.config import load_config
+from rlloop.memory import plan_memory
+from rlloop.run import main
+from trainer import TrainBatch, Trainer
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+REAL, TINY = str(EXAMPLES / "grpo_dapo.yaml"), str(EXAMPLES / "grpo_dapo_tiny.yaml")
+
+
+def test_the_engine_allocates_what_the_plan_says():
+    from rollout.engine import JaxEngine
+
+    cfg = load_config(TINY)
+    engine = JaxEngine(cfg.engine_config())
+    engine.warmup()
+    assert engine.device_bytes() == plan_memory(cfg).engine["total"]  # JAX's live arrays: weights + KV cache
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_trainer_holds_the_state_the_plan_says(dtype):
+    cfg = load_config(TINY, [f"model.dtype={dtype}"])
+    trainer = Trainer(cfg.trainer_config())
+    trainer.train_step(TrainBatch([[5, 6, 7]] * 4, [[8, 9]] * 4, [1.0, -1.0, 0.5, -0.5]))
+    held = trainer.state_nbytes()  # after the step: gradients already released, so add the fp32 ones back
+    grads = sum(4 * m.numel() for m in trainer.masters)
+    assert held["params"] + held["optimizer"] + grads == plan_memory(cfg).trainer["state"]
+
+
+def test_the_reference_recipe_fits_a_tpu_v7x_chip_and_not_an_h200(capsys):
+    """Qwen3-4B, max_batch 256 x (1,024 + 8,192) positions in bf16: 36 layers x 2 (K, V) x 8 KV heads x 128 x 2
+    bytes = 147,456 bytes per position, 348 GB in all, 174 GB per chip at TP 2."""
+    plan = plan_memory(load_config(REAL))  # the shipped copy of Qwen3-4B's config.json: no download
+    assert plan.engine["kv_cache"] == 256 * 9216 * 147_456 // 2
+    assert plan.engine["kv_cache"] / 1e9 == pytest.approx(173.95, abs=0.01) and not plan.fixes
+    assert main([REAL, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache 173.95 GB" in out and "of 192.0 GB" in out
+
+    assert main([REAL, "cluster.device_memory_gb=141", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "exceeds 141.0 GB by 37.0 GB" in err and "rollout.max_batch <= 201 fits" in err
+    # and the suggested fix does fit, one more row does not
+    assert not plan_memory(load_config(REAL, ["cluster.device_memory_gb=141", "rollout.max_batch=201"])).fixes
+    assert plan_memory(load_config(REAL, ["cluster.device_memory_gb=141", "rollout.max_batch=202"])).fixes
+
+
+def test_a_trainer_that_does_not_fit_names_its_keys(capsys):
+    assert main([REAL, "cluster.device_memory_gb=40", "rollout.max_batch=16", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "trainer:" in err and "train.micro_batch_tokens" in err and "train.parallel: fsdp" in err

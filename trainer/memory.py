@@ -1,0 +1,48 @@
+"""What a trainer rank will hold, estimated before anything is allocated (imports no torch, so the driver can plan).
+
+    state        parameters in the model dtype, fp32 masters (bf16 under ddp), fp32 gradients, AdamW's two fp32
+                 moments: 16 (fp32) or 18 (bf16) bytes per parameter, divided over the ranks under fsdp
+    activations  what one micro-batch keeps for its backward: with gradient checkpointing each layer's input
+                 (tokens x hidden) plus one layer's recomputation; without, every layer's intermediates
+                 (~16 x hidden + 3 x intermediate values per token per layer, flash-style attention: nothing per
+                 token pair)
+    logits       the chunked LM head (trainer/logprobs.py): about five [chunk, vocab] fp32 tensors, plus an fp32
+                 copy of the LM head and its gradient when the model is not fp32
+
+An estimate, not an allocator trace: it leaves out the framework's workspace, fragmentation and (fsdp) the one
+unsharded layer in flight. The plan's `margin` covers those.
+"""
+
+from __future__ import annotations
+
+from trainer.config import CHUNK_ELEMENTS, TrainerConfig
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2}
+
+
+def trainer_memory(
+    cfg: TrainerConfig,
+    params: int,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    vocab: int,
+    world_size: int = 1,
+) -> dict[str, int]:
+    """Estimated bytes per rank: state (parameters, masters, gradients, optimizer), activations and logits."""
+    item = ITEMSIZE[cfg.dtype]
+    sharded = world_size > 1 and cfg.parallel != "ddp"
+    per_param = item + (4 if cfg.dtype != "float32" else 0) + 4 + 8  # params, masters, grads, AdamW m and v
+    if sharded:
+        per_param = 16  # the shards are the fp32 masters; compute-dtype copies exist one layer at a time
+    state = params * per_param // (world_size if sharded else 1)
+    tokens = cfg.micro_batch_tokens
+    per_layer = tokens * (16 * hidden + 3 * intermediate) * item
+    if cfg.gradient_checkpointing:
+        activations = layers * tokens * hidden * item + per_layer
+    else:
+        activations = layers * per_layer
+    logits = 5 * min(CHUNK_ELEMENTS, tokens * vocab) * 4
+    if cfg.dtype != "float32":
+        logits += 2 * vocab * hidden * 4
+    return {"state": state, "activations": activations, "logits": logits, "total": state + activations + logits}
