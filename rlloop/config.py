@@ -13,15 +13,17 @@ so a knob is declared, defaulted and range-checked once, in its component. `Conf
 
 from __future__ import annotations
 
+import difflib
 import logging
 from pathlib import Path
 from typing import Annotated, Literal
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from rollout import EngineConfig
+from rollout.buckets import validate_buckets
 from rollout.types import DType
 from trainer import LossConfig, TrainerConfig
 
@@ -66,6 +68,7 @@ class ModelSection(Section):
     path: str  # hub id or local dir with config.json, weights and tokenizer
     tokenizer: str | None = None  # defaults to `path`
     dtype: DType = "float32"  # engine and trainer; the real recipe sets bfloat16
+    trust_remote_code: bool = False  # run code shipped with the checkpoint (auto_map): only when asked by name
 
 
 class DataSection(Section):
@@ -96,16 +99,25 @@ class RewardSection(Section):
 
 # The engine's own knobs (max_batch, buckets, steps_per_dispatch) come from rollout.EngineConfig; the model, dtype,
 # sequence length, chips and seed are wired from the model, data, cluster and run sections.
-class RolloutSection(knobs_of(EngineConfig, wired=("model_path", "dtype", "max_seq_len", "tp", "seed"))):
+class RolloutSection(
+    knobs_of(EngineConfig, wired=("model_path", "trust_remote_code", "dtype", "max_seq_len", "tp", "seed"))
+):
     backend: Literal["jax", "hf"] = "jax"
     prompts_per_step: PositiveInt = 32
-    group_size: Annotated[int, Field(ge=2)] = 8
+    group_size: int = 8  # >= 2 (_group_size)
     max_response_len: PositiveInt = 8192
     temperature: Annotated[float, Field(gt=0)] = 1.0
     top_p: Prob = 1.0
     top_k: int = -1  # -1: off
     ignore_eos: bool = False  # benchmarks: every response runs to max_response_len
     compile_cache_dir: str | None = "~/.cache/rlloop/jax"  # XLA's persistent cache: later runs skip most warmup
+
+    @field_validator("group_size")
+    @classmethod
+    def _group_size(cls, v: int) -> int:  # not Field(ge=2): the message says why
+        if v < 2:
+            raise ValueError("GRPO's advantage compares the samples of one prompt with each other: needs >= 2")
+        return v
 
 
 # The policy loss's knobs come from trainer.LossConfig; the rest shape rewards and batches before the trainer.
@@ -119,7 +131,8 @@ class GRPOSection(knobs_of(LossConfig)):
 
 # All of trainer.TrainerConfig but what other sections decide (the model, devices, sampling temperature, lengths).
 TrainSection = knobs_of(
-    TrainerConfig, wired=("model_path", "dtype", "device", "temperature", "max_response_len", "loss", "seed")
+    TrainerConfig,
+    wired=("model_path", "trust_remote_code", "dtype", "device", "temperature", "max_response_len", "loss", "seed"),
 )
 
 
@@ -219,11 +232,39 @@ class Config(Section):
                 f"cluster.colocate: true puts both roles on the same chips: cluster.rollout_chips "
                 f"({c.rollout_chips}) must equal cluster.train_chips ({c.train_chips})"
             )
+        if c.rollout_engines > c.rollout_chips:
+            raise ValueError(
+                f"cluster.rollout_engines={c.rollout_engines} is more engines than cluster.rollout_chips="
+                f"{c.rollout_chips}: each engine needs at least one chip of its own"
+            )
         if self.cluster.rollout_chips % self.cluster.rollout_engines:
             raise ValueError(
                 f"cluster.rollout_chips={self.cluster.rollout_chips} does not split evenly over "
                 f"cluster.rollout_engines={self.cluster.rollout_engines}"
             )
+        r, t, p = self.rollout, self.train, self.data.max_prompt_len
+        samples, shares = r.prompts_per_step * r.group_size, c.train_chips * t.minibatches
+        if samples % shares:  # ranks would get unequal shares, and optimizer steps unequal minibatches
+            raise ValueError(
+                f"rollout.prompts_per_step x rollout.group_size = {r.prompts_per_step} x {r.group_size} = {samples}"
+                f" samples per step do not split evenly over cluster.train_chips x train.minibatches = "
+                f"{c.train_chips} x {t.minibatches} = {shares}; make the product a multiple of {shares}"
+            )
+        if r.prefill_buckets and max(r.prefill_buckets) < p:  # None / []: the engine's defaults cover every prompt
+            raise ValueError(
+                f"rollout.prefill_buckets {list(r.prefill_buckets)} do not cover data.max_prompt_len={p}: a longer "
+                f"prompt cannot be prefilled; add a bucket >= {p} or lower data.max_prompt_len"
+            )
+        # The engine's own bucket rules (rollout.buckets), here rather than in an actor minutes later.
+        for kind, limit, why in (
+            ("prefill", p + r.max_response_len - 1, "data.max_prompt_len + rollout.max_response_len - 1"),
+            ("decode", r.max_batch, "rollout.max_batch"),
+        ):
+            try:
+                if getattr(r, f"{kind}_buckets"):
+                    validate_buckets(f"rollout.{kind}_buckets", getattr(r, f"{kind}_buckets"), limit)
+            except ValueError as e:
+                raise ValueError(f"{e} ({why})") from None
         # The components' own checks (cross-field ones too) at load time, not in an actor minutes later.
         for section, build in (
             ("grpo", self.loss_config),
@@ -245,6 +286,7 @@ class Config(Section):
         return EngineConfig(
             **component_kwargs(self.rollout, EngineConfig),
             model_path=self.model.path,
+            trust_remote_code=self.model.trust_remote_code,
             dtype=self.model.dtype,
             max_seq_len=self.data.max_prompt_len + self.rollout.max_response_len,
             tp=self.cluster.rollout_chips // self.cluster.rollout_engines,
@@ -255,6 +297,7 @@ class Config(Section):
         return TrainerConfig(
             **component_kwargs(self.train, TrainerConfig),
             model_path=self.model.path,
+            trust_remote_code=self.model.trust_remote_code,
             dtype=self.model.dtype,
             device=TORCH_DEVICE[self.cluster.device],
             temperature=self.rollout.temperature,
@@ -277,12 +320,19 @@ PATH_KEYS = ("model.path", "model.tokenizer", "data.path", "eval.path")
 def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     """One YAML file merged over the file it `inherit`s from, with its relative paths made absolute."""
     path = path.resolve()
+    by = f" (inherited by {seen[-1]})" if seen else ""
+    if path.is_dir():
+        raise ConfigError(f"config file {path}{by} is a directory; expected a YAML file (examples/grpo_dapo.yaml)")
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}" + (f" (inherited by {seen[-1]})" if seen else ""))
+        raise ConfigError(f"config file not found: {path}{by}")
     if path in seen:
         raise ConfigError(f"inherit: cycle through {path}")
+    try:  # read first, so that an unreadable file is not reported as bad YAML
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path}{by}: cannot read it: {e}") from None
     try:
-        node = OmegaConf.to_container(OmegaConf.load(path))
+        node = OmegaConf.to_container(OmegaConf.create(text)) if text.strip() else {}
     except Exception as e:  # OmegaConf's own errors, yaml.YAMLError and friends
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(node, dict):
@@ -301,29 +351,60 @@ def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     return OmegaConf.to_container(OmegaConf.merge(base, node))
 
 
+def _known_keys(loc: tuple) -> list[str]:
+    """The keys the section at `loc` (a path of field names from the top) accepts; [] when it is not a section."""
+    cls: type = Config
+    for part in loc:
+        field = cls.model_fields.get(str(part)) if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+        if field is None:
+            return []
+        cls = field.annotation
+    return list(cls.model_fields) if isinstance(cls, type) and issubclass(cls, BaseModel) else []
+
+
 def _describe(err: dict, prefix: str = "") -> str:
     """One line per pydantic error: the key path, then what is wrong (a model-level check names its keys itself)."""
     loc = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
     if err["type"] == "extra_forbidden":
-        return f"{loc}: unknown key"
+        known = _known_keys((prefix, *err["loc"][:-1]) if prefix else err["loc"][:-1])
+        close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else (f"; known keys here: {', '.join(known)}" if known else "")
+        return f"{loc}: unknown key{hint}"
     if err["type"] == "missing":
         return f"{loc}: required key is missing"
     got, msg = err.get("input"), err["msg"].removeprefix("Value error, ")
     shown = isinstance(got, (str, int, float, list, tuple)) or got is None
-    return (f"{loc}: " if loc else "") + msg + (f", got {got!r}" if shown else "")
+    # A section-level check (loc empty) gets the whole section as input: nothing worth echoing.
+    suffix = f", got {got!r}" if shown else (", got a mapping" if isinstance(got, dict) and loc else "")
+    return (f"{loc}: " if loc else "") + msg + suffix
+
+
+def _check_override(item: str) -> None:
+    """`a.b.c=value`: a key of non-empty dotted names, then `=`; the value may itself hold `=`."""
+    key = item.split("=", 1)[0]
+    if item[:1] in ("+", "~"):
+        raise ConfigError(f"override {item!r}: write plain key.path=value (no Hydra-style {item[0]!r} prefix)")
+    if "=" not in item or not key:
+        raise ConfigError(f"override {item!r}: expected key.path=value, e.g. train.lr=2e-6")
+    if any(not part or part != part.strip() for part in key.split(".")):
+        raise ConfigError(f"override {item!r}: key {key!r} has an empty or space-padded part; expected key.path=value")
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     """Read `path` (following `inherit:`), apply `a.b=c` overrides, validate. Raises ConfigError."""
     raw = _load_yaml(Path(path))
-    for item in overrides:
-        if "=" not in item or not item.split("=", 1)[0]:
-            raise ConfigError(f"override {item!r}: expected key.path=value")
+    merged = OmegaConf.create(raw)
+    for item in overrides:  # one at a time, so that an error names the override that caused it
+        _check_override(item)
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        except Exception as e:  # OmegaConf's errors, and yaml's or TypeError for values it cannot parse or merge
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise ConfigError(f"override {item!r}: {reason}") from None
     try:
-        merged = OmegaConf.merge(OmegaConf.create(raw), OmegaConf.from_dotlist(list(overrides)))
         data = OmegaConf.to_container(merged, resolve=True)
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"override: {e}") from None
+    except OmegaConfBaseException as e:  # e.g. an ${interpolation} that points nowhere
+        raise ConfigError(f"config: {' '.join(str(e).split())}") from None
     try:
         return Config.model_validate(data)
     except ValidationError as e:

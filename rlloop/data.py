@@ -9,6 +9,8 @@ error, as configured.
 
 from __future__ import annotations
 
+import json
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,31 +35,85 @@ class Prompt:
     # draw it again (the async loop modes checkpoint the cursor of the oldest prompt not yet trained on)
 
 
-def load_rows(path: str, split: str = "train"):
-    """A `datasets.Dataset` from a hub id, a parquet/jsonl file or a directory of them."""
+def is_local(path: str) -> bool:
+    """A file or directory on this machine (or meant to be one) rather than a hub id."""
+    return Path(path).exists() or path.startswith((".", "/")) or path.endswith(tuple(FILE_FORMATS))
+
+
+def _bad_json_line(file: Path) -> str | None:
+    """Where a JSON(-lines) file that `datasets` refused is broken, as 'line N: problem', if one line is to blame."""
+    text = file.read_text(errors="replace")
+    if text.lstrip().startswith("["):  # one JSON array: the parser knows the line
+        try:
+            json.loads(text)
+        except ValueError as e:
+            return f"line {getattr(e, 'lineno', '?')}: not valid JSON: {e}"
+        return None
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            return f"line {n}: not valid JSON ({e}): {line[:80]!r}"
+        if not isinstance(row, dict):
+            return f"line {n}: expected a JSON object (one row), got {type(row).__name__}"
+    return None
+
+
+def _parquet_rows(files: list[Path]) -> int | None:
+    """Rows in these parquet files by their footers; None when one is not readable parquet."""
+    import pyarrow.parquet as pq
+
+    try:
+        return sum(pq.read_metadata(f).num_rows for f in files)
+    except Exception:
+        return None
+
+
+def _load_files(files: list[Path], fmt: str, path: str, key: str):
+    import datasets
+
+    if fmt == "json" and not any(f.read_bytes().strip() for f in files):
+        raise DataError(f"{key} {path}: no rows (empty file)")
+    try:
+        return datasets.load_dataset(fmt, data_files=[str(f) for f in files], split="train")
+    except Exception as e:  # pyarrow / datasets errors: find the file (and line) to blame
+        for f in files:
+            where = _bad_json_line(f) if fmt == "json" else None
+            if where:
+                raise DataError(f"{key} {f} {where}") from None
+        if fmt == "parquet" and _parquet_rows(files) == 0:  # readable, but pyarrow refuses zero-row batches
+            raise DataError(f"{key} {path}: no rows") from None
+        reason = " ".join(str(e.__cause__ or e).split())[:300]
+        raise DataError(f"{key} {path}: cannot read as {fmt} ({reason}); is it a broken or truncated file?") from None
+
+
+def load_rows(path: str, split: str = "train", key: str = "data.path"):
+    """A `datasets.Dataset` from a hub id, a parquet/jsonl file or a directory of them; errors name `key`."""
     import datasets
 
     local = Path(path)
     if local.is_file():
         if local.suffix not in FILE_FORMATS:
-            raise DataError(f"data file {path}: unsupported format {local.suffix!r} (use .parquet, .jsonl or .json)")
+            raise DataError(f"{key} {path}: unsupported format {local.suffix!r} (use .parquet, .jsonl or .json)")
         if local.stat().st_size == 0:
-            raise DataError(f"data {path}: no rows")
-        return datasets.load_dataset(FILE_FORMATS[local.suffix], data_files=str(local), split="train")
+            raise DataError(f"{key} {path}: no rows (empty file)")
+        return _load_files([local], FILE_FORMATS[local.suffix], path, key)
     if local.is_dir():
         files = sorted(f for f in local.rglob("*") if f.suffix in FILE_FORMATS)
         if not files:
-            raise DataError(f"data directory {path}: no .parquet, .jsonl or .json files in it")
+            raise DataError(f"{key} {path}: a directory with no .parquet, .jsonl or .json files in it")
         formats = {FILE_FORMATS[f.suffix] for f in files}
         if len(formats) > 1:
-            raise DataError(f"data directory {path}: mixes parquet and json files; keep one format")
-        return datasets.load_dataset(formats.pop(), data_files=[str(f) for f in files], split="train")
-    if path.startswith((".", "/")) or path.endswith(tuple(FILE_FORMATS)):
-        raise DataError(f"data path {path}: no such file or directory")
+            raise DataError(f"{key} {path}: a directory mixing parquet and json files; keep one format")
+        return _load_files(files, formats.pop(), path, key)
+    if is_local(path):
+        raise DataError(f"{key} {path}: no such file or directory")
     try:
         return datasets.load_dataset(path, split=split)
     except Exception as e:  # the hub raises many kinds; the message is what matters
-        raise DataError(f"data path {path!r} (split {split!r}): could not load from the Hugging Face hub: {e}") from e
+        raise DataError(f"{key} {path!r} (split {split!r}): could not load from the Hugging Face hub: {e}") from e
 
 
 def get_field(row: dict, dotted: str):
@@ -69,23 +125,46 @@ def get_field(row: dict, dotted: str):
     return value
 
 
-def check_columns(rows, prompt_key: str, answer_key: str, source: str) -> None:
+def check_columns(rows, prompt_key: str, answer_key: str, source: str, label: str = "data.path") -> None:
     if len(rows) == 0:
-        raise DataError(f"data {source}: no rows")
-    first = rows[0]
+        raise DataError(f"{label} {source}: no rows")
     for key, what in ((prompt_key, "prompt_key"), (answer_key, "answer_key")):
-        if get_field(first, key) is None:
+        # By the schema, not the first row: a column that is null in row 0 exists and is a row-level problem.
+        node = rows.features
+        for part in key.split("."):
+            if not isinstance(node, dict):  # no fixed schema below here (datasets' Json feature): look at rows
+                node = next((1 for i in range(min(len(rows), 64)) if get_field(rows[i], key) is not None), None)
+                break
+            node = node.get(part)
+        if node is None:
             raise DataError(
-                f"data {source}: column {key!r} (data.{what}) not found; columns are {sorted(rows.column_names)}"
+                f"{label} {source}: column {key!r} (data.{what}) not found; columns are {sorted(rows.column_names)}"
             )
 
 
 def to_messages(prompt) -> list[dict]:
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) and prompt.strip():
         return [{"role": "user", "content": prompt}]
-    if isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt):
-        return [{"role": m.get("role", "user"), "content": m["content"]} for m in prompt]
-    raise DataError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt)
+    ):
+        return [{"role": m.get("role") or "user", "content": m["content"]} for m in prompt]
+    shown = repr(prompt)[:80]
+    raise DataError(
+        "prompt must be a non-empty string or a list of chat messages ({'role': ..., 'content': str}), got "
+        f"{type(prompt).__name__} {shown}"
+    )
+
+
+def to_answer(answer) -> str:
+    """The ground truth as the reward function gets it: a non-empty string (numbers are written out)."""
+    if isinstance(answer, numbers.Number) and not isinstance(answer, bool):
+        return str(answer)
+    if isinstance(answer, str) and answer.strip():
+        return answer
+    raise DataError(f"empty or missing ground truth: expected a non-empty string or a number, got {answer!r:.80}")
 
 
 def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
@@ -110,9 +189,11 @@ class PromptData:
         on_long_prompt: str = "drop",
         shuffle: bool = True,
         seed: int = 0,
+        key: str = "data.path",
     ):
-        self.rows = load_rows(path, split)
-        check_columns(self.rows, prompt_key, answer_key, path)
+        self.rows = load_rows(path, split, key)
+        check_columns(self.rows, prompt_key, answer_key, path, key)
+        self.key = key  # data.path or eval.path: named in errors
         self.source, self.tokenizer = path, tokenizer
         self.prompt_key, self.answer_key = prompt_key, answer_key
         self.max_prompt_len, self.on_long_prompt = max_prompt_len, on_long_prompt
@@ -128,20 +209,52 @@ class PromptData:
             return np.arange(len(self.rows))
         return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.rows))
 
+    def _parse(self, index: int) -> tuple[list[dict], list[int], str]:
+        """(messages, token ids, answer) of row `index`; a DataError naming the row and the column otherwise."""
+        row = self.rows[int(index)]
+        parsed = []
+        for key, name, parse in (
+            (self.prompt_key, "data.prompt_key", to_messages),
+            (self.answer_key, "data.answer_key", to_answer),
+        ):
+            try:
+                parsed.append(parse(get_field(row, key)))
+            except DataError as e:
+                raise DataError(f"{self.key} {self.source}: row {index} (0-based), {name} {key!r}: {e}") from None
+        messages, answer = parsed
+        return messages, encode_prompt(self.tokenizer, messages), answer
+
+    def _too_long(self, index: int, tokens: int) -> DataError:
+        return DataError(
+            f"{self.key} {self.source}: row {index} has {tokens} prompt tokens > "
+            f"data.max_prompt_len={self.max_prompt_len} (data.on_long_prompt: error)"
+        )
+
     def get(self, index: int) -> Prompt | None:
         """Row `index` tokenized, or None when it is too long and the policy is to drop it."""
-        row = self.rows[int(index)]
-        messages = to_messages(get_field(row, self.prompt_key))
-        ids = encode_prompt(self.tokenizer, messages)
+        messages, ids, answer = self._parse(index)
         if len(ids) > self.max_prompt_len:
             if self.on_long_prompt == "error":
-                raise DataError(
-                    f"data {self.source}: row {index} has {len(ids)} prompt tokens > "
-                    f"data.max_prompt_len={self.max_prompt_len}"
-                )
+                raise self._too_long(index, len(ids))
             self.dropped += 1
             return None
-        return Prompt(int(index), ids, str(get_field(row, self.answer_key)), messages)
+        return Prompt(int(index), ids, answer, messages)
+
+    def validate(self, rows: int = 1024) -> None:
+        """Parse and tokenize the first `rows` rows (all of a small file), so that a bad schema, an empty answer or
+        prompts that never fit fail now, in the driver, not at some step inside the run."""
+        n = min(rows, len(self.rows))
+        lengths = [len(self._parse(i)[1]) for i in range(n)]
+        too_long = [i for i, k in enumerate(lengths) if k > self.max_prompt_len]
+        if too_long and self.on_long_prompt == "error":
+            raise self._too_long(too_long[0], lengths[too_long[0]])
+        if len(too_long) == n:
+            scope = f"all {n} rows" if n == len(self.rows) else f"the first {n} of {len(self.rows)} rows"
+            raise DataError(
+                f"{self.key} {self.source}: every prompt checked ({scope}) is longer than data.max_prompt_len="
+                f"{self.max_prompt_len} tokens (the shortest has {min(lengths)}); raise data.max_prompt_len "
+                "(and rollout.prefill_buckets with it) or shorten the prompts"
+            )
 
     def next_batch(self, n: int) -> list[Prompt]:
         batch: list[Prompt] = []
@@ -159,7 +272,8 @@ class PromptData:
                 batch.append(prompt)
             elif seen_in_call > len(self._order) and not batch:
                 raise DataError(
-                    f"data {self.source}: every prompt is longer than data.max_prompt_len={self.max_prompt_len}"
+                    f"{self.key} {self.source}: every prompt ({len(self._order)} rows) is longer than "
+                    f"data.max_prompt_len={self.max_prompt_len} tokens"
                 )
         return batch
 
@@ -201,5 +315,13 @@ def load_datasets(cfg: Config, tokenizer) -> tuple[PromptData, PromptData | None
         max_prompt_len=d.max_prompt_len,
         on_long_prompt="drop",
         shuffle=False,
+        key="eval.path",
     )
     return train, evals
+
+
+def check_data(cfg: Config, tokenizer) -> None:
+    """Load and validate the training and eval prompts from the driver (DataError on a problem)."""
+    for data in load_datasets(cfg, tokenizer):
+        if data is not None:
+            data.validate()

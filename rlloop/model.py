@@ -1,45 +1,165 @@
-"""The model a run names, checked from the driver: its config must load and its tokenizer is returned.
+"""The model a run names, checked from the driver before any actor starts or any weight is read.
 
-Both fail here with the key named (`ModelError`, exit code 2) rather than as a traceback from inside an actor
-minutes later; the usual cause is a hub id with no network.
+`check_model` reads `config.json` (as JSON: no model code runs, no weights load) and checks what the engine and
+trainer would otherwise trip over minutes later inside an actor: missing weight files, an architecture the JAX
+decoder does not implement, custom code (`auto_map`) without `model.trust_remote_code`, a context shorter than
+`data.max_prompt_len + rollout.max_response_len`. `load_tokenizer` returns the tokenizer after checking it has a
+chat template and ids inside the model's vocabulary. Every problem is a `ModelError` naming the key (exit code 2);
+the usual cause is a hub id with no network.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from rlloop.config import ModelSection
+from rlloop.config import Config, ModelSection
+
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")  # what the engine (safetensors) and trainer read
+SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 class ModelError(ValueError):
     """The model or tokenizer a config names cannot be loaded; the message names the key."""
 
 
+def is_local(source: str) -> bool:
+    """A path on this machine (or meant to be one) rather than a hub id."""
+    return Path(source).exists() or source.startswith(("/", "."))
+
+
+def _offline_hint(key: str, source: str) -> str:
+    return f"\n(offline? download it beforehand, e.g. `hf download {source}`, or set {key} to a local directory)"
+
+
+def _no_remote_code(key: str, where: str, hf: dict, model: ModelSection) -> None:
+    if hf.get("auto_map") and not model.trust_remote_code:
+        raise ModelError(
+            f"{key}: {where} maps to code shipped with the checkpoint (auto_map: {sorted(hf['auto_map'])}), which "
+            "runs only with model.trust_remote_code: true; set it if you trust this checkpoint's code"
+        )
+
+
+def read_model_config(model: ModelSection) -> tuple[dict, str]:
+    """`config.json` of `model.path` (a local dir, or a hub id: downloaded or from the cache) as a dict, and where
+    it was read; checks that it needs no remote code unless allowed."""
+    source = model.path
+    if is_local(source):
+        if not Path(source).is_dir():
+            raise ModelError(f"model.path: {source!r} is not a directory")
+        file = Path(source) / "config.json"
+        if not file.is_file():
+            raise ModelError(
+                f"model.path: cannot load {source!r}: no config.json in it (a Hugging Face model directory holds "
+                "config.json, the weights and the tokenizer files)"
+            )
+    else:
+        from huggingface_hub import hf_hub_download
+
+        try:
+            file = Path(hf_hub_download(source, "config.json"))
+        except Exception as e:  # offline, unknown repo, gated, ...: the hub raises many kinds
+            reason = " ".join(str(e).split())[:400] or type(e).__name__
+            raise ModelError(
+                f"model.path: cannot load {source!r}: {reason}{_offline_hint('model.path', source)}"
+            ) from None
+    try:
+        hf = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelError(f"model.path: {file}: not a readable JSON model config: {e}") from None
+    if not isinstance(hf, dict):
+        raise ModelError(f"model.path: {file}: expected a JSON object, got {type(hf).__name__}")
+    _no_remote_code("model.path", str(file), hf, model)
+    return hf, str(file)
+
+
+def _check_weights(path: Path) -> None:
+    for index in SHARD_INDEXES:
+        if (path / index).is_file():
+            shards = set(json.loads((path / index).read_text()).get("weight_map", {}).values())
+            missing = sorted(s for s in shards if not (path / s).is_file())
+            if missing:
+                raise ModelError(
+                    f"model.path: {path / index} lists {len(missing)} weight file(s) that are not there: "
+                    f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} (an interrupted download?)"
+                )
+            return
+    if not any(next(path.glob(p), None) for p in WEIGHT_PATTERNS):
+        raise ModelError(
+            f"model.path: {str(path)!r} has no weight files ({' or '.join(WEIGHT_PATTERNS)}); the trainer starts "
+            "from them"
+        )
+
+
+def check_model(cfg: Config) -> dict:
+    """Everything about `model.path` that can be known from its config.json and file list; returns config.json."""
+    from rollout.model_config import FAMILIES, ModelConfig
+
+    hf, where = read_model_config(cfg.model)
+    if is_local(cfg.model.path):
+        _check_weights(Path(cfg.model.path))
+    if cfg.rollout.backend == "jax":  # the reference HF backend runs any transformers causal LM
+        model_type, archs = hf.get("model_type"), hf.get("architectures") or []
+        if model_type not in FAMILIES:
+            raise ModelError(
+                f"model.path: {where} is model_type {model_type!r} ({', '.join(archs) or 'no architectures'}): the "
+                f"JAX decoder (rollout.backend: jax) supports model_type {', '.join(FAMILIES)} (Qwen3ForCausalLM, "
+                "Qwen2ForCausalLM, LlamaForCausalLM)"
+            )
+        try:
+            ModelConfig.from_hf_dict(hf)  # the decoder's own checks: activation, RoPE type, required fields
+        except KeyError as e:
+            raise ModelError(f"model.path: {where} lacks {e.args[0]!r}") from None
+        except (ValueError, TypeError) as e:
+            raise ModelError(f"model.path: {where}: {e}") from None
+    context = hf.get("max_position_embeddings")
+    need = cfg.data.max_prompt_len + cfg.rollout.max_response_len
+    if isinstance(context, int) and need > context:
+        raise ModelError(
+            f"data.max_prompt_len + rollout.max_response_len = {cfg.data.max_prompt_len} + "
+            f"{cfg.rollout.max_response_len} = {need} tokens, beyond the model's max_position_embeddings {context} "
+            f"({where}); lower one of them"
+        )
+    return hf
+
+
 def load_tokenizer(model: ModelSection):
     """The tokenizer of `model.tokenizer` (default `model.path`), after checking that `model.path` holds a model
-    config."""
-    from transformers import AutoConfig, AutoTokenizer
+    config; it must have a chat template (prompts are chat messages) and ids inside the model's vocabulary."""
+    from transformers import AutoTokenizer
 
-    tokenizer_key = "model.tokenizer" if model.tokenizer else "model.path"
-    for key, loader in (("model.path", AutoConfig), (tokenizer_key, AutoTokenizer)):
-        source = model.tokenizer if key == "model.tokenizer" else model.path
-        local = Path(source).exists() or source.startswith(("/", "."))
-        if local and not Path(source).is_dir():
-            raise ModelError(f"{key}: {source!r} is not a directory")
+    hf, where = read_model_config(model)
+    key = "model.tokenizer" if model.tokenizer else "model.path"
+    source = model.tokenizer or model.path
+    local = is_local(source)
+    if local and not Path(source).is_dir():
+        raise ModelError(f"{key}: {source!r} is not a directory")
+    if local and (Path(source) / "tokenizer_config.json").is_file():
         try:
-            loaded = loader.from_pretrained(source)
+            tok_cfg = json.loads((Path(source) / "tokenizer_config.json").read_text())
         except (OSError, ValueError) as e:
-            reason = " ".join(str(e).split())[:400] or type(e).__name__
-            hint = (
-                ""
-                if local
-                else (
-                    f"\n(offline? download it beforehand, e.g. `hf download {source}`, or set {key} "
-                    "to a local directory)"
-                )
-            )
-            raise ModelError(f"{key}: cannot load {source!r}: {reason}{hint}") from None
-    return loaded
+            raise ModelError(f"{key}: {source}/tokenizer_config.json is not readable JSON: {e}") from None
+        _no_remote_code(key, f"{source}/tokenizer_config.json", tok_cfg if isinstance(tok_cfg, dict) else {}, model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=model.trust_remote_code)
+    except Exception as e:  # OSError, ValueError, and whatever a malformed tokenizer file makes the backend raise
+        reason = " ".join(str(e).split())[:400] or type(e).__name__
+        raise ModelError(
+            f"{key}: cannot load {source!r}: {reason}{'' if local else _offline_hint(key, source)}"
+        ) from None
+    if not tokenizer.chat_template:
+        raise ModelError(
+            f"{key}: the tokenizer in {source!r} has no chat template; prompts are rendered as chat messages with it. "
+            "Use the instruct / chat tokenizer (model.tokenizer), or add a chat_template.jinja next to it"
+        )
+    vocab_size = hf.get("vocab_size")
+    top = max(tokenizer.get_vocab().values(), default=-1)
+    if isinstance(vocab_size, int) and top >= vocab_size:
+        raise ModelError(
+            f"{key}: the tokenizer's ids go up to {top} but {where} has vocab_size {vocab_size}: they do not belong "
+            "together (token ids past the embedding table); point model.tokenizer at the model's own tokenizer"
+        )
+    return tokenizer
 
 
 def stop_token_ids(tokenizer) -> tuple[int, ...]:

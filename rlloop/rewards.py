@@ -6,13 +6,15 @@ Built-ins:
 - `math`: the last `\\boxed{...}`, graded for equivalence with `math-verify`; 1 correct, 0 otherwise.
 - `package.module:function`: any `function(response: str, answer: str) -> float`.
 
-`RewardScorer` runs the function in worker processes: one that raises, returns a non-number or exceeds
-`timeout_s` gives that sample `failure_reward` and increments a counter; a stuck worker is killed and the run goes on.
+`RewardScorer` runs the function in worker processes: one that raises, returns something other than a finite number
+(None, a string, NaN, inf) or exceeds `timeout_s` gives that sample `failure_reward` and increments a counter; a
+stuck worker is killed and the run goes on.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import multiprocessing
 import re
@@ -21,6 +23,8 @@ from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable
+
+log = logging.getLogger(__name__)
 
 # --- DAPO (verl/utils/reward_score/math_dapo.py, Minerva normalisation) ---------------------------------------------
 SUBSTITUTIONS = [
@@ -143,10 +147,12 @@ def resolve(spec: str) -> Callable[[str, str], float]:
     if ":" not in spec:
         raise ValueError(f"reward.fn {spec!r}: expected one of {sorted(BUILTIN)} or 'package.module:function'")
     module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"reward.fn {spec!r}: expected 'package.module:function', with both parts")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward.fn {spec!r}: cannot import module {module_name!r}: {e}") from None
+    except Exception as e:  # not only ImportError: the module's own code may raise (or not parse) on import
+        raise ValueError(f"reward.fn {spec!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward.fn {spec!r}: module {module_name!r} has no function {attr!r}")
@@ -184,15 +190,24 @@ class RewardScorer:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
+    def _fail(self, why: str) -> float:
+        self.errors += 1
+        if self.errors == 1:  # once per scorer: the counter (rollout/reward_failures) tracks the rest
+            log.warning("reward.fn %s %s; such samples get reward.failure_reward", self.spec, why)
+        return self.failure_reward
+
     def _accept(self, value) -> float:
+        # A str is refused even when it parses ("1.5"): the contract is a number, and a function returning text
+        # is a bug to surface, not to guess around. NaN and inf would poison the group's advantages.
+        if value is None or isinstance(value, (str, bytes)):
+            return self._fail(f"returned {value!r:.40} instead of a number")
         try:
-            value = float(value)
+            number = float(value)
         except (TypeError, ValueError):
-            value = math.nan
-        if math.isnan(value):
-            self.errors += 1
-            return self.failure_reward
-        return value
+            return self._fail(f"returned a {type(value).__name__}, not a number")
+        if not math.isfinite(number):
+            return self._fail(f"returned {number}")
+        return number
 
     def _collect(self, fut) -> tuple[float, bool]:
         """(reward, pool_broken) for a finished future."""
@@ -200,11 +215,9 @@ class RewardScorer:
             return self._accept(fut.result()), False
         except BrokenProcessPool:
             # A worker died (os._exit, segfault); every sample in flight in that pool fails with it.
-            self.errors += 1
-            return self.failure_reward, True
-        except Exception:
-            self.errors += 1
-            return self.failure_reward, False
+            return self._fail("killed its worker process"), True
+        except Exception as e:
+            return self._fail(f"raised {type(e).__name__}: {e}"), False
 
     def score(self, responses: list[str], answers: list[str]) -> list[float]:
         # At most `workers` samples in flight, so each one in flight is really running and its deadline is its own.
@@ -230,6 +243,10 @@ class RewardScorer:
             expired = [fut for fut, (_, deadline) in inflight.items() if deadline <= now]
             for fut in expired:
                 self.timeouts += 1
+                if self.timeouts == 1:
+                    log.warning(
+                        "reward.fn %s ran past reward.timeout_s=%s; its worker is killed", self.spec, self.timeout_s
+                    )
                 inflight.pop(fut)
             if expired or broken:  # kill the stuck or dead pool; restart the samples caught in it
                 queue.extendleft(i for i, _ in inflight.values())

@@ -39,10 +39,31 @@ def check_references(cfg: Config) -> None:
         memory.check()
 
 
-def dry_run(cfg: Config) -> None:
+def preflight(cfg: Config, dry_run: bool = False) -> list[str]:
+    """Check the model (config.json and file list: no weights), tokenizer and data from the driver, before a run
+    directory, Ray or an actor exists: ModelError / DataError. A dry run checks only what is on this machine (it
+    downloads nothing); returns notes on what it skipped. The loop loads the tokenizer and data again itself."""
+    from rlloop import data, model
+
+    sources = {"model.path": cfg.model.path, "model.tokenizer": cfg.model.tokenizer or cfg.model.path}
+    remote = [key for key, src in sources.items() if not model.is_local(src)]
+    if dry_run and remote:
+        return [f"{', '.join(remote)} not checked: a hub id (a dry run downloads nothing)"]
+    model.check_model(cfg)
+    tokenizer = model.load_tokenizer(cfg.model)
+    paths = {"data.path": cfg.data.path, "eval.path": cfg.eval.path}
+    remote = [key for key, src in paths.items() if src and not data.is_local(src)]
+    if dry_run and remote:
+        return [f"{', '.join(remote)} not checked: a hub dataset (a dry run downloads nothing)"]
+    data.check_data(cfg, tokenizer)
+    return []
+
+
+def dry_run(cfg: Config, notes: list[str] = ()) -> None:
     from rlloop.placement import plan_placement
 
     print(to_yaml(cfg), end="")
+    print("\n".join(f"# {note}" for note in notes or ["model, tokenizer and data: checked"]))
     print(f"# run directory: {cfg.run_dir}")
     plan = plan_placement(cfg.cluster, same_host=cfg.sync.transport == "shm")
     parallel = {"auto": "fsdp"}.get(cfg.train.parallel, cfg.train.parallel) if cfg.cluster.train_chips > 1 else "one"
@@ -65,29 +86,31 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from rlloop.data import DataError
+    from rlloop.model import ModelError
+
+    # Config, reward, model and data problems end here, exit 2, before the run directory, Ray or any actor exists:
+    # nothing is written, and no checkpoint of a run being resumed is touched.
     try:
         cfg = load_config(args.config, args.overrides)
         check_references(cfg)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        notes = preflight(cfg, dry_run=args.dry_run)
+    except (ConfigError, ModelError, DataError) as e:
+        kind = "config" if isinstance(e, ConfigError) else "model" if isinstance(e, ModelError) else "data"
+        print(f"{kind} error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
-        dry_run(cfg)
+        dry_run(cfg, notes)
         return 0
 
     from rlloop.cluster import ClusterError
-    from rlloop.data import DataError
     from rlloop.loop import train
-    from rlloop.model import ModelError
     from trainer import NonFiniteTraining
 
     try:
         run_dir = train(cfg, resume=args.resume)
-    except DataError as e:
-        print(f"data error: {e}", file=sys.stderr)
-        return 2
-    except ModelError as e:
-        print(f"model error: {e}", file=sys.stderr)
+    except (DataError, ModelError) as e:  # a bad row past the ones preflight reads, found mid-run
+        print(f"{'data' if isinstance(e, DataError) else 'model'} error: {e}", file=sys.stderr)
         return 2
     except ClusterError as e:
         print(f"cluster error: {e}", file=sys.stderr)

@@ -13,11 +13,17 @@ BACKENDS = ("hf", "jax")
 
 def make_engine(backend: str, cfg: EngineConfig, device: str = "cpu") -> RolloutEngine:
     """Build a rollout engine from `cfg`: "jax" uses all of it (on JAX's default devices); "hf" uses model_path,
-    dtype and max_batch, on torch device `device`."""
+    dtype, max_batch and trust_remote_code, on torch device `device`."""
     if backend == "hf":
         from rollout.hf_backend import HFEngine
 
-        return HFEngine(cfg.model_path, dtype=cfg.dtype, device=device, max_batch=cfg.max_batch)
+        return HFEngine(
+            cfg.model_path,
+            dtype=cfg.dtype,
+            device=device,
+            max_batch=cfg.max_batch,
+            trust_remote_code=cfg.trust_remote_code,
+        )
     if backend == "jax":
         from rollout.engine import JaxEngine
 

@@ -2,7 +2,8 @@
 
 Kept apart from rollout.engine because the RL loop's driver builds (and checks) it without loading jax; it is a
 pydantic dataclass so that each field declares its own range, a bad value fails with the field named, and it pickles
-to Ray actors as is. The HF backend reads model_path, dtype and max_batch from it (rollout.make_engine).
+to Ray actors as is. The HF backend reads model_path, trust_remote_code, dtype and max_batch from it
+(rollout.make_engine).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ PathStr = Annotated[str, BeforeValidator(lambda v: os.fspath(v) if isinstance(v,
 @dataclass(config=ConfigDict(extra="forbid"))
 class EngineConfig:
     model_path: PathStr  # HF dir or hub id with config.json (+ safetensors weights)
+    trust_remote_code: bool = False  # hf backend: run Python shipped with the checkpoint; the JAX decoder never does
     dtype: DType = "float32"  # compute/params dtype (the real recipe sets bfloat16); logits/sampling in fp32
     max_batch: PositiveInt = 256  # KV slots
     max_seq_len: Annotated[int, Field(ge=2)] = 1024  # prompt + response

@@ -34,14 +34,23 @@ def numpy_to_torch(array: np.ndarray) -> torch.Tensor:
 class HFEngine(RolloutEngine):
     """`RolloutEngine` backed by a Hugging Face causal LM and `model.generate`."""
 
-    def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu", max_batch: int = 64):
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "float32",
+        device: str = "cpu",
+        max_batch: int = 64,
+        trust_remote_code: bool = False,
+    ):
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.device = torch.device(device)
         self.max_batch = max_batch
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
+        )
         self.model.to(self.device).eval()
         cfg = self.model.config
         self.vocab_size = cfg.vocab_size

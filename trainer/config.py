@@ -48,6 +48,7 @@ class LossConfig:
 @dataclass(config=STRICT)
 class TrainerConfig:
     model_path: Annotated[str, BeforeValidator(os.fspath)]  # HF dir or hub id (AutoModelForCausalLM)
+    trust_remote_code: bool = False  # run Python shipped with the checkpoint (auto_map); off unless asked for
     dtype: Literal["float32", "bfloat16"] = "float32"  # model params and compute; AdamW masters stay fp32
     device: Literal["cpu", "cuda", "tpu"] = "cpu"  # tpu needs torch_tpu, never installed on CPU machines
     # ddp: every rank a full replica; fsdp: FSDP2 shards of parameters, gradients and AdamW state (trainer/parallel.py);

@@ -74,7 +74,9 @@ class Trainer:
 
         # fsdp keeps fp32 shards (the masters) and computes in cfg.dtype through its mixed-precision policy.
         load_dtype = torch.float32 if sharded else self.export_dtype
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=load_dtype)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            cfg.model_path, dtype=load_dtype, trust_remote_code=cfg.trust_remote_code
+        )
         self.model.to(self.device)
         if cfg.gradient_checkpointing:
             # transformers >= 5.x renamed it; non-reentrant checkpointing works with inputs that need no grad.

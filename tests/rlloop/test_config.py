@@ -142,9 +142,9 @@ def test_a_trainer_knob_is_one_field_reachable_from_yaml():
         (
             "trainer_config",
             "train",
-            {"model_path", "dtype", "device", "temperature", "max_response_len", "loss", "seed"},
+            {"model_path", "trust_remote_code", "dtype", "device", "temperature", "max_response_len", "loss", "seed"},
         ),
-        ("engine_config", "rollout", {"model_path", "dtype", "max_seq_len", "tp", "seed"}),
+        ("engine_config", "rollout", {"model_path", "trust_remote_code", "dtype", "max_seq_len", "tp", "seed"}),
     ],
 )
 def test_every_component_knob_is_a_yaml_key_or_wired_from_one(build, section, wired):

@@ -1,0 +1,407 @@
+"""The bad-input matrix: each bad config, model, data file or reward function, one row of a table.
+
+Config, model and data problems exit 2 from `rlloop.run.main`, name the key / file / line and the problem, and are
+found in the driver before the loop starts: a stand-in `rlloop.loop` fails the test if training is reached, and no
+run directory may appear (nor may a resumed run's files change). A reward function that raises, hangs or returns a
+non-number costs its sample `reward.failure_reward` and one count of `rollout/reward_failures`, not the run.
+Fixtures (model copies, data files, reward modules) are built in tmp_path from the embedded tiny example.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+# Imported here, not first inside a test: its log handler keeps the stderr it finds at import (a closed capsys one).
+import datasets  # noqa: F401
+import pandas as pd
+import pytest
+
+from rlloop.run import main
+from rlloop.tiny import ASSETS
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "examples" / "grpo_dapo_tiny.yaml")
+MODEL, TRAIN = ASSETS / "model", ASSETS / "data" / "train.jsonl"
+ROWS = [json.loads(line) for line in TRAIN.read_text().splitlines()[:4]]
+
+
+@pytest.fixture(autouse=True)
+def no_training(monkeypatch):
+    """Stand in for rlloop.loop: reaching train() means a bad input got past the driver's checks."""
+    fail = lambda *a, **k: pytest.fail("training started: the bad input was not caught before the loop")  # noqa: E731
+    monkeypatch.setitem(sys.modules, "rlloop.loop", types.SimpleNamespace(train=fail))
+
+
+def run(capsys, tmp_path, *args, named=(), config=TINY, kind="config") -> None:
+    """main() on a bad input: exit 2, '<kind> error: ...' naming each of `named` on stderr, and no run directory."""
+    run_dir = tmp_path / "run"
+    rc = main([str(config), *args, f"run.dir={run_dir}"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert f"{kind} error: " in err, err  # after any `datasets` progress bars
+    assert not run_dir.exists(), "a bad input created the run directory"
+    for piece in named:
+        assert piece in err[err.index(f"{kind} error: ") :], f"{piece!r} not in:\n{err}"
+
+
+# --- config --------------------------------------------------------------------------------------------------------
+# fmt: off
+CONFIG = [  # (id, overrides of the tiny recipe, what the message names)
+    ("batch-over-ranks", ["rollout.prompts_per_step=3", "rollout.group_size=3", "cluster.train_chips=2"],
+     ["rollout.prompts_per_step x rollout.group_size = 3 x 3 = 9", "cluster.train_chips x train.minibatches = 2 x 1"]),
+    ("batch-over-minibatches", ["rollout.prompts_per_step=5", "rollout.group_size=2", "train.minibatches=4"],
+     ["= 10 samples per step do not split evenly", "= 1 x 4 = 4"]),
+    ("prefill-buckets-short", ["rollout.prefill_buckets=[16,64]"],
+     ["rollout.prefill_buckets [16, 64] do not cover data.max_prompt_len=128"]),
+    ("prefill-bucket-past-seq", ["rollout.prefill_buckets=[128,4096]"],
+     ["rollout.prefill_buckets has 4096, above its limit 143 (data.max_prompt_len + rollout.max_response_len - 1)"]),
+    ("decode-bucket-past-batch", ["rollout.decode_buckets=[16,256]"],
+     ["rollout.decode_buckets has 256, above its limit 128 (rollout.max_batch)"]),
+    ("more-engines-than-chip", ["cluster.rollout_engines=2"],
+     ["cluster.rollout_engines=2 is more engines than cluster.rollout_chips=1"]),
+    ("more-engines-than-chips", ["cluster.rollout_chips=2", "cluster.rollout_engines=4"],
+     ["cluster.rollout_engines=4 is more engines than cluster.rollout_chips=2"]),
+    ("unknown-key-depth-2", ["rollout.sampling.temperature=1"], ["rollout.sampling: unknown key; known keys here:"]),
+    ("unknown-key-typo", ["grpo.clip_eps_hi=0.3"], ["grpo.clip_eps_hi: unknown key; did you mean 'clip_eps_high'?"]),
+    ("key-below-a-value", ["train.lr.value=1"], ["train.lr: Input should be a valid number, got a mapping"]),
+    ("list-item-not-a-number", ["train.betas=[0.9,x]"], ["train.betas.1: Input should be a valid number", "'x'"]),
+    ("list-item-not-an-int", ["rollout.prefill_buckets=[16,abc]"], ["rollout.prefill_buckets.1", "'abc'"]),
+    ("list-item-fraction", ["rollout.decode_buckets=[1.5]"], ["rollout.decode_buckets.0", "fractional part"]),
+    ("list-too-short", ["train.betas=[0.9]"], ["train.betas.1: required key is missing"]),
+    ("scalar-for-list", ["rollout.prefill_buckets=16"], ["rollout.prefill_buckets: Input should be a valid tuple"]),
+    ("mapping-value-type", ["cluster.rollout_resources.node_a=-1"],
+     ["cluster.rollout_resources.node_a: Input should be greater than 0"]),
+    ("override-no-key", ["=5"], ["override '=5': expected key.path=value"]),
+    ("override-empty-part", ["train..lr=1"], ["override 'train..lr=1'", "empty or space-padded part"]),
+    ("override-leading-dot", [".lr=1"], ["override '.lr=1'", "empty or space-padded part"]),
+    ("override-space-in-key", ["train. lr=1"], ["override 'train. lr=1'", "space-padded"]),
+    ("override-hydra-plus", ["+train.lr=1"], ["override '+train.lr=1'", "Hydra-style '+' prefix"]),
+    ("override-hydra-tilde", ["~train.lr"], ["override '~train.lr'", "Hydra-style '~' prefix"]),
+    ("override-broken-value", ["train.lr=[1,"], ["override 'train.lr=[1,'", "while parsing"]),
+    ("override-list-for-section", ["rollout=[1]"], ["override 'rollout=[1]'", "Cannot merge"]),
+    ("override-double-equals", ["train.lr==1"], ["train.lr: Input should be a valid number", "'=1'"]),
+    ("override-dangling-interpolation", ["train.lr=${nope}"], ["Interpolation key 'nope' not found"]),
+]
+FILES = [  # (id, files to write: text, bytes or None for a directory; the file given to main; named)
+    ("group-size-1", {"c.yaml": f"inherit: {TINY}\nrollout:\n  group_size: 1\n"}, "c.yaml",
+     ["rollout.group_size", "needs >= 2", "got 1"]),
+    ("unknown-key-in-section", {"c.yaml": f"inherit: {TINY}\nrollout:\n  engine:\n    max_batch: 8\n"}, "c.yaml",
+     ["rollout.engine: unknown key"]),
+    ("misspelled-section", {"c.yaml": f"inherit: {TINY}\ntrainer:\n  lr: 1.0e-5\n"}, "c.yaml",
+     ["trainer: unknown key; did you mean 'train'?"]),
+    ("empty-file", {"c.yaml": ""}, "c.yaml", ["model: required key is missing", "data: required key is missing"]),
+    ("not-utf8", {"c.yaml": b"\xff\xfe\x00model"}, "c.yaml", ["c.yaml: cannot read it", "utf-8"]),
+    ("config-is-a-directory", {"recipe": None}, "recipe", ["recipe is a directory; expected a YAML file"]),
+    ("inherit-a-directory", {"base": None, "c.yaml": "inherit: base\n"}, "c.yaml",
+     ["base (inherited by", "is a directory"]),
+]
+# fmt: on
+
+
+@pytest.mark.parametrize("overrides,named", [c[1:] for c in CONFIG], ids=[c[0] for c in CONFIG])
+def test_bad_config_override(overrides, named, capsys, tmp_path):
+    run(capsys, tmp_path, *overrides, named=named)
+
+
+def write_files(root: Path, files: dict) -> None:
+    for name, content in files.items():
+        path = root / name
+        if content is None:
+            path.mkdir()
+        else:
+            path.write_bytes(content if isinstance(content, bytes) else content.encode())
+
+
+@pytest.mark.parametrize("files,entry,named", [c[1:] for c in FILES], ids=[c[0] for c in FILES])
+def test_bad_config_file(files, entry, named, capsys, tmp_path):
+    write_files(tmp_path, files)
+    run(capsys, tmp_path, config=tmp_path / entry, named=named)
+
+
+@pytest.mark.parametrize("how", ["chmod-000", "simulated"])
+def test_unreadable_config_file(how, capsys, tmp_path, monkeypatch):
+    target, read_text = tmp_path / "c.yaml", Path.read_text
+    target.write_text(Path(TINY).read_text())
+    if how == "chmod-000" and os.geteuid() == 0:
+        pytest.skip("root reads a mode-000 file anyway; the simulated case stands in for it")
+    target.chmod(0)
+
+    def denied(self, *args, **kwargs):  # what the OS answers a non-root reader of a mode-000 file
+        if self == target:
+            raise PermissionError(13, "Permission denied", str(self))
+        return read_text(self, *args, **kwargs)
+
+    if how == "simulated":
+        monkeypatch.setattr(Path, "read_text", denied)
+    run(capsys, tmp_path, config=target, named=["c.yaml: cannot read it", "Permission denied"])
+
+
+def test_unknown_flag_is_an_argparse_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main([TINY, "--train.lr=1"])
+    assert e.value.code == 2 and "unrecognized arguments: --train.lr=1" in capsys.readouterr().err
+
+
+# --- model ---------------------------------------------------------------------------------------------------------
+def edit_json(path: Path, **changes) -> None:
+    """Set (None: delete) top-level keys of a JSON file."""
+    data = {**json.loads(path.read_text()), **changes}
+    path.write_text(json.dumps({k: v for k, v in data.items() if v is not None}))
+
+
+GPT2 = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=64, n_head=4, n_layer=2)
+MIXTRAL = dict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=8)
+AUTO_MAP = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+SHARD = "model-0000{}-of-00002.safetensors"
+SHARDS = {"weight_map": {"a.weight": SHARD.format(1), "b.weight": SHARD.format(2)}}
+# fmt: off
+MODEL_CASES = [  # (id, how to break a copy d of the tiny model, overrides (default: model.path={d}), named)
+    ("no-config-json", lambda d: (d / "config.json").unlink(), [], ["model.path: cannot load", "no config.json in it"]),
+    ("config-json-not-json", lambda d: (d / "config.json").write_text("{nope"), [],
+     ["config.json: not a readable JSON model config"]),
+    ("model-path-is-a-file", lambda d: None, ["model.path={d}/config.json"], ["config.json' is not a directory"]),
+    ("no-weight-files", lambda d: (d / "model.safetensors").unlink(), [], ["has no weight files (*.safetensors or"]),
+    ("missing-weight-shard", lambda d: [(d / "model.safetensors").rename(d / SHARD.format(1)),
+                                        (d / "model.safetensors.index.json").write_text(json.dumps(SHARDS))], [],
+     [f"model.safetensors.index.json lists 1 weight file(s) that are not there: {SHARD.format(2)}"]),
+    ("gpt2", lambda d: (d / "config.json").write_text(json.dumps(GPT2)), [],
+     ["model_type 'gpt2' (GPT2LMHeadModel)", "supports model_type qwen3, qwen2, llama"]),
+    ("mistral-moe", lambda d: edit_json(d / "config.json", **MIXTRAL), [],
+     ["model_type 'mixtral' (MixtralForCausalLM)", "Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM"]),
+    ("gelu-mlp", lambda d: edit_json(d / "config.json", hidden_act="gelu"), [], ["unsupported hidden_act 'gelu'"]),
+    ("yarn-rope", lambda d: edit_json(d / "config.json", rope_parameters={"rope_type": "yarn", "factor": 4.0}), [],
+     ["unsupported rope_type 'yarn'"]),
+    ("config-lacks-a-field", lambda d: edit_json(d / "config.json", num_attention_heads=None), [],
+     ["config.json lacks 'num_attention_heads'"]),
+    ("context-past-max-positions", lambda d: None, ["model.path={d}", "rollout.max_response_len=200"],
+     ["data.max_prompt_len + rollout.max_response_len = 128 + 200 = 328", "max_position_embeddings 256 ("]),
+    ("short-context-model", lambda d: edit_json(d / "config.json", max_position_embeddings=64), [],
+     ["= 144 tokens, beyond the model's max_position_embeddings 64"]),
+    ("no-chat-template", lambda d: (d / "chat_template.jinja").unlink(), [],
+     ["model.path: the tokenizer in", "has no chat template"]),
+    ("tokenizer-without-chat-template", lambda d: (d / "chat_template.jinja").unlink(),
+     [f"model.path={MODEL}", "model.tokenizer={d}"], ["model.tokenizer: the tokenizer in", "has no chat template"]),
+    ("vocab-mismatch", lambda d: edit_json(d / "config.json", vocab_size=50), [],
+     ["the tokenizer's ids go up to 98 but", "vocab_size 50", "point model.tokenizer at the model's own tokenizer"]),
+    ("remote-code-model", lambda d: edit_json(d / "config.json", auto_map=AUTO_MAP), [],
+     ["auto_map: ['AutoConfig', 'AutoModelForCausalLM']", "model.trust_remote_code: true"]),
+    ("remote-code-tokenizer", lambda d: edit_json(d / "tokenizer_config.json", auto_map={"AutoTokenizer": ["t.T"]}),
+     [], ["model.path:", "tokenizer_config.json maps to code", "model.trust_remote_code: true"]),
+]
+# fmt: on
+
+
+@pytest.mark.parametrize("breaks,overrides,named", [c[1:] for c in MODEL_CASES], ids=[c[0] for c in MODEL_CASES])
+def test_bad_model(breaks, overrides, named, capsys, tmp_path):
+    d = Path(shutil.copytree(MODEL, tmp_path / "model"))
+    breaks(d)
+    args = [o.format(d=d) for o in overrides or ["model.path={d}"]]
+    run(capsys, tmp_path, *args, kind="model", named=named)
+
+
+def test_trust_remote_code_is_the_way_out(capsys, tmp_path):
+    """The remote-code message's advice works: with the key set, the same model passes the checks (dry run)."""
+    d = Path(shutil.copytree(MODEL, tmp_path / "model"))
+    edit_json(d / "config.json", auto_map=AUTO_MAP)
+    assert main([TINY, f"model.path={d}", "model.trust_remote_code=true", "--dry-run"]) == 0
+    assert "model, tokenizer and data: checked" in capsys.readouterr().out
+
+
+# --- data ----------------------------------------------------------------------------------------------------------
+def rows(**changes) -> list[dict]:
+    """The first tiny rows, with changes `r<i>={dotted key: value (DELETE: remove the key)}`."""
+    out = json.loads(json.dumps(ROWS))
+    for i, edits in changes.items():
+        for dotted, value in edits.items():
+            *parents, last = dotted.split(".")
+            node = out[int(i[1:])]
+            for part in parents:
+                node = node[part]
+            node.pop(last) if value is DELETE else node.__setitem__(last, value)
+    return out
+
+
+def jsonl(items) -> str:
+    return "".join((item if isinstance(item, str) else json.dumps(item)) + "\n" for item in items)
+
+
+DELETE = object()
+NO_ANSWER = {f"r{i}": {"reward_model.ground_truth": DELETE} for i in range(len(ROWS))}
+LONG = [{"role": "user", "content": "pad " * 40}]
+PARQUET = pd.DataFrame(ROWS).to_parquet()
+# fmt: off
+DATA = [  # (id, files: name -> text | bytes | None (a directory) | a list of rows, overrides, named)
+    ("missing-prompt-column", {"d.jsonl": [{"problem": "1+1", "reward_model": {"ground_truth": "2"}}]}, [],
+     ["column 'prompt' (data.prompt_key) not found; columns are ['problem', 'reward_model']"]),
+    ("missing-custom-prompt-column", {"d.jsonl": ROWS}, ["data.prompt_key=question"], ["column 'question'"]),
+    ("missing-answer-column", {"d.jsonl": [{"prompt": "1+1", "answer": "2"}]}, [],
+     ["column 'reward_model.ground_truth' (data.answer_key) not found; columns are ['answer', 'prompt']"]),
+    ("missing-nested-answer", {"d.jsonl": rows(**NO_ANSWER)}, [],
+     ["column 'reward_model.ground_truth' (data.answer_key) not found"]),
+    ("blank-lines-only", {"d.jsonl": "\n  \n\n"}, [], ["d.jsonl: no rows (empty file)"]),
+    ("zero-row-parquet", {"d.parquet": pd.DataFrame({"prompt": [], "x": []}).to_parquet()}, [], ["d.parquet: no rows"]),
+    ("int-prompt", {"d.jsonl": rows(r0={"prompt": 5})}, [],
+     ["row 0 (0-based), data.prompt_key 'prompt'", "list of chat messages", "got int 5"]),
+    ("string-list-prompt", {"d.jsonl": [{**r, "prompt": ["hi", "there"]} for r in ROWS]}, [],
+     ["row 0 (0-based), data.prompt_key 'prompt'", "got list ['hi', 'there']"]),
+    ("message-without-content", {"d.jsonl": [{**r, "prompt": [{"role": "user", "text": "1+1"}]} for r in ROWS]}, [],
+     ["row 0 (0-based), data.prompt_key 'prompt'", "'content': str"]),
+    ("empty-prompt", {"d.jsonl": [{**r, "prompt": ""} for r in ROWS]}, [], ["row 0 (0-based)", "non-empty string"]),
+    ("empty-ground-truth", {"d.jsonl": rows(r1={"reward_model.ground_truth": ""})}, [],
+     ["row 1 (0-based), data.answer_key 'reward_model.ground_truth'", "empty or missing ground truth", "got ''"]),
+    ("null-ground-truth-row-0", {"d.jsonl": rows(r0={"reward_model.ground_truth": None})}, [],
+     ["row 0 (0-based), data.answer_key", "got None"]),
+    ("ground-truth-missing-in-row-2", {"d.jsonl": rows(r2={"reward_model.ground_truth": DELETE})}, [],
+     ["row 2 (0-based), data.answer_key 'reward_model.ground_truth'", "got None"]),
+    ("list-ground-truth", {"d.jsonl": [{"prompt": "1+1", "answer": ["2", "3"]}]}, ["data.answer_key=answer"],
+     ["data.answer_key 'answer'", "got ['2', '3']"]),
+    ("broken-jsonl-line", {"d.jsonl": jsonl([ROWS[0], ROWS[1], '{"prompt": "x", "reward_model"', ROWS[2]])}, [],
+     ["d.jsonl line 3: not valid JSON"]),
+    ("jsonl-line-not-an-object", {"d.jsonl": jsonl([ROWS[0], "[1, 2]", ROWS[1]])}, [],
+     ["d.jsonl line 2: expected a JSON object (one row), got list"]),
+    ("broken-json-array", {"d.json": "[\n" + json.dumps(ROWS[0]) + ",\n{broken\n]"}, [], ["d.json line 3: not valid"]),
+    ("broken-parquet", {"d.parquet": b"PAR1 not parquet"}, [], ["d.parquet: cannot read as parquet", "broken"]),
+    ("truncated-parquet", {"d.parquet": PARQUET[: len(PARQUET) // 2]}, [], ["d.parquet: cannot read as parquet"]),
+    ("directory-with-a-broken-file", {"parts": None, "parts/a.jsonl": ROWS, "parts/b.jsonl": jsonl([ROWS[0], "{x"])},
+     [], ["parts/b.jsonl line 2: not valid JSON"]),
+    ("every-prompt-too-long", {}, [f"data.path={TRAIN}", "data.max_prompt_len=8", "rollout.prefill_buckets=null"],
+     ["every prompt checked (all 336 rows) is longer than data.max_prompt_len=8 tokens (the shortest has 100)"]),
+    ("long-prompt-is-an-error", {"d.jsonl": rows(r1={"prompt": LONG})}, ["data.on_long_prompt=error"],
+     ["row 1 has", "prompt tokens > data.max_prompt_len=128 (data.on_long_prompt: error)"]),
+    ("broken-eval-data", {"e.jsonl": [{"prompt": "1+1"}]}, [f"data.path={TRAIN}", "eval.path={d}/e.jsonl"],
+     ["eval.path", "e.jsonl: column 'reward_model.ground_truth' (data.answer_key) not found"]),
+]
+# fmt: on
+
+
+@pytest.mark.parametrize("files,overrides,named", [c[1:] for c in DATA], ids=[c[0] for c in DATA])
+def test_bad_data(files, overrides, named, capsys, tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    write_files(d, {name: jsonl(v) if isinstance(v, list) else v for name, v in files.items()})
+    first = next((name for name in files if "/" not in name), "")  # the file (or directory) data.path names
+    args = [o.format(d=d) for o in overrides]
+    if not any(o.startswith("data.path=") for o in args):
+        args.insert(0, f"data.path={d / first}")
+    if not any(o.startswith("eval.path=") for o in args):
+        args.append("eval.path=null")  # the tiny eval set is fine; not loading it keeps the case fast
+    run(capsys, tmp_path, *args, kind="data", named=named)
+
+
+# --- resume: a bad input leaves the run being resumed as it was ----------------------------------------------------
+@pytest.mark.parametrize(
+    "bad,kind",
+    [("rollout.group_size=1", "config"), ("data.path={tmp}/nope.jsonl", "data"), ("model.path={tmp}", "model")],
+)
+def test_bad_input_on_resume_touches_nothing(bad, kind, capsys, tmp_path):
+    run_dir = tmp_path / "run"
+    files = {"": None, "checkpoints": None, "checkpoints/step_10": None, "checkpoints/step_10/state.json": "{}"}
+    write_files(run_dir, {**files, "config.yaml": "run: {}\n", "metrics.jsonl": '{"step": 10}\n'})
+    snapshot = lambda: {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()}  # noqa: E731
+    before = snapshot()
+    assert main([TINY, bad.format(tmp=tmp_path), f"run.dir={run_dir}", "--resume"]) == 2
+    assert f"{kind} error: " in capsys.readouterr().err and snapshot() == before
+
+
+def test_errors_arrive_in_a_fresh_driver_without_ray_or_the_loop(tmp_path):
+    """In a clean interpreter: a config, a model and a data error each exit 2, and neither Ray, the loop nor the
+    JAX engine (what loads weights) was ever imported."""
+    script = (
+        "import sys; from rlloop.run import main; "
+        f"rcs = [main([{TINY!r}, *a, 'run.dir={tmp_path}/run']) for a in "
+        f"(['cluster.rollout_engines=2'], ['model.path={tmp_path}'], ['data.path={tmp_path}/x.jsonl'])]; "
+        "print(rcs, [m for m in ('ray', 'rlloop.loop', 'rlloop.cluster', 'rollout.engine') if m in sys.modules])"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "[2, 2, 2] []", out.stdout + out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+# --- rewards -------------------------------------------------------------------------------------------------------
+REWARD_MODULE = """
+import math, time
+CONSTANT = 3
+
+def score(response, answer):
+    kind = response.replace(" ", "")
+    if kind == "raise":
+        raise RuntimeError("reward function failed")
+    if kind == "hang":
+        time.sleep(60)
+    return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "none": None, "str": "high", "numstr": "1.5",
+            "list": [1.0], "np": __import__("numpy").float32(0.5), "int": 1}.get(kind, 1.0)
+"""
+
+
+@pytest.fixture(scope="module")
+def reward_modules(tmp_path_factory):
+    """bad_rewards.score and two modules that fail on import, on sys.path (spawned reward workers inherit it)."""
+    d = tmp_path_factory.mktemp("reward_mods")
+    (d / "bad_rewards.py").write_text(REWARD_MODULE)
+    (d / "raises_on_import.py").write_text("raise RuntimeError('no GPU here')\ndef score(r, a):\n    return 1.0\n")
+    (d / "syntax_error.py").write_text("def score(r, a)\n    return 1.0\n")
+    sys.path.insert(0, str(d))
+    yield d
+    sys.path.remove(str(d))
+
+
+@pytest.fixture(scope="module")
+def scorer(reward_modules):
+    from rlloop.rewards import RewardScorer
+
+    s = RewardScorer("bad_rewards:score", timeout_s=1.0, failure_reward=-7.0, workers=1)
+    yield s
+    s.close()
+
+
+# (what the function does, the reward the sample gets, whether it counts as a failure); failure_reward is -7
+# fmt: off
+REWARDS = [("raise", -7.0, 1), ("hang", -7.0, 1), ("nan", -7.0, 1), ("inf", -7.0, 1), ("-inf", -7.0, 1),
+           ("none", -7.0, 1), ("str", -7.0, 1), ("numstr", -7.0, 1), ("list", -7.0, 1), ("np", 0.5, 0), ("int", 1.0, 0)]
+# fmt: on
+
+
+@pytest.mark.parametrize("kind,reward,failed", REWARDS, ids=[r[0] for r in REWARDS])
+def test_bad_reward_value_costs_one_sample_not_the_run(kind, reward, failed, scorer):
+    errors, timeouts = scorer.errors, scorer.timeouts
+    assert scorer.score(["ok", kind, "ok"], ["1"] * 3) == [1.0, reward, 1.0]  # its neighbours are scored as usual
+    assert (scorer.errors - errors, scorer.timeouts - timeouts) == ((0, failed) if kind == "hang" else (failed, 0))
+
+
+REWARD_SPECS = [
+    ("nosuchmod:score", ["reward.fn 'nosuchmod:score': cannot import module 'nosuchmod'"]),
+    ("raises_on_import:score", ["cannot import module 'raises_on_import': RuntimeError: no GPU here"]),
+    ("syntax_error:score", ["cannot import module 'syntax_error': SyntaxError"]),
+    (":score", ["reward.fn ':score': expected 'package.module:function', with both parts"]),
+    ("'bad_rewards:'", ["reward.fn 'bad_rewards:': expected 'package.module:function'"]),
+    ("bad_rewards:CONSTANT", ["module 'bad_rewards' has no function 'CONSTANT'"]),
+    ("dapoo", ["reward.fn 'dapoo': expected one of ['dapo', 'math']"]),
+]
+
+
+@pytest.mark.parametrize("spec,named", REWARD_SPECS, ids=[s for s, _ in REWARD_SPECS])
+def test_bad_reward_fn_exits_2_naming_it(spec, named, reward_modules, capsys, tmp_path):
+    run(capsys, tmp_path, f"reward.fn={spec}", named=named)
+
+
+def test_reward_failures_are_counted_in_the_rollout_metrics(reward_modules, tmp_path, monkeypatch):
+    """A real (local) step whose reward function returns NaN for every sample: the step still trains, every
+    sample gets failure_reward, and rollout/reward_failures counts each one."""
+    from rlloop.config import load_config
+
+    monkeypatch.delitem(sys.modules, "rlloop.loop")  # this one test trains: the real loop, not the tripwire
+    from rlloop.loop import train
+
+    (reward_modules / "nan_rewards.py").write_text("def score(response, answer):\n    return float('nan')\n")
+    overrides = ["rollout.prompts_per_step=2", "reward.fn=nan_rewards:score", "run.steps=1", "run.eval_every=0"]
+    overrides += ["run.save_every=0", "cluster.use_ray=false", "rollout.backend=hf", "tracking.progress=false"]
+    cfg = load_config(TINY, [*overrides, f"run.dir={tmp_path}"])
+    train(cfg)
+    (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert row["rollout/reward_failures"] == 2 * cfg.rollout.group_size
+    assert row["rollout/raw_reward"] == cfg.reward.failure_reward and "train/loss" in row
