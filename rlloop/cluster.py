@@ -110,12 +110,15 @@ class Cluster:
         self._engine_locks = [threading.Lock() for _ in range(cfg.cluster.rollout_engines)]
         self.restarts = 0  # engines rebuilt after dying (rollout/engine_restarts)
         self.placement: dict[str, str] = {}  # role -> Ray node id
+        # run.debug leaves one role out (its bundles stay reserved, so the plan is the run's own)
+        self.with_engines, self.with_trainers = cfg.run.debug != "train-only", cfg.run.debug != "rollout-only"
         if not self.remote:
             if world > 1:
                 raise ClusterError("cluster.train_chips > 1 needs Ray (cluster.use_ray: true)")
-            self.engines = [RolloutWorker(**engine) for _ in range(cfg.cluster.rollout_engines)]
-            self.trainers = [TrainerWorker(**ranks[0])]
-            self.trainers[0].setup()
+            self.engines = [RolloutWorker(**engine) for _ in range(cfg.cluster.rollout_engines * self.with_engines)]
+            self.trainers = [TrainerWorker(**ranks[0])] if self.with_trainers else []
+            for t in self.trainers:
+                t.setup()
             return
         try:
             self._start(cfg, engine, ranks)
@@ -158,11 +161,12 @@ class Cluster:
             return actor_options(plan, bundle, self.pg, env, role="rollout" if rollout else "trainer")
 
         # Kept to rebuild an engine that dies (run.max_restarts): the same bundle, environment and config.
-        self._engine_spec = [(options(b, True), engine) for b in plan.rollout_bundles]
+        self._engine_spec = [(options(b, True), engine) for b in plan.rollout_bundles if self.with_engines]
         self.engines = [ray.remote(RolloutWorker).options(**opts).remote(**kw) for opts, kw in self._engine_spec]
         self.trainers = [
             ray.remote(TrainerWorker).options(**options(b, False)).remote(**kwargs)
             for b, kwargs in zip(plan.trainer_bundles, ranks)
+            if self.with_trainers
         ]
         nodes = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
         self.placement = {who: nodes[plan.bundle_of(who)] for who in plan.roles()}  # -> <run dir>/cluster.json
@@ -189,7 +193,8 @@ class Cluster:
 
     # ------------------------------------------------------------------ what the loop calls
     def warmup(self) -> dict[str, float]:
-        return self._call_all(self.engines, "warmup", [()] * len(self.engines))[0]  # the same programs everywhere
+        warm = self._call_all(self.engines, "warmup", [()] * len(self.engines))
+        return warm[0] if warm else {}  # the same programs everywhere
 
     def generate(self, prompts: list[list[int]], n: int, sampling, in_flight_updates: bool = False):
         """`n` completions per prompt, ordered as one engine returns them, and merged stats. Prompts go to the engine
@@ -288,7 +293,8 @@ class Cluster:
     def push_weights(self, version: int) -> dict[str, float]:
         """Rank 0 publishes `version` (the other ranks join the export's gather under fsdp); the engines take it at
         their next pull."""
-        return self._call_all(self.trainers, "push_weights", [(version,)] * len(self.trainers))[0]
+        pushed = self._call_all(self.trainers, "push_weights", [(version,)] * len(self.trainers))
+        return pushed[0] if pushed else {}
 
     def pull_weights(self) -> dict[str, float]:
         """Every engine loads the newest version (queued behind a generation in flight, as slime's async loop does);
@@ -303,7 +309,7 @@ class Cluster:
             for lock, engine in zip(self._engine_locks, self.engines):
                 with lock:
                     pulled.append(engine.pull_weights())
-        out = dict(pulled[0])
+        out = dict(pulled[0]) if pulled else {}
         if len(pulled) > 1:
             out |= {f"rollout/engine_{e}/version": m["sync/rollout_version"] for e, m in enumerate(pulled)}
         return out

@@ -62,6 +62,10 @@ class RunSection(Section):
     save_every: NonNegInt = 20  # 0: never
     eval_every: NonNegInt = 20  # 0: never
     max_restarts: NonNegInt = 3  # rollout engines rebuilt after dying before the run gives up (exit 1, --resume)
+    # slime's debug modes (--debug on the command line): rollout-only generates, scores and saves rollouts with no
+    # trainer; train-only trains on the rollouts a run saved (`replay`: its rollouts/ directory) with no engine.
+    debug: Literal["off", "rollout-only", "train-only"] = "off"
+    replay: str | None = None
 
 
 class ModelSection(Section):
@@ -200,6 +204,11 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
+        if (self.run.debug == "train-only") != (self.run.replay is not None):
+            raise ValueError(
+                "run.replay (the rollouts/ directory of a run made with tracking.save_rollouts or --debug "
+                "rollout-only) goes with run.debug: train-only, and train-only needs it"
+            )
         if self.grpo.overlong_buffer >= self.rollout.max_response_len:
             raise ValueError("grpo.overlong_buffer must be < rollout.max_response_len")
         g = self.grpo

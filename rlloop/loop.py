@@ -57,27 +57,20 @@ def run_recipe(cfg: Config, resume: bool = False, trainer_restarts: int = 0) -> 
             cluster.sync_weights(version=start)
         (run_dir / "cluster.json").write_text(json.dumps(cluster.placement, indent=1))  # role -> Ray node id
         (run_dir / "warmup.json").write_text(json.dumps(cluster.warmup(), indent=1))
-        evaluating = eval_data is not None and cfg.run.eval_every > 0
+        evaluating = eval_data is not None and cfg.run.eval_every > 0 and bool(cluster.engines)
         if evaluating and start == 0:
             tracker.log(0, rollout.evaluate())
-        batches = stack.enter_context(closing(rollout_schedule(cfg.loop, rollout)))  # sync | async | fully_async
+        # sync | async | fully_async, or the saved rollouts of --debug train-only
+        batches = stack.enter_context(closing(rollout_schedule(cfg.loop, rollout, replay=cfg.run.replay)))
 
         for step in range(start + 1, cfg.run.steps + 1):
             t_step = time.perf_counter()
             batch = batches.next(step)  # rollout + reward + advantages
             metrics = batch.metrics
             if batch.samples is not None:
-                t0 = time.perf_counter()
-                metrics |= cluster.train_step(batch.samples.to_train_batch())
-                t1 = time.perf_counter()
-                if metrics["train/skipped_steps"] < metrics["train/minibatches"]:  # else: non-finite, nothing new
-                    metrics |= cluster.push_weights(version=step)
-                    if (
-                        cfg.loop.mode == "sync"
-                    ):  # the async modes load it before (async) or while (fully_async) generating
-                        metrics |= cluster.pull_weights()
-                metrics |= {"perf/train_s": t1 - t0, "perf/sync_s": time.perf_counter() - t1}
                 tracker.log_samples(step, batch.samples)  # tracking.save_rollouts, W&B sample tables
+                if cluster.trainers:  # none in --debug rollout-only
+                    metrics |= train_and_sync(cfg, cluster, step, batch.samples)
             if evaluating and step % cfg.run.eval_every == 0:
                 t0 = time.perf_counter()
                 metrics |= rollout.evaluate() | {"perf/eval_s": time.perf_counter() - t0}
@@ -85,9 +78,23 @@ def run_recipe(cfg: Config, resume: bool = False, trainer_restarts: int = 0) -> 
             metrics |= step_overhead(metrics)
             metrics |= rollout.counters()
             tracker.log(step, metrics)
-            if cfg.run.save_every and (step % cfg.run.save_every == 0 or step == cfg.run.steps):
+            if cluster.trainers and cfg.run.save_every and (step % cfg.run.save_every == 0 or step == cfg.run.steps):
                 save_checkpoint(run_dir, step, {"data": batches.resume_state()}, cluster.save)
     return run_dir
+
+
+def train_and_sync(cfg: Config, cluster: Cluster, step: int, samples) -> dict[str, float]:
+    """Train on the step's samples, then publish the new weights: the sync mode's engines load them now, the async
+    modes' before (async) or while (fully_async) they generate. A step that applied no update (non-finite) publishes
+    nothing, nor does --debug train-only, which has no engine."""
+    t0 = time.perf_counter()
+    metrics = cluster.train_step(samples.to_train_batch())
+    t1 = time.perf_counter()
+    if cluster.engines and metrics["train/skipped_steps"] < metrics["train/minibatches"]:
+        metrics |= cluster.push_weights(version=step)
+        if cfg.loop.mode == "sync":
+            metrics |= cluster.pull_weights()
+    return metrics | {"perf/train_s": t1 - t0, "perf/sync_s": time.perf_counter() - t1}
 
 
 def step_overhead(metrics: dict[str, float]) -> dict[str, float]:

@@ -61,6 +61,10 @@ class Samples:
                 "weight_version": c.weight_version,
                 "last_weight_version": c.last_weight_version,
                 "finish_reason": c.finish_reason,
+                # what --debug train-only needs to rebuild the TrainBatch exactly (JSON floats round-trip)
+                "prompt_ids": self.prompts[j // self.group_size].token_ids,
+                "response_ids": list(c.token_ids),
+                "rollout_logprobs": [float(x) for x in c.logprobs],
             }
             for j, (c, text, r, a) in enumerate(zip(self.completions, self.texts, self.rewards, self.advantages))
         ]

@@ -21,7 +21,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=2e-6 rollout.group_size=4")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and placement plan, then exit")
     p.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+    p.add_argument(
+        "--debug",
+        choices=["rollout-only", "train-only"],
+        help="rollout-only: generate, score and save rollouts, no trainer; train-only: train on --replay, no engine",
+    )
+    p.add_argument("--replay", metavar="RUN_DIR/rollouts", help="the saved rollouts --debug train-only trains on")
     return p.parse_args(argv)
+
+
+def debug_overrides(args: argparse.Namespace) -> list[str]:
+    """--debug / --replay are spellings of run.debug / run.replay."""
+    out = [f"run.debug={args.debug}"] if args.debug else []
+    return out + ([f"run.replay={os.path.abspath(args.replay)}"] if args.replay else [])
 
 
 def check_references(cfg: Config) -> None:
@@ -92,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     # Config, reward, model and data problems end here, exit 2, before the run directory, Ray or any actor exists:
     # nothing is written, and no checkpoint of a run being resumed is touched.
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides + debug_overrides(args))
         check_references(cfg)
         notes = preflight(cfg, dry_run=args.dry_run)
     except (ConfigError, ModelError, DataError) as e:

@@ -19,12 +19,16 @@ chips work at the same time. docs/design.md §9.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 from rlloop.config import LoopSection
+from rlloop.data import DataError
 from rlloop.rollout_manager import Group, RolloutManager, RolloutTally, StepRollout, sampling_seed
 
 
@@ -160,8 +164,52 @@ class FullyAsyncRollout:
         self.thread.join()
 
 
-def rollout_schedule(loop: LoopSection, manager: RolloutManager):
-    """The batch source of `loop.mode`."""
+class ReplayRollout:
+    """`--debug train-only`: step N's batch is the one a run saved in `replay`/step_N.jsonl (tracking.save_rollouts,
+    or --debug rollout-only), rebuilt exactly: the trainer alone, on known data, no engine (slime's
+    --load-debug-rollout-data)."""
+
+    def __init__(self, replay: str):
+        self.dir = Path(replay)
+
+    def next(self, step: int) -> StepRollout:
+        path = self.dir / f"step_{step:06d}.jsonl"
+        if not path.is_file():
+            raise DataError(f"run.replay: {path} is missing (the saved run has no rollouts of step {step})")
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return StepRollout(SavedSamples(rows), {"rollout/raw_reward": sum(r["reward"] for r in rows) / len(rows)})
+
+    def resume_state(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class SavedSamples:
+    """A step's samples as `Samples.rows()` saved them."""
+
+    saved: list[dict]
+
+    def rows(self) -> list[dict]:
+        return self.saved
+
+    def to_train_batch(self):
+        from trainer import TrainBatch
+
+        return TrainBatch(
+            prompts=[r["prompt_ids"] for r in self.saved],
+            responses=[r["response_ids"] for r in self.saved],
+            advantages=[r["advantage"] for r in self.saved],
+            rollout_logprobs=[r["rollout_logprobs"] for r in self.saved],
+        )
+
+
+def rollout_schedule(loop: LoopSection, manager: RolloutManager, replay: str | None = None):
+    """The batch source of `loop.mode`, or of the saved rollouts in `replay` (--debug train-only)."""
+    if replay is not None:
+        return ReplayRollout(replay)
     if loop.mode == "async":
         return OneStepOffPolicy(manager)
     if loop.mode == "fully_async":

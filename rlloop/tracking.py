@@ -80,10 +80,11 @@ class Tracker:
         `tracking.save_rollouts`, and a W&B table of them every `tracking.sample_every` steps."""
         t = self.cfg.tracking
         table_now = self.wandb is not None and t.sample_every and step % t.sample_every == 0
-        if not (t.save_rollouts or table_now):
+        save = t.save_rollouts or self.cfg.run.debug == "rollout-only"  # what train-only replays
+        if not (save or table_now):
             return
         rows = samples.rows()
-        if t.save_rollouts:
+        if save:
             out = self.run_dir / "rollouts"
             out.mkdir(exist_ok=True)
             (out / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
