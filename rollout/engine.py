@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rollout import cost, model
+from rollout import cost, model, numerics
 from rollout.buckets import default_decode_buckets, default_prefill_buckets, pick_bucket, validate_buckets
 from rollout.decode_state import FREE, LENGTH, MAX_STOP_IDS, RUNNING, STOPPED, DecodeState
 from rollout.engine_config import EngineConfig
@@ -62,7 +62,9 @@ def compile_count() -> int:
 # -- the compiled programs ------------------------------------------------------------------------------------------
 # Module-level jit with the model config, cache layout and loop sizes as static arguments: engines with the same
 # configuration (a restarted engine, several engines in one process, tests) share compiled programs. Array shapes
-# select the bucket. The cache is donated, so XLA updates it in place.
+# select the bucket. The cache is donated, so XLA updates it in place. The model's programs keep every bf16 rounding
+# that they name, as HF's bf16 forward does (no XLA excess precision: rollout.numerics).
+_jit = partial(jax.jit, compiler_options=numerics.COMPILER_OPTIONS)
 
 
 def _constrain(cache, cache_sh):
@@ -71,7 +73,7 @@ def _constrain(cache, cache_sh):
     return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, cache_sh), cache)
 
 
-@partial(jax.jit, donate_argnums=1, static_argnames=("mc", "cache_sh"))
+@partial(_jit, donate_argnums=1, static_argnames=("mc", "cache_sh"))
 def _prefill_program(params, cache, tokens, positions, segments, slots, *, mc, cache_sh):
     cache, _ = model.prefill(mc, params, cache, tokens, positions, segments, slots)
     return _constrain(cache, cache_sh)
@@ -82,12 +84,10 @@ def _copy_program(cache, src, dst, *, mc, cache_sh, length):
     return _constrain(copy_slots(cache, src, dst, length), cache_sh)
 
 
-@partial(jax.jit, donate_argnums=1, static_argnames=("mc", "cache_sh", "steps", "max_len"))
+@partial(_jit, donate_argnums=1, static_argnames=("mc", "cache_sh", "steps", "max_len"))
 def _decode_program(params, cache, state: DecodeState, *, mc, cache_sh, steps, max_len):
-    """`steps` decode steps for rows 0..B-1 in one on-device scan; finished rows ride along masked.
-
-    Returns the cache, the state after the last step, and per step [steps, B] tokens, log-probs and emitted masks.
-    """
+    """`steps` decode steps for rows 0..B-1 in one on-device scan; finished rows ride along masked. Returns the
+    cache, the state after the last step, and per step [steps, B] tokens, log-probs and emitted masks."""
     s = state
 
     def step(carry, _):

@@ -7,7 +7,9 @@ every request.
 Numerics follow transformers (so logits match in fp32): RMSNorm in fp32 cast back before the weight multiply,
 Qwen3's per-head q/k RMSNorm before RoPE, RoPE in the half-split (rotate_half) layout with fp32 angles,
 softmax in fp32, logits in fp32. Matmuls accumulate in fp32 (preferred_element_type) and run at HIGHEST precision
-so that fp32 really means fp32 on accelerators that would otherwise use bf16 passes.
+so that fp32 really means fp32 on accelerators that would otherwise use bf16 passes. In bf16 every op rounds where
+HF's bf16 forward rounds (SiLU and attention below, rollout.numerics for the exp and XLA's excess precision), so
+that the engine's bf16 log-probs match the trainer's, not only its fp32 ones.
 
 Prefill is *packed*: several prompts share one token-count bucket, told apart by a segment id per token; attention
 is causal inside a segment and blind across segments. Decode handles one token per row, row i living in KV slot i.
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 from rollout.cost import DECODE_CHUNK, decode_chunks, reads_whole_cache
 from rollout.kv_cache import KVCache, write_layer
 from rollout.model_config import ModelConfig
+from rollout.numerics import attention_exp, inv_rms
 from rollout.weights import LayerWeights, Weights
 
 F32 = jnp.float32
@@ -35,9 +38,9 @@ def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    # HF's order: normalise in fp32, round to the activation dtype, *then* multiply by the weight (in that dtype).
     x32 = x.astype(F32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)
+    return weight * (x32 * inv_rms(x32, eps, x.dtype)).astype(x.dtype)
 
 
 def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
@@ -76,14 +79,26 @@ def _mlp(layer: LayerWeights, x: jax.Array) -> jax.Array:
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, subscripts: tuple[str, str]) -> jax.Array:
-    """Grouped-query attention with fp32 scores/softmax; `mask` broadcasts against the scores."""
+    """Grouped-query attention with fp32 scores/softmax; `mask` broadcasts against the scores.
+
+    Matches HF's bf16 op order under its default attention (SDPA, a flash kernel on CPU and GPU alike): the
+    *unnormalised* weights exp(s - max) are rounded to the activation dtype for the P·V matmul, which accumulates in
+    fp32, and the fp32 result is scaled by 1 / (fp32 row sum) before the one rounding of the output. Rounding the
+    normalised probabilities instead (eager attention's order) moved ~40% of bf16 attention outputs by an ulp. In
+    fp32 the two orders agree to rounding. The exp itself is rollout.numerics.attention_exp.
+    """
     scale = q.shape[-1] ** -0.5
     scores = jnp.einsum(subscripts[0], q, k, precision=HIGHEST, preferred_element_type=F32) * scale
     # A large finite negative rather than -inf: a fully masked row (padding) then softmaxes to finite junk instead
     # of NaN, which would otherwise leak into valid rows through 0 * NaN in the next layer.
     scores = jnp.where(mask, scores, -1e30)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum(subscripts[1], probs, v, precision=HIGHEST, preferred_element_type=F32).astype(v.dtype)
+    weights = attention_exp(scores - jnp.max(scores, axis=-1, keepdims=True), v.dtype)
+    # P·V in the scores' own layout (the key axis, last, contracted), so that the row sums broadcast over head_dim.
+    score_sub, out_sub = subscripts[1].split("->")
+    pv_sub = score_sub.split(",")[0][:-1] + "d"
+    pv = jnp.einsum(f"{score_sub}->{pv_sub}", weights.astype(v.dtype), v, precision=HIGHEST, preferred_element_type=F32)
+    out = (pv * (1.0 / jnp.sum(weights, axis=-1))[..., None]).astype(v.dtype)
+    return jnp.einsum(f"{pv_sub}->{out_sub}", out)
 
 
 def logits_from_hidden(params: Weights, h: jax.Array) -> jax.Array:
@@ -169,7 +184,7 @@ def _decode_attention(
         s = jnp.einsum("bkgd,bkdt->bkgt", q, k, precision=HIGHEST, preferred_element_type=F32)
         s = jnp.where(mask, s, -1e30)
         m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.exp(s - m_new[..., None])
+        p = attention_exp(s - m_new[..., None], v.dtype)
         corr = jnp.exp(m - m_new)
         pv = jnp.einsum("bkgt,bktd->bkgd", p.astype(v.dtype), v, precision=HIGHEST, preferred_element_type=F32)
         return m_new, denom * corr + p.sum(axis=-1), acc * corr[..., None] + pv

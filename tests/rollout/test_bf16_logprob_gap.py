@@ -1,0 +1,95 @@
+"""The engine's log-probs of its own samples against the trainer's scoring of the same tokens, in bf16 and in fp32.
+
+This is the train-inference mismatch that truncated importance sampling corrects (docs/design.md §4.6): the JAX
+engine samples completions with their log-probs, `trainer.Trainer.compute_logprobs` scores the same tokens with HF
+transformers, and the two must agree. bf16 is the hard case: a single rounding that goes the other way upstream
+spreads through every later layer, and on a model whose logits have a realistic scale a final hidden state off by
+an ulp moves log-probs by ~1e-2 nats (before rollout.numerics the mean gap here was 1.3-1.6e-2, the max 6-13e-2).
+The model is a small random Qwen3 with an untied LM head drawn at std 0.28, so that its logits have std ≈ 3 and a
+largest |logit| ≈ 13, as trained LMs do (default init gives |logit| < 1, where every gap looks small).
+
+Sequences are 16 + 48 = 64 tokens, a multiple of 16: torch's CPU flash attention takes the exp of a row's last
+(length mod 16) keys from an exact exp rather than its vectorised approximation, which the engine cannot know.
+"""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from rollout.types import SamplingParams
+from tests.conftest import make_tiny_hf_model
+from tests.rollout.conftest import small_engine
+
+PROMPT_LEN, NEW_TOKENS, PROMPTS, SAMPLES = 16, 48, 4, 2
+HEAD_STD = 0.28
+
+
+@pytest.fixture(scope="module")
+def realistic_bf16_dir(tmp_path_factory):
+    """A bf16 checkpoint of a random Qwen3 (vocab 512, hidden 128, 2 layers) whose logits have a realistic scale."""
+    path = make_tiny_hf_model(
+        tmp_path_factory.mktemp("q3_fp32"),
+        "qwen3",
+        tie=False,
+        seed=1,
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, HEAD_STD)
+    out = tmp_path_factory.mktemp("q3_bf16")
+    model.to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
+def _sample_and_score(model_dir, dtype: str, temperature: float, seed: int = 0):
+    """(engine log-probs, trainer log-probs) of the tokens of PROMPTS × SAMPLES sampled completions, concatenated."""
+    from trainer import Trainer, TrainerConfig
+
+    engine = small_engine(
+        model_dir,
+        dtype=dtype,
+        max_seq_len=80,
+        prefill_buckets=(16,),
+        decode_buckets=(8,),
+        steps_per_dispatch=8,
+    )
+    rng = np.random.default_rng(seed)
+    prompts = [[int(t) for t in rng.integers(3, 512, PROMPT_LEN)] for _ in range(PROMPTS)]
+    sampling = SamplingParams(temperature=temperature, max_new_tokens=NEW_TOKENS, ignore_eos=True, seed=seed)
+    completions = engine.generate(prompts, SAMPLES, sampling)
+    assert all(len(c.token_ids) == NEW_TOKENS for c in completions)
+    trainer = Trainer(TrainerConfig(model_path=str(model_dir), dtype=dtype, temperature=temperature))
+    responses = [c.token_ids for c in completions]
+    theirs = trainer.compute_logprobs([prompts[c.prompt_index] for c in completions], responses)
+    ours = np.concatenate([c.logprobs for c in completions])
+    return ours.astype(np.float64), np.concatenate(theirs).astype(np.float64)
+
+
+def test_the_model_has_realistic_logits(realistic_bf16_dir):
+    model = transformers.AutoModelForCausalLM.from_pretrained(realistic_bf16_dir, dtype=torch.float32).eval()
+    ids = torch.tensor(np.random.default_rng(0).integers(3, 512, (2, 64)))
+    with torch.no_grad():
+        logits = model(ids).logits
+    print(f"logits: std {logits.std():.2f}, max |logit| {logits.abs().max():.2f}")
+    assert 2.0 < float(logits.std()) < 5.0
+    assert 9.0 < float(logits.abs().max()) < 20.0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_bf16_engine_logprobs_match_the_trainer(realistic_bf16_dir, temperature):
+    ours, theirs = _sample_and_score(realistic_bf16_dir, "bfloat16", temperature)
+    gap = np.abs(ours - theirs)
+    print(f"bf16 T={temperature}: mean |engine - trainer| {gap.mean():.2e}, max {gap.max():.2e} over {gap.size}")
+    assert gap.mean() <= 2e-3
+
+
+def test_fp32_engine_logprobs_match_the_trainer(realistic_bf16_dir):
+    """The control: the same bf16 checkpoint, both sides in fp32."""
+    ours, theirs = _sample_and_score(realistic_bf16_dir, "float32", 1.0)
+    gap = np.abs(ours - theirs)
+    print(f"fp32: mean |engine - trainer| {gap.mean():.2e}, max {gap.max():.2e} over {gap.size}")
+    assert gap.max() <= 1e-4
