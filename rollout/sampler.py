@@ -26,8 +26,11 @@ Semantics:
   a relative error of that order; its reported log-prob is still exact.
 - Greedy: the first index of the row maximum, like argmax.
 - Log-probs: for sampled rows, log of the chosen token's probability under the distribution actually sampled from,
-  softmax(logits / T) restricted and renormalised to the kept set. For greedy rows (T == 0) it is
-  log_softmax(logits) at the argmax (the model's own probability of the greedy token, unfiltered).
+  softmax(logits / T) restricted and renormalised to the kept set ("processed" log-probs, as vLLM's
+  `logprobs_mode=processed_logprobs`, which TRL requires for its importance-sampling correction, and the HF
+  backend's processed scores). That is the behaviour policy q of the sample; the trainer scores the full tempered
+  policy pi, so TIS's ratio pi/q corrects for the truncation as well as for engine-trainer numerics (pi <= q on
+  every kept token). For greedy rows (T == 0) it is log_softmax(logits) at the argmax (unfiltered).
 """
 
 from __future__ import annotations

@@ -93,3 +93,38 @@ def test_fp32_engine_logprobs_match_the_trainer(realistic_bf16_dir):
     gap = np.abs(ours - theirs)
     print(f"fp32: mean |engine - trainer| {gap.mean():.2e}, max {gap.max():.2e} over {gap.size}")
     assert gap.max() <= 1e-4
+
+
+def test_with_top_k_and_top_p_the_engine_reports_the_truncated_distribution_the_trainer_the_full_one(
+    realistic_bf16_dir,
+):
+    """The convention (rollout/sampler.py, docs/design.md §5.8): the engine's log-prob is the behaviour policy q
+    (renormalised over the kept set), the trainer's the full tempered policy pi. So TIS's ratio pi/q is <= 1 on every
+    sampled token, and log q - log pi is exactly -log(the kept set's mass under pi) at that position."""
+    import jax.numpy as jnp
+
+    from rollout.sampler import _filter_threshold
+    from trainer import Trainer, TrainerConfig
+
+    temperature, top_k, top_p = 0.8, 20, 0.9
+    engine = small_engine(realistic_bf16_dir, dtype="float32", max_seq_len=80, prefill_buckets=(16,))
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(3, 512, PROMPT_LEN)] for _ in range(PROMPTS)]
+    sampling = SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=NEW_TOKENS, ignore_eos=True, seed=3
+    )
+    completions = engine.generate(prompts, SAMPLES, sampling)
+    trainer = Trainer(TrainerConfig(model_path=str(realistic_bf16_dir), temperature=temperature))
+    theirs = trainer.compute_logprobs([prompts[c.prompt_index] for c in completions], [c.token_ids for c in completions])
+    ours = [np.asarray(c.logprobs, np.float64) for c in completions]
+    assert all(np.all(t <= o + 1e-5) for o, t in zip(ours, theirs))  # pi <= q on every kept token
+    model = transformers.AutoModelForCausalLM.from_pretrained(realistic_bf16_dir, dtype=torch.float32).eval()
+    c = completions[0]
+    with torch.no_grad():
+        ids = torch.tensor([prompts[c.prompt_index] + c.token_ids])
+        z = (model(ids).logits[0, PROMPT_LEN - 1 : -1] / temperature).numpy()
+    n = len(z)
+    cut = np.asarray(_filter_threshold(jnp.asarray(z), jnp.full(n, top_k), jnp.full(n, top_p, jnp.float32)))
+    log_pi = z - np.logaddexp.reduce(z, axis=-1, keepdims=True)
+    kept_mass = np.logaddexp.reduce(np.where(z >= cut[:, None], log_pi, -np.inf), axis=-1)
+    np.testing.assert_allclose(ours[0] - theirs[0], -kept_mass, atol=1e-4)
