@@ -115,7 +115,8 @@ def test_with_top_k_and_top_p_the_engine_reports_the_truncated_distribution_the_
     )
     completions = engine.generate(prompts, SAMPLES, sampling)
     trainer = Trainer(TrainerConfig(model_path=str(realistic_bf16_dir), temperature=temperature))
-    theirs = trainer.compute_logprobs([prompts[c.prompt_index] for c in completions], [c.token_ids for c in completions])
+    responses = [c.token_ids for c in completions]
+    theirs = trainer.compute_logprobs([prompts[c.prompt_index] for c in completions], responses)
     ours = [np.asarray(c.logprobs, np.float64) for c in completions]
     assert all(np.all(t <= o + 1e-5) for o, t in zip(ours, theirs))  # pi <= q on every kept token
     model = transformers.AutoModelForCausalLM.from_pretrained(realistic_bf16_dir, dtype=torch.float32).eval()
