@@ -1,24 +1,85 @@
-"""Run checkpoints: `<run dir>/checkpoints/step_NNNNNN/` holding the trainer's state (`trainer/`: model, optimizer,
-RNG) and the loop's (`state.json`: step, data position, weight version). Written under a temporary name and renamed,
-so a crash mid-save leaves the previous checkpoint as the latest; the newest `keep` are kept."""
+"""Run checkpoints: `<run dir>/checkpoints/step_NNNNNN/` holding the trainer's state (`trainer/`: HF model, optimizer,
+RNG, fsdp shards) and the loop's (`state.json`: step, data position).
+
+A checkpoint is written under a temporary name and renamed, with `manifest.json` (every file's size and xxh3) and
+then `state.json` last, so a crash or a full disk mid-save leaves the previous checkpoint as the latest. Resuming
+verifies the newest checkpoint against its manifest and falls back, saying so, to the newest intact one: a flipped
+byte or a missing file is never loaded. The newest `keep` are kept; checkpoints numbered past the step being saved
+belong to an earlier run in this directory (a fresh run restarted it) and are removed.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
+import xxhash
+
 PREFIX = "step_"
+MANIFEST = "manifest.json"
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (the previous one is intact) or no intact one is left to resume from."""
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"{PREFIX}{step:06d}"
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
+def _completed(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
-    done = sorted(p for p in root.glob(f"{PREFIX}*") if p.name[len(PREFIX) :].isdigit() and (p / "state.json").exists())
-    return done[-1] if done else None
+    return sorted(p for p in root.glob(f"{PREFIX}*") if p.name[len(PREFIX) :].isdigit() and (p / "state.json").exists())
+
+
+def _file_digest(path: Path) -> str:
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _manifest(ckpt: Path) -> dict[str, list]:
+    files = sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name not in (MANIFEST, "state.json"))
+    return {str(p.relative_to(ckpt)): [p.stat().st_size, _file_digest(p)] for p in files}
+
+
+def verify(ckpt: Path) -> str | None:
+    """What is wrong with `ckpt` (a missing, resized or changed file; an unreadable state), or None if intact."""
+    try:
+        state = json.loads((ckpt / "state.json").read_text())
+        if not (ckpt / MANIFEST).exists() and isinstance(state, dict) and "step" in state:
+            log.warning("checkpoint %s predates manifests: resuming from it unverified", ckpt)
+            return None
+        want = json.loads((ckpt / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        return f"unreadable {getattr(e, 'filename', None) or 'state.json / manifest.json'}: {e}"
+    if not isinstance(state, dict) or "step" not in state:
+        return "state.json has no step"
+    have = _manifest(ckpt)
+    for name, (size, digest) in want.items():
+        if name not in have:
+            return f"{name} is missing"
+        if have[name] != [size, digest]:
+            return f"{name} differs from the checkpoint's manifest ({have[name][0]} bytes, was {size})"
+    return None
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest intact checkpoint; each newer one that fails `verify` is skipped with a warning naming it."""
+    completed = _completed(run_dir)
+    for ckpt in reversed(completed):
+        problem = verify(ckpt)
+        if problem is None:
+            return ckpt
+        log.warning("checkpoint %s is corrupt (%s); trying the one before it", ckpt, problem)
+    if completed:
+        raise CheckpointError(f"no intact checkpoint left in {Path(run_dir) / 'checkpoints'} to resume from")
+    return None
 
 
 def save_checkpoint(run_dir: Path, step: int, state: dict, save_trainer, keep: int = 2) -> Path:
@@ -26,14 +87,25 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, save_trainer, keep: i
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "trainer").mkdir(parents=True)
-    save_trainer(str(tmp / "trainer"))
-    (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1))
+    try:
+        (tmp / "trainer").mkdir(parents=True)
+        save_trainer(str(tmp / "trainer"))
+        (tmp / MANIFEST).write_text(json.dumps(_manifest(tmp), indent=1))
+        (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1))
+    except Exception as e:  # a full disk, a trainer rank that failed to write: nothing half-written stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = _completed(run_dir)
+        kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+        raise CheckpointError(f"writing checkpoint {final} failed ({e}); {kept}; rerun with --resume") from e
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
-    for old in sorted(final.parent.glob(f"{PREFIX}*"))[:-keep]:
-        if not old.name.endswith(".tmp"):
+    for old in _completed(run_dir):
+        if int(old.name[len(PREFIX) :]) > step:  # an earlier run's, past this one: never the one just written
+            log.warning("removing %s, a checkpoint of an earlier run in this directory", old)
             shutil.rmtree(old, ignore_errors=True)
+    older = [p for p in _completed(run_dir) if p != final]  # all before `step` now
+    for old in older[: max(len(older) - (keep - 1), 0)]:
+        shutil.rmtree(old, ignore_errors=True)
     return final
 
 

@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         dry_run(cfg, notes)
         return 0
 
+    from rlloop.checkpoint import CheckpointError
     from rlloop.cluster import ClusterError
     from rlloop.loop import train
     from trainer import NonFiniteTraining
@@ -126,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except ClusterError as e:
         print(f"cluster error: {e}", file=sys.stderr)
+        return 1
+    except CheckpointError as e:
+        print(f"checkpoint error: {e}", file=sys.stderr)
         return 1
     except NonFiniteTraining as e:
         print(f"training error: {e}", file=sys.stderr)

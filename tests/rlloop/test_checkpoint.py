@@ -1,0 +1,76 @@
+"""Run checkpoints survive what disks and crashes do: a full disk mid-save leaves the previous checkpoint intact
+and loadable, a corrupt or truncated checkpoint is never loaded (resume takes the newest intact one and says so),
+and a fresh run in an old run's directory does not prune its own new checkpoint."""
+
+import json
+import subprocess
+
+import pytest
+
+from rlloop.checkpoint import CheckpointError, latest_checkpoint, save_checkpoint, verify
+
+
+def trainer_writing(nbytes: int):
+    def save(path):
+        with open(f"{path}/model.safetensors", "wb") as f:
+            f.write(bytes(range(256)) * (nbytes // 256))
+
+    return save
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs: room for one small checkpoint, not for a second, larger one."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_mid_save_keeps_the_previous_checkpoint(small_disk):
+    first = save_checkpoint(small_disk, 1, {"data": {"position": 1}}, trainer_writing(300_000))
+    with pytest.raises(CheckpointError, match=r"step_000002 failed .*No space left.*step_000001 is intact"):
+        save_checkpoint(small_disk, 2, {"data": {"position": 2}}, trainer_writing(900_000))
+    assert latest_checkpoint(small_disk) == first and verify(first) is None
+    assert not list((small_disk / "checkpoints").glob("*.tmp"))  # the half-written one is gone
+
+
+@pytest.mark.parametrize(
+    "damage, named",
+    [
+        (lambda c: (c / "trainer" / "model.safetensors").unlink(), "model.safetensors is missing"),
+        (lambda c: (c / "trainer" / "model.safetensors").write_bytes(b"\0" * 10), "differs"),
+        (lambda c: _flip_one_byte(c / "trainer" / "model.safetensors"), "differs"),
+        (lambda c: (c / "state.json").write_text("{"), "unreadable"),
+        (lambda c: (c / "manifest.json").write_text("[]x"), "unreadable"),
+    ],
+)
+def test_a_corrupt_checkpoint_is_skipped_for_the_newest_intact_one(tmp_path, caplog, damage, named):
+    first = save_checkpoint(tmp_path, 1, {}, trainer_writing(4096))
+    second = save_checkpoint(tmp_path, 2, {}, trainer_writing(4096))
+    damage(second)
+    assert latest_checkpoint(tmp_path) == first
+    assert "step_000002 is corrupt" in caplog.text and named in caplog.text
+    damage(first)
+    with pytest.raises(CheckpointError, match="no intact checkpoint"):
+        latest_checkpoint(tmp_path)
+
+
+def _flip_one_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_fresh_run_in_an_old_directory_keeps_its_own_checkpoints(tmp_path):
+    for step in (5, 6):  # an earlier, longer run
+        save_checkpoint(tmp_path, step, {}, trainer_writing(256))
+    new = save_checkpoint(tmp_path, 1, {}, trainer_writing(256))
+    assert latest_checkpoint(tmp_path) == new  # the stale step 5 and 6 are gone, step 1 was not pruned
+    save_checkpoint(tmp_path, 2, {}, trainer_writing(256))
+    save_checkpoint(tmp_path, 3, {}, trainer_writing(256))
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert kept == ["step_000002", "step_000003"]
+    assert json.loads((tmp_path / "checkpoints" / "step_000003" / "state.json").read_text())["step"] == 3
