@@ -1,0 +1,406 @@
+"""`python -m rlloop.bench e2e`: TRL's GRPOTrainer vs rlloop on the same GRPO work, end to end, seconds per step.
+
+    python -m rlloop.bench e2e [--settings tiny,30m] [--steps N] [--quick] [--threads T]
+                               [--modes sync,async[,colocate]] [--frameworks trl,rlloop]
+
+Both settings are examples/grpo_dapo_tiny.yaml (its tokenizer, the prompts rlloop's loader draws, rlloop's DAPO
+verifier, 16 prompts x 8 samples, lr, loss dapo with eps 0.2/0.28, beta 0, temperature 1) on one of two models:
+    tiny  the shipped rlloop/assets/tiny/model; responses end at EOS or 16 tokens
+    30m   a random Qwen3 of ~28M parameters with the tiny tokenizer (`wide_model(768)` of rlloop/bench/loop.py); every
+          response runs to 128 tokens (rollout.ignore_eos; TRL: min_new_tokens), so compute dominates. A random
+          policy never writes "Answer:": its reward stays at -1, the setting is for timing
+TRL runs in this process as its docs say for CPU (use_cpu; fp32 like rlloop here, so no bf16; torch on --threads
+cores; defaults otherwise), on the same prompts in the same order, one optimizer step per 128 samples, rlloop's
+AdamW settings and constant lr. rlloop runs its real loop (`rlloop.loop.train`, Ray actors; engine and trainer on one
+core each) in each of --modes; `colocate` is sync with both roles on all cores in turns (cluster.colocate). The runs
+go back to back in one invocation (rlloop's first mode, TRL, then the other modes): the machine is shared and noisy,
+so compare ratios from one invocation only.
+
+Per setting: s/step (mean after the warm-up steps), TRL/rlloop, rlloop's per-step breakdown from metrics.jsonl
+(rollout, train, sync, other = the rest of the step; in async, rollout is the wait for the batch), a roofline bound
+(6 x params x trained prompt + response tokens, plus generation FLOPs as rollout.cost counts them, over the matmul
+peak; generation is bounded by decode bytes over the memory bandwidth where that is slower; peaks measured by
+rlloop.bench.peaks on --threads cores, best of several) and every run's step over it, and the per-step reward curves.
+Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "examples" / "grpo_dapo_tiny.yaml"
+TRL_VERSION = "1.16.0"  # the `bench` extra
+WIDE_HIDDEN = 768  # wide_model(768): 4 layers x 12 h^2 + a 99-token embedding, ~28.4M parameters
+DEFAULT_STEPS = {"tiny": 12, "30m": 4}
+
+
+def trl_missing() -> str | None:
+    """Why the TRL column cannot be run here, or None."""
+    try:
+        import trl
+    except ImportError as e:
+        return f"trl is not installed ({e}); pip install -e '.[bench]'"
+    if trl.__version__ != TRL_VERSION:
+        print(f"note: trl {trl.__version__} installed, the bench extra pins {TRL_VERSION}", flush=True)
+    return None
+
+
+def setting_overrides(name: str, work: Path) -> list[str]:
+    if name == "tiny":
+        return []
+    if name == "30m":
+        from rlloop.bench.loop import wide_model
+
+        path = work / f"wide-{WIDE_HIDDEN}"
+        model = path if path.exists() else wide_model(work, WIDE_HIDDEN)
+        return [f"model.path={model}", "rollout.max_response_len=128", "rollout.ignore_eos=true"]
+    raise SystemExit(f"unknown setting {name!r}; expected tiny or 30m")
+
+
+def draw_prompts(cfg, steps: int):
+    """The prompts rlloop's loader serves for steps 1..steps (the same seed and order the loop draws), and the
+    tokenizer. Without dynamic sampling every step draws exactly prompts_per_step of them."""
+    from rlloop.data import load_datasets
+    from rlloop.model import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model)
+    data, _ = load_datasets(cfg, tokenizer)
+    return [data.next_batch(cfg.rollout.prompts_per_step) for _ in range(steps)], tokenizer
+
+
+def mean_after(values: list[float], skip: int) -> float:
+    return float(np.mean(values[skip:]))
+
+
+# ---------------------------------------------------------------------------------------------------------- rlloop
+def run_rlloop(cfg_overrides: list[str], mode: str, steps: int, skip: int, run_dir: Path, threads: int) -> dict:
+    from rlloop.config import load_config
+    from rlloop.loop import train
+    from rlloop.tracking import read_metrics
+
+    # No eval (TRL runs none: the steps compare the same work), no checkpoints.
+    overrides = [*cfg_overrides, f"run.steps={steps}", "run.save_every=0", "run.eval_every=0"]
+    overrides += [f"loop.mode={mode}", f"run.dir={run_dir}", "tracking.progress=false"]
+    ray = None
+    if mode == "colocate":
+        # Both roles on all `threads` cores, in turns. The colocated plan asks Ray for 2 x cpus_per_actor CPUs, more
+        # than a 2-core node advertises, so this bench starts the local Ray itself with that many (the actors pin
+        # themselves to their bundle's cores modulo the real ones: both get every core, and they take turns).
+        import ray
+
+        overrides[overrides.index("loop.mode=colocate")] = "loop.mode=sync"
+        overrides += ["cluster.colocate=true", f"cluster.cpus_per_actor={threads}"]
+        ray.init(num_cpus=2 * threads, namespace="rlloop", include_dashboard=False, configure_logging=False)
+    t0 = time.perf_counter()
+    try:
+        train(load_config(TINY, overrides))
+    finally:
+        if ray is not None:
+            ray.shutdown()
+    wall = time.perf_counter() - t0
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] > 0]
+    step_s = [r["perf/step_s"] for r in rows]
+    # In async the generation overlaps the train step: only the wait for the batch is on the step's path.
+    rollout_key = "perf/rollout_wait_s" if mode == "async" else "perf/rollout_s"
+    parts = {
+        "rollout": mean_after([r.get(rollout_key, 0.0) for r in rows], skip),
+        "train": mean_after([r.get("perf/train_s", 0.0) for r in rows], skip),
+        "sync": mean_after([r.get("perf/sync_s", 0.0) for r in rows], skip),
+    }
+    s_per_step = mean_after(step_s, skip)
+    parts["other"] = s_per_step - sum(parts.values())
+    return {
+        "s_per_step": s_per_step,
+        "breakdown_s": parts,
+        "rollout_busy_s": mean_after([r.get("perf/rollout_busy_s", 0.0) for r in rows], skip),
+        "train_busy_s": mean_after([r.get("perf/train_busy_s", 0.0) for r in rows], skip),
+        "step_s": step_s,
+        "rewards": [r["rollout/raw_reward"] for r in rows],
+        "response_len": [r["rollout/response_len/mean"] for r in rows],
+        "response_len_max": [r["rollout/response_len/max"] for r in rows],
+        "train_tokens": [r.get("train/tokens", 0.0) for r in rows],
+        "compiles": sum(r.get("perf/compiles", 0.0) for r in rows),
+        "setup_s": wall - sum(step_s),  # Ray, actors, model loads, XLA warmup: outside the steps
+    }
+
+
+# ------------------------------------------------------------------------------------------------------------- TRL
+def micro_rows(rows: int, max_len: int, token_budget: int) -> int:
+    """The largest divisor of `rows` whose padded micro-batch fits rlloop's token budget (at least 1)."""
+    return max([d for d in range(1, rows + 1) if rows % d == 0 and d * max_len <= token_budget] or [1])
+
+
+def run_trl(cfg, batches, tokenizer, threads: int, out_dir: Path, skip: int) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import PrinterCallback, ProgressCallback, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlloop.rewards import resolve
+
+    torch.set_num_threads(threads)
+    verifier = resolve(cfg.reward.fn)  # the very function rlloop's RewardScorer runs
+
+    def reward(prompts, completions, answer, **_) -> list[float]:
+        """TRL's reward-function signature around rlloop's verifier (conversational completions)."""
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [float(verifier(t, a)) for t, a in zip(texts, answer)]
+
+    reward.__name__ = cfg.reward.fn
+    r, t, g = cfg.rollout, cfg.train, cfg.grpo
+    rows = r.prompts_per_step * r.group_size
+    longest = max(len(p.token_ids) for b in batches for p in b) + r.max_response_len
+    per_device = micro_rows(rows, longest, t.micro_batch_tokens)
+    dataset = Dataset.from_list([{"prompt": p.messages, "answer": p.answer} for b in batches for p in b])
+    # As TRL's docs say for CPU (use_cpu; no bf16: both sides fp32 here), quiet, one log line (the reward) per step.
+    cpu = dict(use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True)
+    # One generation of 128 rows per optimizer step, in micro-batches through gradient accumulation; the loader's
+    # order (no shuffle): TRL's step k trains on the very prompts rlloop's step k draws.
+    batching = dict(per_device_train_batch_size=per_device, gradient_accumulation_steps=rows // per_device)
+    batching |= dict(max_steps=len(batches), shuffle_dataset=False, seed=cfg.run.seed)
+    # ignore_eos: EOS is forbidden until the last token, so every row runs to max length, as rlloop's do.
+    sampling = dict(num_generations=r.group_size, max_completion_length=r.max_response_len, temperature=r.temperature)
+    sampling |= dict(top_p=r.top_p, top_k=max(r.top_k, 0), model_init_kwargs={"dtype": torch.float32})
+    sampling["generation_kwargs"] = {"min_new_tokens": r.max_response_len} if r.ignore_eos else None
+    # rlloop's AdamW and its constant lr (TRL's default decays linearly); TRL turns gradient checkpointing on by
+    # default, the tiny recipe has it off.
+    optim = dict(learning_rate=t.lr, lr_scheduler_type="constant", weight_decay=t.weight_decay, adam_epsilon=t.eps)
+    optim |= dict(adam_beta1=t.betas[0], adam_beta2=t.betas[1], max_grad_norm=t.max_grad_norm)
+    optim["gradient_checkpointing"] = t.gradient_checkpointing
+    loss = dict(loss_type=g.loss_agg, epsilon=g.clip_eps_low, epsilon_high=g.clip_eps_high, beta=g.kl_coef)
+    loss["scale_rewards"] = "group" if g.std_scale else "none"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing's rename in transformers 5
+        args = GRPOConfig(output_dir=str(out_dir), **cpu, **batching, **sampling, **optim, **loss)
+    trainer = GRPOTrainer(
+        model=cfg.model.path, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    for cb in (PrinterCallback, ProgressCallback):
+        trainer.remove_callback(cb)
+
+    marks: list[float] = []
+    gen_s: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            marks.append(time.perf_counter())
+
+        def on_step_end(self, *a, **k):
+            marks.append(time.perf_counter())
+
+    trainer.add_callback(Clock())
+    generate = trainer._generate_single_turn  # timed from outside: TRL's own profiling goes to wandb/trackio only
+
+    def timed_generate(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return generate(*a, **k)
+        finally:
+            gen_s.append(time.perf_counter() - t0)
+
+    trainer._generate_single_turn = timed_generate
+    t0 = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t0
+    logs = [e for e in trainer.state.log_history if "reward" in e]
+    step_s = list(np.diff(marks))
+    del trainer
+    gc.collect()
+    return {
+        "s_per_step": mean_after(step_s, skip),
+        "generate_s": mean_after(gen_s, skip),
+        "step_s": step_s,
+        "rewards": [e["reward"] for e in logs],
+        "response_len": [e.get("completions/mean_length") for e in logs],
+        "micro_batch_rows": per_device,
+        "setup_s": wall - sum(step_s),
+    }
+
+
+# -------------------------------------------------------------------------------------------------------- roofline
+def measure_peaks(threads: int) -> dict:
+    """rlloop.bench.peaks in a child pinned to `threads` cores: pinning this process would pin the Ray cluster it
+    starts later (raylet inherits the affinity), and the child keeps jax out of this process."""
+    cores = sorted(os.sched_getaffinity(0))[:threads]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "rlloop.bench", "peaks", "float32"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        check=True,
+        preexec_fn=lambda: os.sched_setaffinity(0, cores),
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])["results"][0]
+
+
+def step_work(cfg, batches, rl: dict, skip: int) -> dict:
+    """FLOPs and bytes of one step (mean over the timed steps), as the trainer and the engine must do them; token
+    counts are rlloop's (TRL's are the same prompts and, in distribution, the same lengths)."""
+    from rollout.cost import decode_bytes, generate_flops, param_count
+    from rollout.model_config import ModelConfig
+
+    mc = ModelConfig.from_dir(cfg.model.path)
+    params, g = param_count(mc), cfg.rollout.group_size
+    max_len = cfg.data.max_prompt_len + cfg.rollout.max_response_len  # the engine's cache row
+    per_step = []
+    for k, batch in enumerate(batches):
+        lens = [len(p.token_ids) for p in batch]
+        resp_mean, resp_max = rl["response_len"][k], int(rl["response_len_max"][k])
+        trained = g * sum(lens) + rl["train_tokens"][k]  # the trainer runs prompt + response through fwd + bwd
+        train_flops = 6.0 * params * trained
+        # Each prompt prefilled once (GRPO fan-out copies its KV), then every sample decoded.
+        gen_flops = generate_flops(mc, sum(lens) - len(lens), [(lp, resp_mean) for lp in lens for _ in range(g)])
+        # All rows decode together: one pass over the weights per decode step, each row's KV as the engine reads it.
+        gen_bytes = decode_bytes(mc, 4, resp_max, g * len(lens), max_len, max(lens) + resp_max)
+        per_step.append((trained, train_flops, gen_flops, gen_bytes))
+    trained, train_flops, gen_flops, gen_bytes = (float(np.mean(c)) for c in zip(*per_step[skip:]))
+    return {
+        "params": params,
+        "trained_tokens": trained,
+        "train_flops": train_flops,
+        "gen_flops": gen_flops,
+        "decode_bytes": gen_bytes,
+    }
+
+
+def bound(work: dict, peaks: dict) -> dict:
+    """Lower bound of one on-policy step on this machine: training after generation (each needs the other's
+    result), training compute-bound, generation at whichever of compute and memory is slower."""
+    flops_s, bytes_s = peaks["matmul_flops"], peaks["mem_bytes_per_s"]
+    train_s, gen_compute_s = work["train_flops"] / flops_s, work["gen_flops"] / flops_s
+    gen_memory_s = work["decode_bytes"] / bytes_s
+    return work | {
+        "train_s": train_s,
+        "gen_compute_s": gen_compute_s,
+        "gen_memory_s": gen_memory_s,
+        "bound_s": train_s + max(gen_compute_s, gen_memory_s),
+    }
+
+
+# ------------------------------------------------------------------------------------------------------------ main
+def bench_setting(name: str, args, work: Path, trl_reason: str | None) -> dict:
+    from rlloop.config import load_config
+
+    steps = args.steps or (2 if args.quick else DEFAULT_STEPS[name])
+    skip = 2 if steps >= 6 else 1 if steps >= 2 else 0  # warm-up steps left out of the means
+    overrides = setting_overrides(name, work)
+    cfg = load_config(TINY, overrides)
+    batches, tokenizer = draw_prompts(cfg, steps)
+    r = cfg.rollout
+    out: dict = dict(steps=steps, warmup_steps=skip, prompts_per_step=r.prompts_per_step, group_size=r.group_size)
+    out |= dict(max_response_len=r.max_response_len, ignore_eos=r.ignore_eos)
+    frameworks = args.frameworks.split(",")
+    modes = args.modes.split(",") if "rlloop" in frameworks else []
+    order = modes[:1] + (["trl"] if "trl" in frameworks else []) + modes[1:]  # TRL between the rlloop runs
+    for what in order:
+        if what == "trl":
+            if trl_reason:
+                out["trl"] = None
+                continue
+            out["trl"] = run_trl(cfg, batches, tokenizer, args.threads, work / f"{name}-trl", skip)
+        else:
+            out[f"rlloop_{what}"] = run_rlloop(overrides, what, steps, skip, work / f"{name}-{what}", args.threads)
+        run = out["trl" if what == "trl" else f"rlloop_{what}"]
+        print(f"[{name}] {what:<8} {run['s_per_step']:.3f} s/step, rewards {run['rewards']}", flush=True)
+    if modes:
+        out["roofline"] = step_work(cfg, batches, out[f"rlloop_{modes[0]}"], skip)  # bound_s: in finish()
+    for mode in modes:
+        if out.get("trl"):
+            out[f"trl_over_rlloop_{mode}"] = out["trl"]["s_per_step"] / out[f"rlloop_{mode}"]["s_per_step"]
+    return out
+
+
+def finish(out: dict, peaks: dict) -> None:
+    """The roofline bound at the best peaks seen in this invocation (the machine is shared: a single measurement
+    can land in a neighbour's burst), and every run's step over it."""
+    if "roofline" not in out:
+        return
+    out["roofline"] = roof = bound(out["roofline"], peaks)
+    for key in [k for k in out if k == "trl" or k.startswith("rlloop_")]:
+        if isinstance(out[key], dict):
+            out[f"{key}_over_bound"] = out[key]["s_per_step"] / roof["bound_s"]
+
+
+def describe(name: str, r: dict) -> str:
+    lines = [f"[{name}] {r['steps']} steps, means after {r['warmup_steps']} warm-up step(s):"]
+    for key in [k for k in r if (k == "trl" or k.startswith("rlloop_")) and isinstance(r[k], dict)]:
+        parts = r[key].get("breakdown_s") or {"generate": r[key]["generate_s"]}
+        lines.append(
+            f"  {key:<15} {r[key]['s_per_step']:8.3f} s/step ({', '.join(f'{k} {v:.3f}' for k, v in parts.items())})"
+        )
+        lines.append(f"  {'':<15} reward " + " ".join(f"{x:+.2f}" for x in r[key]["rewards"]))
+    lines += [f"  {k} = {r[k]:.2f}" for k in r if k.startswith("trl_over_") or k.endswith("_over_bound")]
+    if "bound_s" in r.get("roofline", {}):
+        f = r["roofline"]
+        lines.append(
+            f"  roofline {f['bound_s']:.3f} s/step: train {f['train_s']:.3f} + generation max(compute "
+            f"{f['gen_compute_s']:.3f}, memory {f['gen_memory_s']:.3f}), {f['params'] / 1e6:.2f}M params"
+        )
+    return "\n".join(lines)
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="python -m rlloop.bench e2e", description=__doc__.split("\n")[0])
+    ap.add_argument("--settings", default=None, help="comma list of tiny,30m (default both; --quick: tiny)")
+    ap.add_argument("--steps", type=int, default=0, help=f"steps per run (default {DEFAULT_STEPS}; --quick: 2)")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 2 steps, tiny, sync only unless told")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads for TRL and cores for the peaks (0: all)")
+    ap.add_argument("--modes", default=None, help="of sync,async,colocate (default sync,async; --quick: sync)")
+    ap.add_argument("--frameworks", default="trl,rlloop", help="trl,rlloop or one of them")
+    args = ap.parse_args(argv)
+    args.settings = args.settings or ("tiny" if args.quick else "tiny,30m")
+    args.modes = args.modes or ("sync" if args.quick else "sync,async")
+    args.threads = args.threads or len(os.sched_getaffinity(0))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    trl_reason = trl_missing() if "trl" in args.frameworks.split(",") else None
+    if trl_reason:
+        print(f"TRL column missing: {trl_reason}", flush=True)
+    trl_version = None if trl_reason or "trl" not in args.frameworks else __import__("trl").__version__
+    result: dict = dict(bench="e2e", cpu=cpu_model(), cpus=os.cpu_count(), threads=args.threads)
+    result |= dict(trl_version=trl_version, trl_missing=trl_reason, load_avg_start=os.getloadavg()[0])
+    names = args.settings.split(",")
+    peaks = [measure_peaks(args.threads)]
+    with tempfile.TemporaryDirectory(prefix="rlloop_bench_e2e_") as tmp:
+        for name in names:
+            result[name] = bench_setting(name, args, Path(tmp), trl_reason)
+            peaks.append(measure_peaks(args.threads))  # between and after the runs: the best one is the peak
+    best = {key: max(p[key] for p in peaks) for key in ("matmul_flops", "mem_bytes_per_s")}
+    print(
+        f"peaks on {args.threads} core(s), best of {len(peaks)}: matmul {best['matmul_flops'] / 1e9:.1f} GFLOP/s "
+        f"(lowest {min(p['matmul_flops'] for p in peaks) / 1e9:.1f}), memory {best['mem_bytes_per_s'] / 1e9:.1f} GB/s",
+        flush=True,
+    )
+    result["peak_matmul_flops"], result["peak_mem_bytes_per_s"] = best["matmul_flops"], best["mem_bytes_per_s"]
+    result["peak_matmul_flops_each"] = [p["matmul_flops"] for p in peaks]
+    result["load_avg_end"] = os.getloadavg()[0]  # other work on the machine: the ratios are what to read
+    for name in names:
+        finish(result[name], best)
+        print(describe(name, result[name]), flush=True)
+    if trl_reason:
+        print(f"TRL column missing: {trl_reason}", flush=True)
+    print(json.dumps(result))

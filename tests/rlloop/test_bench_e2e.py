@@ -1,0 +1,79 @@
+"""`python -m rlloop.bench e2e --quick`: the command runs end to end and its last line is the JSON it promises.
+
+Structure and sanity only (every number positive and finite): timings on a shared 2-core box are not asserted.
+"""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_bench(*args: str) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("XLA_FLAGS", None)  # conftest's 4 fake devices are for in-process jax; the actors set their own
+    out = subprocess.run(
+        [sys.executable, "-m", "rlloop.bench", "e2e", "--quick", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def check_top(result: dict) -> None:
+    assert result["bench"] == "e2e"
+    assert positive(result["peak_matmul_flops"]) and positive(result["peak_mem_bytes_per_s"])
+    assert result["cpus"] >= 1 and result["threads"] >= 1
+    tiny = result["tiny"]
+    assert tiny["steps"] == 2 and tiny["warmup_steps"] == 1
+    assert (tiny["prompts_per_step"], tiny["group_size"], tiny["max_response_len"]) == (16, 8, 16)
+
+
+def test_rlloop_half():
+    result = run_bench("--frameworks", "rlloop")
+    check_top(result)
+    tiny = result["tiny"]
+    rl = tiny["rlloop_sync"]
+    assert positive(rl["s_per_step"]) and positive(rl["setup_s"])
+    assert set(rl["breakdown_s"]) == {"rollout", "train", "sync", "other"}
+    for key in ("rollout", "train", "sync"):
+        assert positive(rl["breakdown_s"][key]), key
+    assert math.isfinite(rl["breakdown_s"]["other"])  # the remainder: tiny, may round either way
+    assert sum(rl["breakdown_s"].values()) == pytest.approx(rl["s_per_step"])
+    assert len(rl["step_s"]) == len(rl["rewards"]) == 2 and all(positive(s) for s in rl["step_s"])
+    assert all(-1.0 <= r <= 1.0 for r in rl["rewards"])  # DAPO's verifier: +1 / -1 per sample
+    assert rl["compiles"] == 0
+    roof = tiny["roofline"]
+    for key in ("params", "trained_tokens", "train_flops", "gen_flops", "decode_bytes", "bound_s", "train_s"):
+        assert positive(roof[key]), key
+    assert roof["bound_s"] == pytest.approx(roof["train_s"] + max(roof["gen_compute_s"], roof["gen_memory_s"]))
+    assert positive(tiny["rlloop_sync_over_bound"])
+    assert "trl" not in tiny and not any(k.startswith("trl_over") for k in tiny)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed (the bench extra)")
+def test_trl_half():
+    result = run_bench("--frameworks", "trl")
+    check_top(result)
+    trl = result["tiny"]["trl"]
+    assert result["trl_version"] and result["trl_missing"] is None
+    assert positive(trl["s_per_step"]) and positive(trl["generate_s"])
+    assert len(trl["step_s"]) == len(trl["rewards"]) == 2 and all(positive(s) for s in trl["step_s"])
+    assert all(-1.0 <= r <= 1.0 for r in trl["rewards"])
+    assert all(0 < n <= 16 for n in trl["response_len"])
+    assert 128 % trl["micro_batch_rows"] == 0
