@@ -2,11 +2,21 @@
 
 `python -m rlloop.tiny [OUT_DIR]` rebuilds what ships in `rlloop/assets/tiny/` (deterministic for a given torch):
 - `model/`: a character-level tokenizer with a Qwen-style chat template and a ~0.1M-parameter `Qwen3ForCausalLM`,
-  warm-started by a short supervised pass on *noisy* answers (`SFT_MIX`: half right, the rest in the wrong format or
-  slightly wrong). The policy starts out scoring under half the time, and GRPO with DAPO's verifier has something to
-  fix, above all the format, which is the same for every prompt: the tiny run visibly learns within a few minutes.
+  warm-started by a short supervised pass (600 steps) on *noisy* answers to "a + b", a, b <= `OPERAND_MAX`.
 - `data/train.jsonl`, `data/eval.jsonl`: rows in the DAPO-Math-17k schema (`prompt` as a chat-message list,
-  `reward_model.ground_truth`, `data_source`, `ability`, `extra_info`).
+  `reward_model.ground_truth`, `data_source`, `ability`, `extra_info`). `split_pairs` holds out 64 ordered pairs for
+  eval; the warm start and the RL prompts only ever see the other 336.
+
+The lever that sets what the demo shows is `SFT_MIX`, the warm start's labels: a quarter "Answer: <sum>" (the format
+DAPO's verifier accepts), 70% "The sum is <sum>" (right sum, wrong format: scored -1) and 5% "Answer: <sum +- 1 or 2>".
+Sampled at temperature 1 on the held-out pairs, the warm start gives the right sum ~56% of the time but the "Answer:"
+format only ~30%, so `eval/tiny_arith` starts near 0.15. In the 30 steps of `examples/grpo_dapo_tiny.yaml` GRPO
+takes the format to ~90% (the same fix for every prompt: a strong signal that generalises at once) and the right
+sums to ~70%: held-out accuracy reaches 0.66-0.71, +51 to +55 points on run seeds 0-3. Most of the gain is format,
+as in early R1-Zero-style runs; the rest is sums the policy gets right more often. Why this mix: with no wrong labels
+the model learns the sums almost perfectly (~97% at T=1) and RL has only the format to fix; with 20% (the earlier mix,
+half right) the sums stay near 50% and GRPO plateaus at +20 to +30 points. Label noise weighs heavily on this tiny
+model: 5% wrong labels leave ~40% of samples without the right sum.
 """
 
 from __future__ import annotations
@@ -27,7 +37,8 @@ CHAT_TEMPLATE = (
 PROMPT_TEMPLATE = "Solve: {problem}\nThe last line of your response should be of the form Answer: $Answer"
 OPERAND_MAX = 19
 # The warm start's labels: right, right but in the wrong format (DAPO's rule scores it -1), or off by a little.
-SFT_MIX = {"correct": 0.5, "bad_format": 0.3, "wrong": 0.2}
+# Mostly the wrong format with a little arithmetic noise: RL has the format to fix and some sums to sharpen (see above).
+SFT_MIX = {"correct": 0.25, "bad_format": 0.7, "wrong": 0.05}
 
 
 def make_tokenizer():
