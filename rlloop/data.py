@@ -200,6 +200,7 @@ class PromptData:
         self.shuffle, self.seed = shuffle, seed
         self.epoch, self.position, self.dropped = 0, 0, 0
         self._order = self._make_order()
+        self._template_bytes: dict[tuple, int] = {}  # roles -> the chat template's bytes around them
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -209,9 +210,8 @@ class PromptData:
             return np.arange(len(self.rows))
         return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.rows))
 
-    def _parse(self, index: int) -> tuple[list[dict], list[int], str]:
-        """(messages, token ids, answer) of row `index`; a DataError naming the row and the column otherwise."""
-        row = self.rows[int(index)]
+    def _parse_row(self, index: int, row: dict) -> tuple[list[dict], str]:
+        """(messages, answer) of `row`; a DataError naming the row and the column otherwise."""
         parsed = []
         for key, name, parse in (
             (self.prompt_key, "data.prompt_key", to_messages),
@@ -221,8 +221,26 @@ class PromptData:
                 parsed.append(parse(get_field(row, key)))
             except DataError as e:
                 raise DataError(f"{self.key} {self.source}: row {index} (0-based), {name} {key!r}: {e}") from None
-        messages, answer = parsed
+        return parsed[0], parsed[1]
+
+    def _parse(self, index: int) -> tuple[list[dict], list[int], str]:
+        """(messages, token ids, answer) of row `index`."""
+        messages, answer = self._parse_row(index, self.rows[int(index)])
         return messages, encode_prompt(self.tokenizer, messages), answer
+
+    def _token_bound(self, messages: list[dict]) -> int:
+        """An upper bound on the prompt's tokens without tokenizing it: its UTF-8 bytes plus the chat template's
+        (a token covers at least one byte; +2 for a sentencepiece prefix space)."""
+        roles = tuple(m["role"] for m in messages)
+        if roles not in self._template_bytes:
+            empty = [{"role": r, "content": ""} for r in roles]
+            text = (
+                self.tokenizer.apply_chat_template(empty, add_generation_prompt=True, tokenize=False)
+                if self.tokenizer.chat_template
+                else "\n" * (len(roles) - 1)
+            )
+            self._template_bytes[roles] = len(text.encode()) + 2
+        return self._template_bytes[roles] + sum(len(m["content"].encode()) for m in messages)
 
     def _too_long(self, index: int, tokens: int) -> DataError:
         return DataError(
@@ -240,19 +258,28 @@ class PromptData:
             return None
         return Prompt(int(index), ids, answer, messages)
 
-    def validate(self, rows: int = 1024) -> None:
-        """Parse and tokenize the first `rows` rows (all of a small file), so that a bad schema, an empty answer or
-        prompts that never fit fail now, in the driver, not at some step inside the run."""
-        n = min(rows, len(self.rows))
-        lengths = [len(self._parse(i)[1]) for i in range(n)]
-        too_long = [i for i, k in enumerate(lengths) if k > self.max_prompt_len]
-        if too_long and self.on_long_prompt == "error":
-            raise self._too_long(too_long[0], lengths[too_long[0]])
-        if len(too_long) == n:
-            scope = f"all {n} rows" if n == len(self.rows) else f"the first {n} of {len(self.rows)} rows"
+    def validate(self) -> None:
+        """Check every row now, in the driver, so that a bad row fails before anything starts, not at the step
+        that draws it: each row's prompt and answer, and its length against `max_prompt_len`. Only rows whose byte
+        bound exceeds the limit are tokenized (DAPO-Math-17k's 1.8 M rows take seconds, not a tokenizer pass)."""
+        columns = sorted({key.split(".")[0] for key in (self.prompt_key, self.answer_key)})
+        index, fits, shortest = 0, 0, None
+        for batch in self.rows.select_columns(columns).iter(batch_size=4096):
+            for values in zip(*(batch[c] for c in columns)):
+                messages, _ = self._parse_row(index, dict(zip(columns, values)))
+                if self._token_bound(messages) <= self.max_prompt_len:
+                    fits += 1
+                else:
+                    tokens = len(encode_prompt(self.tokenizer, messages))
+                    if tokens > self.max_prompt_len and self.on_long_prompt == "error":
+                        raise self._too_long(index, tokens)
+                    fits += tokens <= self.max_prompt_len
+                    shortest = tokens if shortest is None else min(shortest, tokens)
+                index += 1
+        if not fits:
             raise DataError(
-                f"{self.key} {self.source}: every prompt checked ({scope}) is longer than data.max_prompt_len="
-                f"{self.max_prompt_len} tokens (the shortest has {min(lengths)}); raise data.max_prompt_len "
+                f"{self.key} {self.source}: every prompt (all {index} rows) is longer than data.max_prompt_len="
+                f"{self.max_prompt_len} tokens (the shortest has {shortest}); raise data.max_prompt_len "
                 "(and rollout.prefill_buckets with it) or shorten the prompts"
             )
 
@@ -320,8 +347,26 @@ def load_datasets(cfg: Config, tokenizer) -> tuple[PromptData, PromptData | None
     return train, evals
 
 
-def check_data(cfg: Config, tokenizer) -> None:
-    """Load and validate the training and eval prompts from the driver (DataError on a problem)."""
-    for data in load_datasets(cfg, tokenizer):
-        if data is not None:
-            data.validate()
+@dataclass
+class Inputs:
+    """What the driver loads and checks before anything starts, once: the tokenizer and the prompts."""
+
+    tokenizer: object
+    data: PromptData
+    eval_data: PromptData | None
+
+    def rewind(self) -> None:
+        """Back to the first batch of `run.seed`'s order (a run restarted before its first checkpoint)."""
+        self.data.load_state_dict({"seed": self.data.seed, "epoch": 0, "position": 0, "dropped": 0})
+
+
+def load_inputs(cfg: Config) -> Inputs:
+    """The tokenizer (ModelError) and the training and eval prompts, every row validated (DataError)."""
+    from rlloop.model import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model)
+    data, eval_data = load_datasets(cfg, tokenizer)
+    for prompts in (data, eval_data):
+        if prompts is not None:
+            prompts.validate()
+    return Inputs(tokenizer, data, eval_data)

@@ -17,8 +17,7 @@ from pathlib import Path
 from rlloop.checkpoint import latest_checkpoint, load_state, save_checkpoint
 from rlloop.cluster import Cluster, TrainerDied
 from rlloop.config import Config, to_yaml
-from rlloop.data import load_datasets
-from rlloop.model import load_tokenizer
+from rlloop.data import Inputs, load_inputs
 from rlloop.rollout_manager import RolloutManager
 from rlloop.schedules import rollout_schedule
 from rlloop.tracking import Tracker
@@ -26,12 +25,14 @@ from rlloop.tracking import Tracker
 log = logging.getLogger(__name__)
 
 
-def train(cfg: Config, resume: bool = False) -> Path:
-    """Run (or with `resume`, continue) the recipe. A trainer rank that dies costs a rebuild of the cluster from
-    the last checkpoint, with the same data order, up to `run.max_restarts` times (engines heal in place)."""
+def train(cfg: Config, resume: bool = False, inputs: Inputs | None = None) -> Path:
+    """Run (or with `resume`, continue) the recipe on `inputs` (loaded and checked here unless the caller has).
+    A trainer rank that dies costs a rebuild of the cluster from the last checkpoint, with the same data order, up
+    to `run.max_restarts` times (engines heal in place)."""
+    inputs = inputs or load_inputs(cfg)
     for restarts in range(cfg.run.max_restarts + 1):
         try:
-            return run_recipe(cfg, resume=resume or restarts > 0, trainer_restarts=restarts)
+            return run_recipe(cfg, inputs, resume=resume or restarts > 0, trainer_restarts=restarts)
         except TrainerDied as e:
             if restarts == cfg.run.max_restarts:
                 raise
@@ -39,12 +40,12 @@ def train(cfg: Config, resume: bool = False) -> Path:
     raise AssertionError("unreachable")
 
 
-def run_recipe(cfg: Config, resume: bool = False, trainer_restarts: int = 0) -> Path:
+def run_recipe(cfg: Config, inputs: Inputs, resume: bool = False, trainer_restarts: int = 0) -> Path:
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    tokenizer = load_tokenizer(cfg.model)
-    data, eval_data = load_datasets(cfg, tokenizer)
+    tokenizer, data, eval_data = inputs.tokenizer, inputs.data, inputs.eval_data
+    inputs.rewind()  # a checkpoint, if any, sets the position below
     ckpt = latest_checkpoint(run_dir) if resume else None
     start = load_state(ckpt)["step"] if ckpt else 0
     with ExitStack() as stack:  # closed in reverse: rollout thread, tracker, reward workers, cluster (actors, Ray)

@@ -13,6 +13,7 @@ import os
 import sys
 
 from rlloop.config import Config, ConfigError, load_config, to_yaml
+from rlloop.data import Inputs
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,24 +52,23 @@ def check_references(cfg: Config) -> None:
         memory.check()
 
 
-def preflight(cfg: Config, dry_run: bool = False) -> list[str]:
-    """Check the model (config.json and file list: no weights), tokenizer and data from the driver, before a run
-    directory, Ray or an actor exists: ModelError / DataError. A dry run checks only what is on this machine (it
-    downloads nothing); returns notes on what it skipped. The loop loads the tokenizer and data again itself."""
+def preflight(cfg: Config, dry_run: bool = False) -> tuple[Inputs | None, list[str]]:
+    """Check the model (config.json and file list: no weights), tokenizer and every data row from the driver,
+    before a run directory, Ray or an actor exists: ModelError / DataError. Returns the loaded inputs, which the loop
+    then uses, and notes on what a dry run skipped (it checks only what is on this machine: it downloads nothing)."""
     from rlloop import data, model
 
     sources = {"model.path": cfg.model.path, "model.tokenizer": cfg.model.tokenizer or cfg.model.path}
     remote = [key for key, src in sources.items() if not model.is_local(src)]
     if dry_run and remote:
-        return [f"{', '.join(remote)} not checked: a hub id (a dry run downloads nothing)"]
+        return None, [f"{', '.join(remote)} not checked: a hub id (a dry run downloads nothing)"]
     model.check_model(cfg)
-    tokenizer = model.load_tokenizer(cfg.model)
     paths = {"data.path": cfg.data.path, "eval.path": cfg.eval.path}
     remote = [key for key, src in paths.items() if src and not data.is_local(src)]
     if dry_run and remote:
-        return [f"{', '.join(remote)} not checked: a hub dataset (a dry run downloads nothing)"]
-    data.check_data(cfg, tokenizer)
-    return []
+        model.load_tokenizer(cfg.model)
+        return None, [f"{', '.join(remote)} not checked: a hub dataset (a dry run downloads nothing)"]
+    return data.load_inputs(cfg), []
 
 
 def dry_run(cfg: Config, notes: list[str] = ()) -> None:
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides + debug_overrides(args))
         check_references(cfg)
-        notes = preflight(cfg, dry_run=args.dry_run)
+        inputs, notes = preflight(cfg, dry_run=args.dry_run)
     except (ConfigError, ModelError, DataError) as e:
         kind = "config" if isinstance(e, ConfigError) else "model" if isinstance(e, ModelError) else "data"
         print(f"{kind} error: {e}", file=sys.stderr)
@@ -121,10 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer import NonFiniteTraining
 
     try:
-        run_dir = train(cfg, resume=args.resume)
-    except (DataError, ModelError) as e:  # a bad row past the ones preflight reads, found mid-run
-        print(f"{'data' if isinstance(e, DataError) else 'model'} error: {e}", file=sys.stderr)
-        return 2
+        run_dir = train(cfg, resume=args.resume, inputs=inputs)
     except ClusterError as e:
         print(f"cluster error: {e}", file=sys.stderr)
         return 1

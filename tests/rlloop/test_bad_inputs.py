@@ -232,6 +232,7 @@ def jsonl(items) -> str:
 DELETE = object()
 NO_ANSWER = {f"r{i}": {"reward_model.ground_truth": DELETE} for i in range(len(ROWS))}
 LONG = [{"role": "user", "content": "pad " * 40}]
+MANY = [ROWS[i % len(ROWS)] for i in range(5000)]
 PARQUET = pd.DataFrame(ROWS).to_parquet()
 # fmt: off
 DATA = [  # (id, files: name -> text | bytes | None (a directory) | a list of rows, overrides, named)
@@ -269,7 +270,12 @@ DATA = [  # (id, files: name -> text | bytes | None (a directory) | a list of ro
     ("directory-with-a-broken-file", {"parts": None, "parts/a.jsonl": ROWS, "parts/b.jsonl": jsonl([ROWS[0], "{x"])},
      [], ["parts/b.jsonl line 2: not valid JSON"]),
     ("every-prompt-too-long", {}, [f"data.path={TRAIN}", "data.max_prompt_len=8", "rollout.prefill_buckets=null"],
-     ["every prompt checked (all 336 rows) is longer than data.max_prompt_len=8 tokens (the shortest has 100)"]),
+     ["every prompt (all 336 rows) is longer than data.max_prompt_len=8 tokens (the shortest has 100)"]),
+    # every row is checked before the run starts, not only the first ones (nor only those a step draws)
+    ("empty-ground-truth-in-row-5000", {"d.jsonl": [*MANY, rows(r0={"reward_model.ground_truth": ""})[0]]}, [],
+     ["row 5000 (0-based)", "empty or missing ground truth"]),
+    ("long-prompt-in-row-5000-is-an-error", {"d.jsonl": [*MANY, {**ROWS[0], "prompt": LONG}]},
+     ["data.on_long_prompt=error"], ["row 5000 has", "prompt tokens > data.max_prompt_len=128"]),
     ("long-prompt-is-an-error", {"d.jsonl": rows(r1={"prompt": LONG})}, ["data.on_long_prompt=error"],
      ["row 1 has", "prompt tokens > data.max_prompt_len=128 (data.on_long_prompt: error)"]),
     ("broken-eval-data", {"e.jsonl": [{"prompt": "1+1"}]}, [f"data.path={TRAIN}", "eval.path={d}/e.jsonl"],
