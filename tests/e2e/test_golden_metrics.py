@@ -1,0 +1,54 @@
+"""A golden `metrics.jsonl`: 3 steps of the embedded example (JAX engine, fp32, delta sync, eval at steps 0 and 3)
+must reproduce the numbers recorded in `tests/e2e/golden/tiny_3_steps.jsonl`, so numerical drift (a sampler, loss
+or advantage change that still learns, a library upgrade) shows up here and not only as "it learns a bit less".
+
+Tolerant across CPUs: XLA and torch sum in a different order on AVX2 and AVX-512, so continuous values get rel 1e-3;
+sampling draws are fixed by the seed, and a draw that lands within ~1e-6 of a probability boundary is the one way a
+sampled token (hence a reward or a length) could differ. After an intended numerical change, regenerate with
+`RLLOOP_UPDATE_GOLDEN=1 python -m pytest tests/e2e/test_golden_metrics.py` and say why in the commit.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from rlloop.config import load_config
+from rlloop.loop import train
+from rlloop.tracking import read_metrics
+from tests.e2e.test_tiny_run import TINY
+
+GOLDEN = Path(__file__).parent / "golden" / "tiny_3_steps.jsonl"
+ARGS = ["run.steps=3", "run.eval_every=3", "run.save_every=0", "cluster.use_ray=false", "tracking.progress=false"]
+KEYS = [
+    "eval/tiny_arith",
+    "rollout/raw_reward",
+    "rollout/response_len/mean",
+    "rollout/tokens",
+    "rollout/zero_std_ratio",
+    "train/loss",
+    "train/pg_loss",
+    "train/grad_norm",
+    "train/entropy",
+    "train/logprob_abs_diff",
+    "train/pg_clipfrac",
+    "train/tokens",
+    "sync/changed_frac",
+]
+
+
+def test_a_short_tiny_run_reproduces_the_golden_metrics(tmp_path):
+    train(load_config(TINY, [*ARGS, f"run.dir={tmp_path}"]))
+    got = [{k: row[k] for k in ["step", *KEYS] if k in row} for row in read_metrics(tmp_path / "metrics.jsonl")]
+    if os.environ.get("RLLOOP_UPDATE_GOLDEN"):
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text("".join(json.dumps(row) + "\n" for row in got))
+    want = [json.loads(line) for line in GOLDEN.read_text().splitlines()]
+    assert [row["step"] for row in got] == [row["step"] for row in want] == [0, 1, 2, 3]
+    for g, w in zip(got, want):
+        assert sorted(g) == sorted(w), f"step {w['step']}: logged keys changed"
+        for key in w:
+            # logprob_abs_diff is a difference of two nearly equal fp32 numbers: only its size is golden
+            tolerance = dict(abs=1e-5) if key == "train/logprob_abs_diff" else dict(rel=1e-3, abs=1e-6)
+            assert g[key] == pytest.approx(w[key], **tolerance), f"step {w['step']} {key}: {g[key]} != {w[key]}"
