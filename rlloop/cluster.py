@@ -13,11 +13,13 @@ import hashlib
 import logging
 import os
 import re
+import signal
 import threading
 from pathlib import Path
 
 from rlloop.config import Config
 from rlloop.placement import actor_options, plan_placement
+from rlloop.ray_agents import reap_orphaned_agents
 from rlloop.workers import CPU_AFFINITY_ENV, RolloutWorker, SyncSpec, TrainerWorker
 from rollout import mix_seed
 
@@ -134,6 +136,9 @@ class Cluster:
         if not ray.is_initialized():
             address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
             self.owns_ray = address is None
+            if self.owns_ray:
+                reap_orphaned_agents()
+            on_sigterm = signal.getsignal(signal.SIGTERM)
             ray.init(
                 address=address,
                 namespace="rlloop",
@@ -141,6 +146,10 @@ class Cluster:
                 log_to_driver=True,
                 configure_logging=False,
             )
+            if callable(on_sigterm) and threading.current_thread() is threading.main_thread():
+                # ray.init installs a handler that aborts the driver on SIGTERM; keep the caller's (rlloop.run's:
+                # unwind and clean up like Ctrl-C)
+                signal.signal(signal.SIGTERM, on_sigterm)
         plan = plan_placement(cfg.cluster, same_host=cfg.sync.transport == "shm")
         if cfg.sync.transport == "shm":
             check_one_node_fits(plan)

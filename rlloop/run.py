@@ -2,14 +2,15 @@
 
 The same command runs locally and as a Ray job (`ray job submit --working-dir . -- python -m rlloop.run ...`).
 Exit codes: 0 done, 1 an actor died, the cluster cannot host the plan or training stayed non-finite for
-train.max_bad_steps steps, 2 bad config, model or data (the message names the key), 130 interrupted (resume with
---resume).
+train.max_bad_steps steps, 2 bad config, model or data (the message names the key), 130 interrupted (Ctrl-C) and
+143 terminated (SIGTERM), both after cleaning up: continue with --resume.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from rlloop.config import Config, ConfigError, load_config, to_yaml
@@ -29,6 +30,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--replay", metavar="RUN_DIR/rollouts", help="the saved rollouts --debug train-only trains on")
     return p.parse_args(argv)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`ray job stop`, a scheduler preempting the job, `kill`): unwound and cleaned up like Ctrl-C."""
+
+
+def on_sigterm(signum, frame):
+    raise Terminated()
 
 
 def debug_overrides(args: argparse.Namespace) -> list[str]:
@@ -120,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlloop.loop import train
     from trainer import NonFiniteTraining
 
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         run_dir = train(cfg, resume=args.resume, inputs=inputs)
     except ClusterError as e:
@@ -131,13 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteTraining as e:
         print(f"training error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(
-            f"\ninterrupted; continue with: python -m rlloop.run {args.config} "
-            f"{' '.join(args.overrides)} --resume".replace("  ", " "),
-            file=sys.stderr,
-        )
-        return 130
+    except KeyboardInterrupt as e:
+        what = "terminated" if isinstance(e, Terminated) else "interrupted"
+        hint = f"python -m rlloop.run {args.config} {' '.join(args.overrides)} --resume".replace("  ", " ")
+        print(f"\n{what}; continue with: {hint}", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
     print(f"done: {run_dir}/metrics.jsonl, curves.png, report.md")
     return 0
 

@@ -128,6 +128,51 @@ def test_ctrl_c_stops_cleanly_and_resume_continues(tmp_path):
     assert not ray_processes() and shm_segments() <= before
 
 
+def ray_agents() -> set[int]:
+    """Ray's per-node agents (their process titles start with ray::), orphaned or not."""
+    out = subprocess.run(["pgrep", "-f", "ray::(DashboardAgent|RuntimeEnvAgent)"], capture_output=True, text=True)
+    return {int(pid) for pid in out.stdout.split()}
+
+
+def test_a_terminated_or_killed_driver_leaves_nothing_once_the_next_run_starts(tmp_path):
+    """SIGTERM (`ray job stop`, a preemption) unwinds like Ctrl-C: exit 143, a --resume hint, Ray and shared memory
+    gone. A SIGKILLed driver cannot clean up: Ray's agents outlive it by ~60 s, and the next start ends them."""
+    from rlloop.cluster import run_id_for
+
+    def ours() -> set[str]:
+        return {s for s in shm_segments() if run_id_for(tmp_path) in s}
+
+    args = [f"run.dir={tmp_path}", "tracking.progress=false", "run.save_every=1", "run.eval_every=0"]
+    args += ["rollout.backend=hf", "run.steps=6"]
+
+    def start_and_signal(sig, after_step: int, resume: bool) -> tuple[int, str]:
+        proc = run_cli(*args, *(["--resume"] if resume else []))
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (tmp_path / "checkpoints" / f"step_{after_step:06d}").exists():
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        proc.send_signal(sig)  # the driver alone, as `kill` or a job manager does
+        out, _ = proc.communicate(timeout=120)
+        return proc.returncode, out
+
+    rc, out = start_and_signal(signal.SIGTERM, 2, resume=False)
+    assert rc == 143 and "terminated; continue with" in out and "--resume" in out, out[-3000:]
+    assert not ray_processes() and not ray_agents() and not ours()
+
+    rc, _ = start_and_signal(signal.SIGKILL, 4, resume=True)
+    killed_at, orphans = time.monotonic(), ray_agents()
+    assert rc == -signal.SIGKILL and orphans, "Ray's agents used to outlive a killed driver: if not, drop the reaping"
+    resume = run_cli(*args, "--resume")
+    while orphans & ray_agents() and resume.poll() is None:
+        time.sleep(0.2)
+    # Ray's agents would exit by themselves only after a 60 s timeout; the next start ends them well before
+    assert not orphans & ray_agents() and time.monotonic() - killed_at < 50
+    out, _ = resume.communicate(timeout=600)
+    assert resume.returncode == 0, out[-3000:]
+    assert [m["step"] for m in metrics(tmp_path)][-1] == 6
+    assert not ray_processes() and not ray_agents() and not ours()  # the killed driver's segments: swept too
+
+
 def test_ray_job_submit_runs_the_same_command(tmp_path):
     """`ray job submit -- python -m rlloop.run ...` against a local head, as on a cluster."""
     env = {
