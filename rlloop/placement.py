@@ -93,9 +93,16 @@ def plan_placement(cluster: ClusterSection, same_host: bool) -> Placement:
 def colocated_plan(cluster: ClusterSection, accel: str | None, cpus: float, same_host: bool) -> Placement:
     """Miles/slime's colocation: bundle i holds engine i (tp chips) and the tp trainer ranks of those chips. Each
     role asks for half of the chips it uses, so Ray lets both onto the same chips; they take turns (the engine frees
-    its memory while the trainer steps, the trainer offloads while the engine generates)."""
+    its memory while the trainer steps, the trainer offloads while the engine generates). On CPU that makes each
+    role compute on all of the bundle's cores in its turn (`cpus_per_actor` threads), where the split plan gives
+    each its own cores and leaves them idle while the other works."""
     tp = cluster.rollout_chips // cluster.rollout_engines
-    bundle = {"CPU": cpus * (1 + tp)} | ({accel: float(tp)} if accel else {})
+    if accel is None:  # the chips are the cores: tp chips of cpus_per_actor cores, half of them asked by each role
+        bundle = {"CPU": cpus * tp}
+        rollout_request, trainer_request = {"CPU": cpus * tp / 2}, {"CPU": cpus / 2}
+    else:  # accelerator chips, and each role's own host cores besides
+        bundle = {"CPU": cpus * (1 + tp), accel: float(tp)}
+        rollout_request, trainer_request = {"CPU": cpus, accel: tp / 2}, {"CPU": cpus, accel: 0.5}
     bundle |= cluster.rollout_resources | cluster.trainer_resources
     return Placement(
         bundles=[dict(bundle) for _ in range(cluster.rollout_engines)],
@@ -103,8 +110,8 @@ def colocated_plan(cluster: ClusterSection, accel: str | None, cpus: float, same
         trainer_bundles=[r // tp for r in range(cluster.train_chips)],
         strategy="STRICT_PACK" if same_host else "PACK",
         device=cluster.device,
-        rollout_request={"CPU": cpus} | ({accel: tp / 2} if accel else {}) | cluster.rollout_resources,
-        trainer_request={"CPU": cpus} | ({accel: 0.5} if accel else {}) | cluster.trainer_resources,
+        rollout_request=rollout_request | cluster.rollout_resources,
+        trainer_request=trainer_request | cluster.trainer_resources,
     )
 
 

@@ -93,22 +93,11 @@ def run_rlloop(cfg_overrides: list[str], mode: str, steps: int, skip: int, run_d
     # No eval (TRL runs none: the steps compare the same work), no checkpoints.
     overrides = [*cfg_overrides, f"run.steps={steps}", "run.save_every=0", "run.eval_every=0"]
     overrides += [f"loop.mode={mode}", f"run.dir={run_dir}", "tracking.progress=false"]
-    ray = None
-    if mode == "colocate":
-        # Both roles on all `threads` cores, in turns. The colocated plan asks Ray for 2 x cpus_per_actor CPUs, more
-        # than a 2-core node advertises, so this bench starts the local Ray itself with that many (the actors pin
-        # themselves to their bundle's cores modulo the real ones: both get every core, and they take turns).
-        import ray
-
+    if mode == "colocate":  # both roles on all `threads` cores, in turns (rlloop.placement.colocated_plan)
         overrides[overrides.index("loop.mode=colocate")] = "loop.mode=sync"
         overrides += ["cluster.colocate=true", f"cluster.cpus_per_actor={threads}"]
-        ray.init(num_cpus=2 * threads, namespace="rlloop", include_dashboard=False, configure_logging=False)
     t0 = time.perf_counter()
-    try:
-        train(load_config(TINY, overrides))
-    finally:
-        if ray is not None:
-            ray.shutdown()
+    train(load_config(TINY, overrides))
     wall = time.perf_counter() - t0
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] > 0]
     step_s = [r["perf/step_s"] for r in rows]

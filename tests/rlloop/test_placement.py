@@ -66,3 +66,21 @@ def test_colocated_plan_puts_both_roles_on_the_same_chips(fake_tpu_host):
         assert len(ready) == 3  # all three fit at once: they share the two chips
     finally:
         remove_placement_group(pg)
+
+
+def test_colocated_cpu_plan_gives_both_roles_all_the_cores_of_a_host_the_split_plan_overfills(fake_tpu_host):
+    """On CPU a chip is `cpus_per_actor` cores: colocated, engine and trainer take turns on the same 4 cores of this
+    4-CPU host; split, they would need 8."""
+    over = ["cluster.device=cpu", "cluster.rollout_chips=1", "cluster.train_chips=1", "cluster.cpus_per_actor=4"]
+    split = plan_placement(load_config(REAL, over).cluster, same_host=True)
+    assert split.total() == {"CPU": 8.0}
+    plan = plan_placement(load_config(REAL, [*over, "cluster.colocate=true"]).cluster, same_host=True)
+    assert plan.bundles == [{"CPU": 4.0}] and plan.rollout_bundles == plan.trainer_bundles == [0]
+    pg = placement_group(plan.bundles, strategy=plan.strategy)
+    try:
+        ray.get(pg.ready(), timeout=60)
+        actors = [visible_chips.options(**actor_options(plan, 0, pg, role=r)).remote() for r in ("rollout", "trainer")]
+        ready, _ = ray.wait(actors, num_returns=2, timeout=60)
+        assert len(ready) == 2
+    finally:
+        remove_placement_group(pg)
