@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -154,6 +155,55 @@ def jax_runner(path: Path, prompts, n, sampling, dtype: str):
     return run, warm
 
 
+VLLM_WORKER = Path(__file__).with_name("vllm_worker.py")
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+def vllm_missing(python: str | None) -> str | None:
+    """Why there is no vLLM column, or None when `python` is an interpreter with vLLM."""
+    if not python:
+        return "no vLLM-CPU environment given (--vllm-python or RLLOOP_VLLM_PYTHON; docs/benchmarks.md says how)"
+    probe = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+    if probe.returncode:
+        return f"{python} cannot import vllm: {(probe.stderr.strip().splitlines() or ['?'])[-1]}"
+    return None
+
+
+def vllm_runner(path: Path, prompts, n, sampling, dtype: str, python: str):
+    """(timed closure, close) for vLLM-CPU in its own environment (`vllm_worker.py` over a pipe), set up as vLLM
+    recommends for CPU: OpenMP threads bound to this process's cores, tcmalloc and Intel's libiomp5 preloaded."""
+    cores = sorted(os.sched_getaffinity(0))
+    preload = [str(lib) for lib in (TCMALLOC, Path(python).parents[1] / "lib" / "libiomp5.so") if lib.exists()]
+    env = os.environ | {
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)),
+        "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB; plenty for 64 rows x 200 tokens
+        "OMP_NUM_THREADS": str(len(cores)),  # else vLLM drops its torch to one thread
+        "LD_PRELOAD": ":".join(preload),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    args = [python, str(VLLM_WORKER), str(path), str(n), str(sampling.max_new_tokens), dtype]
+    proc = subprocess.Popen(args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    if proc.stdout.readline().strip() != "ready":
+        proc.wait(timeout=60)
+        raise RuntimeError(f"vLLM worker failed to start (exit {proc.returncode}); its log is above")
+    request = json.dumps(prompts) + "\n"
+
+    def run() -> int:
+        proc.stdin.write(request)
+        proc.stdin.flush()
+        return json.loads(proc.stdout.readline())["tokens"]
+
+    def close() -> None:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+    run()  # first-call costs, not counted (as for the other engines)
+    return run, close, preload
+
+
 def best_of(runners: dict, repeats: int, expected_tokens: int) -> dict[str, float]:
     """Best wall seconds of each runner over `repeats` rounds. Runners take turns inside a round, so a burst of
     load from whatever else shares the machine hits all engines alike rather than one engine's whole run."""
@@ -198,7 +248,15 @@ def bench_model(name: str, args, workdir: Path, peaks: dict) -> dict:
             "error": f"rollout.engine: {e}",
         }
     runners = {"jax": jax_run, **hf_runners(path, prompts, args.n, sampling, args.dtype)}
-    best = best_of(runners, args.repeats, expected_tokens)
+    close_vllm, preload = None, []
+    if not args.vllm_missing:
+        vllm = vllm_runner(path, prompts, args.n, sampling, args.dtype, args.vllm_python)
+        runners["vllm"], close_vllm, preload = vllm
+    try:
+        best = best_of(runners, args.repeats, expected_tokens)
+    finally:
+        if close_vllm:
+            close_vllm()
     stats = jax_info["stats"]  # of the last run; its timings are not the best ones, its counts are the same
     jx = {"seconds": best["jax"], "tok_s": expected_tokens / best["jax"]}
     hf = {
@@ -221,6 +279,10 @@ def bench_model(name: str, args, workdir: Path, peaks: dict) -> dict:
         "speedup_vs_plain_generate": jx["tok_s"] / hf["plain_tok_s"],
         "mfu": flops / jx["seconds"] / peaks["matmul_flops"],
         "mbu": nbytes / jx["seconds"] / peaks["mem_bytes_per_s"],
+        "vllm_tok_s": expected_tokens / best["vllm"] if "vllm" in best else None,
+        "speedup_vs_vllm": best["vllm"] / best["jax"] if "vllm" in best else None,
+        "vllm_missing": args.vllm_missing,
+        "vllm_preload": [Path(lib).name for lib in preload],
         "compiles_after_warmup": jax_info["compiles_after_warmup"],
         "warmup_s": jax_info["warmup_s"],
         "pad_frac": stats["pad_frac"],
@@ -232,10 +294,11 @@ def bench_model(name: str, args, workdir: Path, peaks: dict) -> dict:
         "flops": flops,
         "bytes": nbytes,
     }
+    vllm_note = f"vllm {result['vllm_tok_s']:.0f} tok/s ({result['speedup_vs_vllm']:.2f}x), " if "vllm" in best else ""
     print(
         f"[{name}] params {params / 1e6:.1f}M rows {result['rows']} x {args.new_tokens} tokens: "
         f"jax {jx['tok_s']:.0f} tok/s, hf {hf['tok_s']:.0f} tok/s (plain generate {hf['plain_tok_s']:.0f}), "
-        f"speedup {result['speedup']:.2f}x, "
+        f"speedup {result['speedup']:.2f}x, {vllm_note}"
         f"warmup {jax_info['warmup_s']:.1f}s, compiles after warmup {result['compiles_after_warmup']}, "
         f"MFU {result['mfu']:.1%}, MBU {result['mbu']:.1%}, pad {result['pad_frac']:.1%}",
         flush=True,
@@ -278,7 +341,13 @@ def parse_args(argv):
         default=0,
         help="CPU threads for torch and XLA alike (0: all cores). 1 gives stable numbers on a shared box",
     )
+    ap.add_argument(
+        "--vllm-python",
+        default=os.environ.get("RLLOOP_VLLM_PYTHON"),
+        help="the python of a vLLM-CPU environment: adds a vLLM column (default $RLLOOP_VLLM_PYTHON)",
+    )
     args = ap.parse_args(argv)
+    args.vllm_missing = vllm_missing(args.vllm_python)
     if args.quick:
         args.prompts, args.n, args.new_tokens, args.repeats = 4, 4, 32, 2
     return args
@@ -308,6 +377,7 @@ def main(argv: list[str]) -> None:
                 "cpus": os.cpu_count(),
                 "threads": args.threads or os.cpu_count(),
                 "dtype": args.dtype,
+                "vllm_missing": args.vllm_missing,
                 "peak_matmul_flops": peaks["matmul_flops"],
                 "peak_mem_bytes_per_s": peaks["mem_bytes_per_s"],
                 "results": results,
