@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from rollout.types import DTYPES
 
@@ -194,11 +195,18 @@ def vllm_runner(path: Path, prompts, n, sampling, dtype: str, python: str):
         return json.loads(proc.stdout.readline())["tokens"]
 
     def close() -> None:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        pids = [proc.pid] + [c.pid for c in children]
         proc.stdin.close()
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+        # vLLM force-kills its engine process at exit, so Intel OpenMP never unregisters it from /dev/shm
+        psutil.wait_procs([c for c in children if c.is_running()], timeout=30)
+        for pid in pids:
+            for left in Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{pid}_*"):
+                left.unlink(missing_ok=True)
 
     run()  # first-call costs, not counted (as for the other engines)
     return run, close, preload
