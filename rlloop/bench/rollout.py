@@ -171,8 +171,9 @@ def vllm_missing(python: str | None) -> str | None:
 
 
 def vllm_runner(path: Path, prompts, n, sampling, dtype: str, python: str):
-    """(timed closure, close) for vLLM-CPU in its own environment (`vllm_worker.py` over a pipe), set up as vLLM
-    recommends for CPU: OpenMP threads bound to this process's cores, tcmalloc and Intel's libiomp5 preloaded."""
+    """(timed closure, close, preloaded libraries) for vLLM-CPU in its own environment (`vllm_worker.py` over a
+    pipe), set up as vLLM recommends for CPU: OpenMP threads bound to this process's cores, tcmalloc and Intel's
+    libiomp5 preloaded."""
     cores = sorted(os.sched_getaffinity(0))
     preload = [str(lib) for lib in (TCMALLOC, Path(python).parents[1] / "lib" / "libiomp5.so") if lib.exists()]
     env = os.environ | {
@@ -258,8 +259,9 @@ def bench_model(name: str, args, workdir: Path, peaks: dict) -> dict:
     runners = {"jax": jax_run, **hf_runners(path, prompts, args.n, sampling, args.dtype)}
     close_vllm, preload = None, []
     if not args.vllm_missing:
-        vllm = vllm_runner(path, prompts, args.n, sampling, args.dtype, args.vllm_python)
-        runners["vllm"], close_vllm, preload = vllm
+        runners["vllm"], close_vllm, preload = vllm_runner(
+            path, prompts, args.n, sampling, args.dtype, args.vllm_python
+        )
     try:
         best = best_of(runners, args.repeats, expected_tokens)
     finally:
