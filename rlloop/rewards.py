@@ -163,12 +163,25 @@ def resolve(spec: str) -> Callable[[str, str], float]:
 
 
 _resolved: dict[str, Callable] = {}
+MAX_CHUNK = 16  # samples per round trip to a reward worker
 
 
 def _score_one(spec: str, response: str, answer: str) -> float:
     if spec not in _resolved:
         _resolved[spec] = resolve(spec)
     return _resolved[spec](response, answer)
+
+
+def _score_chunk(spec: str, pairs: list[tuple[str, str]]) -> list[tuple[bool, object]]:
+    """In a worker: (True, value) or (False, 'Error: message') per (response, answer), so that one raising sample
+    fails alone."""
+    outcomes = []
+    for response, answer in pairs:
+        try:
+            outcomes.append((True, _score_one(spec, response, answer)))
+        except Exception as e:
+            outcomes.append((False, f"{type(e).__name__}: {e}"))
+    return outcomes
 
 
 def die_with_parent(parent: int) -> None:
@@ -229,47 +242,59 @@ class RewardScorer:
             return self._fail(f"returned {number}")
         return number
 
-    def _collect(self, fut) -> tuple[float, bool]:
-        """(reward, pool_broken) for a finished future."""
+    def _settle(self, job: list[int], fut, results: list[float], retry: deque) -> bool:
+        """Record a finished job's rewards in `results`; True if its worker died. A chunk that failed as a whole
+        (its worker died, its results would not unpickle) goes back to `retry` one sample at a time, so that the
+        culprit alone gets the failure reward."""
         try:
-            return self._accept(fut.result()), False
-        except BrokenProcessPool:
-            # A worker died (os._exit, segfault); every sample in flight in that pool fails with it.
-            return self._fail("killed its worker process"), True
+            outcomes = fut.result()
         except Exception as e:
-            return self._fail(f"raised {type(e).__name__}: {e}"), False
+            broken = isinstance(e, BrokenProcessPool)
+            if len(job) > 1:
+                retry.extend([i] for i in job)
+            elif broken:  # a worker died (os._exit, segfault); every sample in flight in that pool fails with it
+                results[job[0]] = self._fail("killed its worker process")
+            else:
+                results[job[0]] = self._fail(f"raised {type(e).__name__}: {e}")
+            return broken
+        for i, (ok, value) in zip(job, outcomes):
+            results[i] = self._accept(value) if ok else self._fail(f"raised {value}")
+        return False
 
     def score(self, responses: list[str], answers: list[str]) -> list[float]:
-        # At most `workers` samples in flight, so each one in flight is really running and its deadline is its own.
+        # Samples go out in chunks: a round trip to a worker costs ~0.3 ms, which for 128 samples one by one was
+        # half of a tiny rollout. At most `workers` chunks in flight, so each one in flight is really running and its
+        # deadline (one sample's `timeout_s`: chunks are small) is its own. A chunk that runs past it comes back one
+        # sample at a time, each with that limit, so only a sample that is itself too slow times out.
         results: list[float] = [self.failure_reward] * len(responses)
-        queue = deque(range(len(responses)))
-        inflight: dict = {}  # future -> (sample index, deadline)
+        size = max(1, min(MAX_CHUNK, -(-len(responses) // (4 * self.workers))))
+        queue = deque(list(range(lo, min(lo + size, len(responses)))) for lo in range(0, len(responses), size))
+        inflight: dict = {}  # future -> (sample indices, deadline)
         while queue or inflight:
             pool = self._get_pool()
             while queue and len(inflight) < self.workers:
-                i = queue.popleft()
-                inflight[pool.submit(_score_one, self.spec, responses[i], answers[i])] = (
-                    i,
-                    time.monotonic() + self.timeout_s,
-                )
+                job = queue.popleft()
+                pairs = [(responses[i], answers[i]) for i in job]
+                inflight[pool.submit(_score_chunk, self.spec, pairs)] = (job, time.monotonic() + self.timeout_s)
             first_deadline = min(deadline for _, deadline in inflight.values())
             done, _ = wait(inflight, timeout=max(0.0, first_deadline - time.monotonic()), return_when=FIRST_COMPLETED)
             broken = False
             for fut in done:
-                i, _ = inflight.pop(fut)
-                results[i], pool_broken = self._collect(fut)
-                broken |= pool_broken
+                broken |= self._settle(inflight.pop(fut)[0], fut, results, queue)
             now = time.monotonic()
             expired = [fut for fut, (_, deadline) in inflight.items() if deadline <= now]
             for fut in expired:
+                job, _ = inflight.pop(fut)
+                if len(job) > 1:
+                    queue.extend([i] for i in job)
+                    continue
                 self.timeouts += 1
                 if self.timeouts == 1:
                     log.warning(
                         "reward.fn %s ran past reward.timeout_s=%s; its worker is killed", self.spec, self.timeout_s
                     )
-                inflight.pop(fut)
             if expired or broken:  # kill the stuck or dead pool; restart the samples caught in it
-                queue.extendleft(i for i, _ in inflight.values())
+                queue.extendleft(job for job, _ in inflight.values())
                 inflight.clear()
                 self._kill_pool()
         return results

@@ -1,8 +1,14 @@
 """What the trainer eats: the TrainBatch it is given, its validation, and packing into padded micro-batches.
 
-A sample is prompt + response token ids. Micro-batches hold whole samples, padded on the right to the longest one,
+A sample is prompt + response token ids. Micro-batches hold whole rows, padded on the right to the longest one,
 and are packed greedily to a token budget (rows × padded length) after sorting by length, so that similar lengths
 share a micro-batch and little compute goes to padding.
+
+A row is one sample (prompt + response), or, with shared prompts (`TrainerConfig.share_prompts`), one prompt
+followed by several of its GRPO samples' responses: `prompt r1 r2 ... rk`. Each response then sees the prompt and
+itself only (the micro-batch's `segments` say which tokens are what; trainer/logprobs.py turns them into the
+attention mask) and has the positions it would have after the prompt alone, so every log-prob is the one of the
+plain layout, but the prompt is run once per row instead of once per sample.
 """
 
 import math
@@ -104,15 +110,45 @@ def pack_micro_batches(lengths: dict[int, int], token_budget: int) -> list[list[
     return groups
 
 
+def row_length(batch: TrainBatch, row: list[int]) -> int:
+    """Tokens in a row: its (shared) prompt once, then every sample's response."""
+    return len(batch.prompts[row[0]]) + sum(len(batch.responses[i]) for i in row)
+
+
+def shared_prompt_rows(batch: TrainBatch, indices: list[int], token_budget: int) -> list[list[int]]:
+    """`indices` grouped into rows of samples with the same prompt (in order of first appearance), each row's
+    prompt + responses within `token_budget` where it can be (a row always takes at least one sample)."""
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i in indices:
+        by_prompt.setdefault(tuple(batch.prompts[i]), []).append(i)
+    rows = []
+    for prompt, members in by_prompt.items():
+        row, length = [], len(prompt)
+        for i in members:
+            if row and length + len(batch.responses[i]) > token_budget:
+                rows.append(row)
+                row, length = [], len(prompt)
+            row.append(i)
+            length += len(batch.responses[i])
+        rows.append(row)
+    return rows
+
+
 @dataclass
 class MicroBatch:
-    indices: list[int]  # rows' positions in the TrainBatch
-    input_ids: torch.Tensor  # [B, L] prompt + response, right-padded with pad_id
-    attention_mask: torch.Tensor  # [B, L]
-    response_start: torch.Tensor  # [B] column of each row's first response token
-    response_mask: torch.Tensor  # [B, R] 1.0 on real response tokens
-    advantages: torch.Tensor  # [B] float32
-    rollout_logp: torch.Tensor | None  # [B, R] float32
+    indices: list[int]  # samples' positions in the TrainBatch; the per-sample tensors below follow this order
+    input_ids: torch.Tensor  # [rows, L] each row a prompt then one or more responses, right-padded with pad_id
+    attention_mask: torch.Tensor  # [rows, L] 1 on real tokens
+    row_of: torch.Tensor  # [S] the row that holds each sample
+    response_start: torch.Tensor  # [S] column of each sample's first response token in its row
+    context_end: torch.Tensor  # [S] column of its prompt's last token: what predicts the first response token
+    response_mask: torch.Tensor  # [S, R] 1.0 on real response tokens
+    advantages: torch.Tensor  # [S] float32
+    rollout_logp: torch.Tensor | None  # [S, R] float32
+    # Shared prompts only (None when every row is one sample): per token, -1 padding, 0 prompt, j the row's j-th
+    # response; and each token's position (a response's positions continue its prompt's, not the row's columns).
+    segments: torch.Tensor | None = None  # [rows, L]
+    position_ids: torch.Tensor | None = None  # [rows, L]
 
     @property
     def num_tokens(self) -> int:
@@ -120,25 +156,56 @@ class MicroBatch:
 
 
 def collate(batch: TrainBatch, indices: list[int], pad_id: int = 0) -> MicroBatch:
-    seqs = [batch.prompts[i] + batch.responses[i] for i in indices]
-    rows, width = len(indices), max(len(s) for s in seqs)
-    resp_width = max(len(batch.responses[i]) for i in indices)
-    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((rows, width), dtype=torch.long)
-    response_mask = torch.zeros((rows, resp_width), dtype=torch.float32)
-    rollout_logp = None if batch.rollout_logprobs is None else torch.zeros((rows, resp_width), dtype=torch.float32)
-    for r, i in enumerate(indices):
-        input_ids[r, : len(seqs[r])] = torch.tensor(seqs[r], dtype=torch.long)
-        attention_mask[r, : len(seqs[r])] = 1
-        response_mask[r, : len(batch.responses[i])] = 1.0
+    """One sample per row."""
+    return collate_rows(batch, [[i] for i in indices], pad_id)
+
+
+def collate_rows(batch: TrainBatch, rows: list[list[int]], pad_id: int = 0) -> MicroBatch:
+    """`rows`: lists of sample indices; the samples of a row must share their prompt (`shared_prompt_rows`)."""
+    indices = [i for row in rows for i in row]
+    width, resp_width = max(row_length(batch, row) for row in rows), max(len(batch.responses[i]) for i in indices)
+    shared = any(len(row) > 1 for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    segments = torch.full((len(rows), width), -1, dtype=torch.long) if shared else None
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long) if shared else None
+    row_of, response_start, context_end = [], [], []
+    for r, row in enumerate(rows):
+        prompt = batch.prompts[row[0]]
+        if any(batch.prompts[i] != prompt for i in row):
+            raise ValueError(f"collate_rows: the samples {row} of one row do not share their prompt")
+        seq = prompt + [t for i in row for t in batch.responses[i]]
+        input_ids[r, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attention_mask[r, : len(seq)] = 1
+        col = len(prompt)
+        if shared:
+            segments[r, :col] = 0
+            position_ids[r, :col] = torch.arange(col)
+        for j, i in enumerate(row, 1):
+            n = len(batch.responses[i])
+            if shared:
+                segments[r, col : col + n] = j
+                position_ids[r, col : col + n] = torch.arange(len(prompt), len(prompt) + n)
+            row_of.append(r)
+            response_start.append(col)
+            context_end.append(len(prompt) - 1)
+            col += n
+    response_mask = torch.zeros((len(indices), resp_width), dtype=torch.float32)
+    rollout_logp = None if batch.rollout_logprobs is None else torch.zeros(response_mask.shape, dtype=torch.float32)
+    for s, i in enumerate(indices):
+        response_mask[s, : len(batch.responses[i])] = 1.0
         if rollout_logp is not None:
-            rollout_logp[r, : len(batch.responses[i])] = torch.tensor(batch.rollout_logprobs[i], dtype=torch.float32)
+            rollout_logp[s, : len(batch.responses[i])] = torch.tensor(batch.rollout_logprobs[i], dtype=torch.float32)
     return MicroBatch(
-        indices=list(indices),
+        indices=indices,
         input_ids=input_ids,
         attention_mask=attention_mask,
-        response_start=torch.tensor([len(batch.prompts[i]) for i in indices], dtype=torch.long),
+        row_of=torch.tensor(row_of, dtype=torch.long),
+        response_start=torch.tensor(response_start, dtype=torch.long),
+        context_end=torch.tensor(context_end, dtype=torch.long),
         response_mask=response_mask,
         advantages=torch.tensor([float(batch.advantages[i]) for i in indices], dtype=torch.float32),
         rollout_logp=rollout_logp,
+        segments=segments,
+        position_ids=position_ids,
     )

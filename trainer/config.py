@@ -64,6 +64,10 @@ class TrainerConfig:
     lr_warmup_steps: Annotated[int, Field(ge=0)] = 0  # linear warmup to `lr`, then constant (the recipe: 0)
     micro_batch_tokens: PositiveInt = 16384  # micro-batches packed to this token budget (padded length × rows)
     minibatches: PositiveInt = 1  # optimizer steps per rollout batch (1 = one step per rollout, the recipe)
+    # A row per prompt holding several of its GRPO samples (trainer/batching.py): the prompt runs once per row, not once
+    # per sample. Same log-probs; pays when prompts are long next to responses. Needs SDPA or eager attention and no
+    # sliding-window layers.
+    share_prompts: bool = False
     temperature: Annotated[float, Field(gt=0)] = 1.0  # log-probs are of logits / temperature (the sampling one)
     max_response_len: PositiveInt | None = None  # dr_grpo's constant; None: the longest response in the minibatch
     loss: LossConfig = Field(default_factory=LossConfig)

@@ -25,6 +25,9 @@ from torch.utils.checkpoint import checkpoint
 from trainer.batching import MicroBatch
 from trainer.config import CHUNK_ELEMENTS
 
+# The attention implementations that take a custom 4D mask as it is (flash attention takes none).
+SHARED_PROMPT_ATTENTION = ("sdpa", "eager")
+
 
 def default_chunk_size(vocab_size: int) -> int:
     return max(1, CHUNK_ELEMENTS // vocab_size)
@@ -83,15 +86,23 @@ def response_logprobs(
     device = weight.device
     input_ids = mb.input_ids.to(device)
     mask = mb.response_mask.to(device)
-    rows, cols = mask.nonzero(as_tuple=True)  # every real response token: row, index t within the response
-    # Response token t of row b sits at column response_start[b] + t and is predicted from column
-    # response_start[b] + t − 1 (position c predicts token c + 1).
-    target_cols = mb.response_start.to(device)[rows] + cols
-    if target_cols.numel() and int(target_cols.min()) < 1:
+    samples, cols = mask.nonzero(as_tuple=True)  # every real response token: sample, index t within the response
+    # Response token t of a sample sits in row row_of at column response_start + t and is predicted from the column
+    # before it (position c predicts token c + 1), except the first, which its prompt's last token predicts: the
+    # column before, unless the row's earlier responses sit between them (shared prompts).
+    rows = mb.row_of.to(device)[samples]
+    target_cols = mb.response_start.to(device)[samples] + cols
+    predictor_cols = torch.where(cols == 0, mb.context_end.to(device)[samples], target_cols - 1)
+    if predictor_cols.numel() and int(predictor_cols.min()) < 0:
         raise ValueError("a response token at column 0 has no context to be predicted from")
 
-    out = model.get_decoder()(input_ids=input_ids, attention_mask=mb.attention_mask.to(device), use_cache=False)
-    hidden = out.last_hidden_state[rows, target_cols - 1]  # [N, H], in the model's dtype
+    inputs = dict(input_ids=input_ids, attention_mask=mb.attention_mask.to(device))
+    if mb.segments is not None:
+        attention = getattr(config, "_attn_implementation", None)
+        inputs["attention_mask"] = shared_prompt_mask(mb.segments.to(device), attention, weight.dtype)
+        inputs["position_ids"] = mb.position_ids.to(device)
+    out = model.get_decoder()(**inputs, use_cache=False)
+    hidden = out.last_hidden_state[rows, predictor_cols]  # [N, H], in the model's dtype
     targets = input_ids[rows, target_cols]  # [N]
     del out
 
@@ -110,6 +121,25 @@ def response_logprobs(
         entropies.append(entropy)
 
     def scatter(values: list[torch.Tensor]) -> torch.Tensor:  # [N] values back to the [B, R] layout, 0 elsewhere
-        return torch.zeros(mask.shape, dtype=torch.float32, device=device).index_put((rows, cols), torch.cat(values))
+        return torch.zeros(mask.shape, dtype=torch.float32, device=device).index_put((samples, cols), torch.cat(values))
 
     return scatter(logps), scatter(entropies) if with_entropy else None
+
+
+def shared_prompt_mask(segments: torch.Tensor, attention: str | None, dtype: torch.dtype) -> torch.Tensor:
+    """The [rows, 1, L, L] attention mask of shared-prompt rows (trainer/batching.py) from their segments: causal, and
+    a response sees its prompt and itself, never the row's other responses. Boolean (True: attend) for SDPA; additive
+    in the model's dtype for the eager implementation, which adds the mask to the scores. A padding query sees itself
+    only, so that no row of the softmax is empty (that would be NaN, and NaN times a zero gradient is NaN)."""
+    if attention not in SHARED_PROMPT_ATTENTION:
+        raise ValueError(f"shared prompts need attn_implementation in {SHARED_PROMPT_ATTENTION}, not {attention!r}")
+    q, k = segments[:, :, None], segments[:, None, :]
+    length = segments.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=segments.device).tril()
+    allowed = causal & (k >= 0) & ((k == 0) | (k == q))
+    allowed |= torch.eye(length, dtype=torch.bool, device=segments.device)
+    allowed = allowed[:, None]
+    if attention == "sdpa":
+        return allowed
+    additive = torch.zeros(allowed.shape, dtype=dtype, device=segments.device)
+    return additive.masked_fill_(~allowed, torch.finfo(dtype).min)

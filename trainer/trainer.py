@@ -22,9 +22,20 @@ import torch
 import transformers
 
 from trainer import checkpoint
-from trainer.batching import MicroBatch, TrainBatch, collate, pack_micro_batches, split_minibatches, validate_batch
+from trainer.batching import (
+    MicroBatch,
+    TrainBatch,
+    collate,
+    collate_rows,
+    pack_micro_batches,
+    row_length,
+    shared_prompt_rows,
+    split_minibatches,
+    validate_batch,
+)
 from trainer.config import TrainerConfig
 from trainer.distributed import all_reduce_, all_reduce_grads_, broadcast_params_, init_distributed
+from trainer.logprobs import SHARED_PROMPT_ATTENTION
 from trainer.loss import policy_loss
 from trainer.parallel import LogprobModel, even_out, full_tensors, local, resolve_parallel, shard_fsdp
 
@@ -78,6 +89,8 @@ class Trainer:
             cfg.model_path, dtype=load_dtype, trust_remote_code=cfg.trust_remote_code
         )
         self.model.to(self.device)
+        if cfg.share_prompts:
+            check_shared_prompts(self.model.config)
         if cfg.gradient_checkpointing:
             # transformers >= 5.x renamed it; non-reentrant checkpointing works with inputs that need no grad.
             if hasattr(self.model, "activation_checkpointing_enable"):
@@ -214,9 +227,13 @@ class Trainer:
         return out
 
     def _plan(self, batch: TrainBatch, indices: list[int]) -> list[MicroBatch]:
-        lengths = {i: len(batch.prompts[i]) + len(batch.responses[i]) for i in indices}
-        groups = pack_micro_batches(lengths, self.cfg.micro_batch_tokens)
-        return [collate(batch, group, self.pad_id) for group in groups]
+        budget = self.cfg.micro_batch_tokens
+        if not self.cfg.share_prompts:
+            lengths = {i: len(batch.prompts[i]) + len(batch.responses[i]) for i in indices}
+            return [collate(batch, group, self.pad_id) for group in pack_micro_batches(lengths, budget)]
+        rows = shared_prompt_rows(batch, indices, budget)
+        groups = pack_micro_batches({r: row_length(batch, row) for r, row in enumerate(rows)}, budget)
+        return [collate_rows(batch, [rows[r] for r in group], self.pad_id) for group in groups]
 
     def _even_out(self, mbs: list[MicroBatch]) -> tuple[list[MicroBatch], int]:
         """Under fsdp every rank must run as many forwards as the busiest one (trainer/parallel.py)."""
@@ -389,6 +406,25 @@ class Trainer:
     def load(self, path) -> None:
         """Restore what `save` wrote into this trainer (same model architecture, config and parallel mode)."""
         checkpoint.load(self, path)
+
+
+def check_shared_prompts(config: transformers.PretrainedConfig) -> None:
+    """Shared-prompt rows pass a custom 4D attention mask, which HF takes as it is: only SDPA and eager attention
+    accept one, and it would replace a sliding window's mask rather than add to it."""
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in SHARED_PROMPT_ATTENTION:
+        raise ValueError(
+            f"train.share_prompts needs the model's attention to be one of {SHARED_PROMPT_ATTENTION}, "
+            f"not {attention!r}; set train.share_prompts=false"
+        )
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    windowed = getattr(config, "use_sliding_window", getattr(config, "sliding_window", None) is not None)
+    if layer_types != {"full_attention"} or windowed:
+        raise ValueError(
+            "train.share_prompts does not support sliding-window attention layers (this model has "
+            f"layer_types {sorted(layer_types)}, sliding_window {getattr(config, 'sliding_window', None)}); "
+            "set train.share_prompts=false"
+        )
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

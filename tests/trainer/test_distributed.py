@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 import transformers
 
 from tests.trainer.conftest import random_batch
+from tests.trainer.test_shared_prompts import grpo_batch
 from trainer import LossConfig, Trainer, TrainerConfig, shard_batch
 from weight_sync import make_receiver, make_sender
 
@@ -29,7 +30,7 @@ BNPO = ("bnpo_uneven", 7, 1, "bnpo", 0.0)
 MODES = ("ddp", "fsdp")
 
 
-def make_config(model_dir, minibatches, agg, kl_coef, parallel="auto"):
+def make_config(model_dir, minibatches, agg, kl_coef, parallel="auto", share_prompts=False):
     return TrainerConfig(
         str(model_dir),
         lr=1e-3,
@@ -37,6 +38,7 @@ def make_config(model_dir, minibatches, agg, kl_coef, parallel="auto"):
         micro_batch_tokens=30,  # a few micro-batches per rank, and not the same number on both ranks
         parallel=parallel,
         loss=LossConfig(loss_agg=agg, kl_coef=kl_coef, tis_cap=2.0),
+        share_prompts=share_prompts,
     )
 
 
@@ -53,6 +55,12 @@ def train_on_rank(rank, world_size, model_dir, init_file, out_dir):
                 np.savez(f"{out_dir}/{parallel}_{name}_rank{rank}.npz", **trainer.export_weights())
                 with open(f"{out_dir}/{parallel}_{name}_rank{rank}.json", "w") as f:
                     json.dump(metrics, f)
+        # Shared-prompt rows under FSDP: GRPO groups split across the ranks.
+        shared = Trainer(make_config(model_dir, 1, "dapo", 0.0, "fsdp", share_prompts=True), rank, world_size)
+        metrics = shared.train_step(shard_batch(grpo_batch(3), rank, world_size))
+        np.savez(f"{out_dir}/fsdp_shared_prompts_rank{rank}.npz", **shared.export_weights())
+        with open(f"{out_dir}/fsdp_shared_prompts_rank{rank}.json", "w") as f:
+            json.dump(metrics, f)
         # A sharded checkpoint written, loaded into a fresh trainer, exported again; and its HF directory.
         trainer.save(f"{out_dir}/checkpoint")
         resumed = Trainer(make_config(model_dir, 1, "bnpo", 0.0, "fsdp"), rank, world_size)
@@ -130,6 +138,16 @@ def test_two_ranks_equal_one_rank(two_rank_results, tiny_qwen3_dir, parallel, na
         np.testing.assert_allclose(got[key], value, atol=1e-5, rtol=0, err_msg=key)
         moved = max(moved, float(np.abs(value - initial[key]).max()))
     assert moved > 1e-4  # the step did something, so agreement means something
+    for key in METRICS:
+        assert metrics[key] == pytest.approx(single_metrics[key], rel=1e-4, abs=1e-6), key
+
+
+def test_two_fsdp_ranks_with_shared_prompts_equal_one_plain_rank(two_rank_results, tiny_qwen3_dir):
+    single = Trainer(make_config(tiny_qwen3_dir, 1, "dapo", 0.0))
+    single_metrics = single.train_step(grpo_batch(3))
+    got, metrics = rank_results(two_rank_results, "fsdp", "shared_prompts")
+    for key, value in single.export_weights().items():
+        np.testing.assert_allclose(got[key], value, atol=1e-5, rtol=0, err_msg=key)
     for key in METRICS:
         assert metrics[key] == pytest.approx(single_metrics[key], rel=1e-4, abs=1e-6), key
 
