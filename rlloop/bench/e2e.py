@@ -18,9 +18,10 @@ so compare ratios from one invocation only.
 
 Per setting: s/step (mean after the warm-up steps), TRL/rlloop, rlloop's per-step breakdown from metrics.jsonl
 (rollout, train, sync, other = the rest of the step; in async, rollout is the wait for the batch), a roofline bound
-(6 x params x trained prompt + response tokens, plus generation FLOPs as rollout.cost counts them, over the matmul
-peak; generation is bounded by decode bytes over the memory bandwidth where that is slower; peaks measured by
-rlloop.bench.peaks on --threads cores, best of several) and every run's step over it, and the per-step reward curves.
+(6 x params x trained tokens, each prompt counted once per group, plus generation FLOPs as rollout.cost counts them,
+over the matmul peak; generation is bounded by decode bytes over the memory bandwidth where that is slower; peaks
+measured by rlloop.bench.peaks on --threads cores, best of several) and every run's step over it, and the per-step
+reward curves.
 Ends with one JSON line.
 """
 
@@ -250,7 +251,9 @@ def step_work(cfg, batches, rl: dict, skip: int) -> dict:
     for k, batch in enumerate(batches):
         lens = [len(p.token_ids) for p in batch]
         resp_mean, resp_max = rl["response_len"][k], int(rl["response_len_max"][k])
-        trained = g * sum(lens) + rl["train_tokens"][k]  # the trainer runs prompt + response through fwd + bwd
+        # The least training work: each prompt once per group (what shared-prompt rows, train.share_prompts, run;
+        # one row per sample runs it g times), every response token.
+        trained = sum(lens) + rl["train_tokens"][k]
         train_flops = 6.0 * params * trained
         # Each prompt prefilled once (GRPO fan-out copies its KV), then every sample decoded.
         gen_flops = generate_flops(mc, sum(lens) - len(lens), [(lp, resp_mean) for lp in lens for _ in range(g)])
