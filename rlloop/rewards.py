@@ -205,6 +205,7 @@ class RewardScorer:
         self.errors = 0  # raised or returned a non-number
         self.timeouts = 0
         self._pool: ProcessPoolExecutor | None = None
+        self._sample_s: float | None = None  # seconds per sample of the last round trip, chunk size follows it
 
     def _get_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
@@ -261,32 +262,44 @@ class RewardScorer:
             results[i] = self._accept(value) if ok else self._fail(f"raised {value}")
         return False
 
+    def _chunk_size(self, remaining: int) -> int:
+        """Samples for the next round trip: as many as the last ones suggest take ~10 % of one sample's time limit (the
+        chunk's limit), one until there is a measurement, and few enough that every worker gets some."""
+        if self._sample_s is None:
+            return 1
+        fit = int(0.1 * self.timeout_s / max(self._sample_s, 1e-6))
+        return max(1, min(MAX_CHUNK, fit, -(-remaining // (2 * self.workers))))
+
     def score(self, responses: list[str], answers: list[str]) -> list[float]:
         # Samples go out in chunks: a round trip to a worker costs ~0.3 ms, which for 128 samples one by one was
         # half of a tiny rollout. At most `workers` chunks in flight, so each one in flight is really running and its
-        # deadline (one sample's `timeout_s`: chunks are small) is its own. A chunk that runs past it comes back one
-        # sample at a time, each with that limit, so only a sample that is itself too slow times out.
+        # deadline (one sample's `timeout_s`; chunks are sized to take a tenth of it) is its own. A chunk that runs
+        # past it comes back one sample at a time, each with that limit, so only a sample that is itself too slow
+        # times out.
         results: list[float] = [self.failure_reward] * len(responses)
-        size = max(1, min(MAX_CHUNK, -(-len(responses) // (4 * self.workers))))
-        queue = deque(list(range(lo, min(lo + size, len(responses)))) for lo in range(0, len(responses), size))
-        inflight: dict = {}  # future -> (sample indices, deadline)
-        while queue or inflight:
+        pending = deque(range(len(responses)))  # not sent yet
+        jobs: deque[list[int]] = deque()  # sent before and to be sent again as they are: retries, survivors of a kill
+        inflight: dict = {}  # future -> (sample indices, sent at, deadline)
+        while pending or jobs or inflight:
             pool = self._get_pool()
-            while queue and len(inflight) < self.workers:
-                job = queue.popleft()
+            while (pending or jobs) and len(inflight) < self.workers:
+                job = jobs.popleft() if jobs else [pending.popleft() for _ in range(self._chunk_size(len(pending)))]
                 pairs = [(responses[i], answers[i]) for i in job]
-                inflight[pool.submit(_score_chunk, self.spec, pairs)] = (job, time.monotonic() + self.timeout_s)
-            first_deadline = min(deadline for _, deadline in inflight.values())
+                now = time.monotonic()
+                inflight[pool.submit(_score_chunk, self.spec, pairs)] = (job, now, now + self.timeout_s)
+            first_deadline = min(deadline for _, _, deadline in inflight.values())
             done, _ = wait(inflight, timeout=max(0.0, first_deadline - time.monotonic()), return_when=FIRST_COMPLETED)
             broken = False
             for fut in done:
-                broken |= self._settle(inflight.pop(fut)[0], fut, results, queue)
+                job, sent, _ = inflight.pop(fut)
+                self._sample_s = (time.monotonic() - sent) / len(job)
+                broken |= self._settle(job, fut, results, jobs)
             now = time.monotonic()
-            expired = [fut for fut, (_, deadline) in inflight.items() if deadline <= now]
+            expired = [fut for fut, (_, _, deadline) in inflight.items() if deadline <= now]
             for fut in expired:
-                job, _ = inflight.pop(fut)
+                job, _, _ = inflight.pop(fut)
                 if len(job) > 1:
-                    queue.extend([i] for i in job)
+                    jobs.extend([i] for i in job)
                     continue
                 self.timeouts += 1
                 if self.timeouts == 1:
@@ -294,7 +307,7 @@ class RewardScorer:
                         "reward.fn %s ran past reward.timeout_s=%s; its worker is killed", self.spec, self.timeout_s
                     )
             if expired or broken:  # kill the stuck or dead pool; restart the samples caught in it
-                queue.extendleft(job for job, _ in inflight.values())
+                jobs.extendleft(job for job, _, _ in inflight.values())
                 inflight.clear()
                 self._kill_pool()
         return results

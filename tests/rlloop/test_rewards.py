@@ -102,12 +102,14 @@ def test_scorer_survives_a_dying_worker():
     [("raises", "boom", 1.0, "errors"), ("slow", "sleep", 0.5, "timeouts"), ("dies", "die", 1.0, "errors")],
 )
 def test_a_failing_sample_in_a_chunk_fails_alone(fn, culprit, want, counter):
-    """40 samples go out in chunks of 10; the one that raises, hangs or kills its worker gets the failure reward and
-    is counted once, and the other 39, its chunk-mates included, are scored."""
+    """After a warm-up call (fast samples: chunks of 16 from then on), the one sample of 40 that raises, hangs or kills
+    its worker gets the failure reward and is counted once, and the other 39, its chunk-mates included, are scored."""
     scorer = RewardScorer(f"tests.rlloop.reward_fns:{fn}", timeout_s=2.0, failure_reward=-1.0, workers=1)
     responses = ["ok"] * 40
     responses[13] = culprit
     try:
+        assert scorer.score(["ok"] * 4, ["1"] * 4) == [want] * 4
+        assert scorer._chunk_size(40) == 16
         scores = scorer.score(responses, ["1"] * 40)
         assert scores == [want] * 13 + [-1.0] + [want] * 26
         assert (scorer.errors, scorer.timeouts) == ((1, 0) if counter == "errors" else (0, 1))
