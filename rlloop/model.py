@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from rlloop.config import Config, ModelSection
+from trainer.config import sliding_window_layers
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")  # what the engine (safetensors) and trainer read
 SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -112,6 +113,12 @@ def check_model(cfg: Config) -> dict:
             raise ModelError(f"model.path: {where} lacks {e.args[0]!r}") from None
         except (ValueError, TypeError) as e:
             raise ModelError(f"model.path: {where}: {e}") from None
+    if cfg.train.share_prompts and sliding_window_layers(hf):
+        raise ModelError(
+            f"train.share_prompts: {where} has sliding-window attention layers (layer_types "
+            f"{hf.get('layer_types')}, sliding_window {hf.get('sliding_window')}), which shared-prompt rows cannot "
+            "train; set train.share_prompts=false"
+        )
     context = hf.get("max_position_embeddings")
     need = cfg.data.max_prompt_len + cfg.rollout.max_response_len
     if isinstance(context, int) and need > context:

@@ -9,6 +9,7 @@ validate a config without loading the trainer.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, ConfigDict, Field, model_validator
@@ -19,6 +20,14 @@ from pydantic.dataclasses import dataclass
 # vocabulary. A chunk's backward holds about five such tensors (recomputed logits, softmax, their gradients). Here,
 # not there, so that trainer/memory.py plans with it without importing torch.
 CHUNK_ELEMENTS = 1 << 24
+
+
+def sliding_window_layers(hf: Mapping) -> bool:
+    """Whether a Hugging Face model config (config.json as a dict) has sliding-window attention layers, which
+    `share_prompts` cannot train: HF would take its 4D mask in place of the window's."""
+    layer_types = set(hf.get("layer_types") or ["full_attention"])
+    return layer_types != {"full_attention"} or bool(hf.get("use_sliding_window", hf.get("sliding_window") is not None))
+
 
 Fraction = Annotated[float, Field(ge=0, lt=1)]
 PositiveInt = Annotated[int, Field(ge=1)]

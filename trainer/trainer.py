@@ -33,7 +33,7 @@ from trainer.batching import (
     split_minibatches,
     validate_batch,
 )
-from trainer.config import TrainerConfig
+from trainer.config import TrainerConfig, sliding_window_layers
 from trainer.distributed import all_reduce_, all_reduce_grads_, broadcast_params_, init_distributed
 from trainer.logprobs import SHARED_PROMPT_ATTENTION
 from trainer.loss import policy_loss
@@ -417,12 +417,10 @@ def check_shared_prompts(config: transformers.PretrainedConfig) -> None:
             f"train.share_prompts needs the model's attention to be one of {SHARED_PROMPT_ATTENTION}, "
             f"not {attention!r}; set train.share_prompts=false"
         )
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    windowed = getattr(config, "use_sliding_window", getattr(config, "sliding_window", None) is not None)
-    if layer_types != {"full_attention"} or windowed:
+    if sliding_window_layers(config.to_dict()):
         raise ValueError(
-            "train.share_prompts does not support sliding-window attention layers (this model has "
-            f"layer_types {sorted(layer_types)}, sliding_window {getattr(config, 'sliding_window', None)}); "
+            "train.share_prompts does not support sliding-window attention layers (this model has layer_types "
+            f"{getattr(config, 'layer_types', None)}, sliding_window {getattr(config, 'sliding_window', None)}); "
             "set train.share_prompts=false"
         )
 

@@ -181,6 +181,9 @@ MODEL_CASES = [  # (id, how to break a copy d of the tiny model, overrides (defa
      ["data.max_prompt_len + rollout.max_response_len = 128 + 200 = 328", "max_position_embeddings 256 ("]),
     ("short-context-model", lambda d: edit_json(d / "config.json", max_position_embeddings=64), [],
      ["= 144 tokens, beyond the model's max_position_embeddings 64"]),
+    ("sliding-window-with-shared-prompts",  # the tiny example trains with train.share_prompts: true
+     lambda d: edit_json(d / "config.json", use_sliding_window=True, sliding_window=32, max_window_layers=0), [],
+     ["train.share_prompts:", "has sliding-window attention layers", "set train.share_prompts=false"]),
     ("no-chat-template", lambda d: (d / "chat_template.jinja").unlink(), [],
      ["model.path: the tokenizer in", "has no chat template"]),
     ("tokenizer-without-chat-template", lambda d: (d / "chat_template.jinja").unlink(),

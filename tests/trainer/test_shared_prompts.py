@@ -60,13 +60,17 @@ def test_shared_rows_give_each_sample_its_own_hf_logprobs(tmp_path, family, atte
         assert not logp[s, n:].any()
 
 
-@pytest.mark.parametrize("budget", [10_000, 24])
-def test_shared_rows_give_the_gradient_of_plain_rows(tiny_qwen3_dir, budget):
+@pytest.mark.parametrize("budget, checkpointing", [(10_000, False), (24, False), (24, True)])
+def test_shared_rows_give_the_gradient_of_plain_rows(tiny_qwen3_dir, budget, checkpointing):
     """Whole-minibatch gradients and metrics agree, with one row per prompt and with groups split across rows and
-    micro-batches (budget 24), padding rows included."""
+    micro-batches (budget 24), padding rows included, and with activation checkpointing recomputing the layers."""
     batch = grpo_batch(2)
     plain = Trainer(TrainerConfig(str(tiny_qwen3_dir), micro_batch_tokens=budget))
-    shared = Trainer(TrainerConfig(str(tiny_qwen3_dir), micro_batch_tokens=budget, share_prompts=True))
+    shared = Trainer(
+        TrainerConfig(
+            str(tiny_qwen3_dir), micro_batch_tokens=budget, share_prompts=True, gradient_checkpointing=checkpointing
+        )
+    )
     assert len(shared._plan(batch, list(range(len(batch))))) < len(batch)
     want, want_metrics = plain.compute_gradients(batch)
     got, got_metrics = shared.compute_gradients(batch)
