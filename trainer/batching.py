@@ -6,8 +6,8 @@ share a micro-batch and little compute goes to padding.
 
 A row is one sample (prompt + response), or, with shared prompts (`TrainerConfig.share_prompts`), one prompt
 followed by several of its GRPO samples' responses: `prompt r1 r2 ... rk`. Each response then sees the prompt and
-itself only (the micro-batch's `segments` say which tokens are what; trainer/logprobs.py turns them into the
-attention mask) and has the positions it would have after the prompt alone, so every log-prob is the one of the
+itself only (the micro-batch's `segments` say which tokens are what; trainer/shared_prompts.py turns them into
+the attention mask) and has the positions it would have after the prompt alone, so every log-prob is the one of the
 plain layout, but the prompt is run once per row instead of once per sample.
 """
 
@@ -209,3 +209,16 @@ def collate_rows(batch: TrainBatch, rows: list[list[int]], pad_id: int = 0) -> M
         segments=segments,
         position_ids=position_ids,
     )
+
+
+def plan_micro_batches(
+    batch: TrainBatch, indices: list[int], token_budget: int, pad_id: int, share_prompts: bool
+) -> list[MicroBatch]:
+    """The samples `indices` as micro-batches within `token_budget`: a row per sample, or per prompt and some of its
+    samples (`share_prompts`)."""
+    if not share_prompts:
+        lengths = {i: len(batch.prompts[i]) + len(batch.responses[i]) for i in indices}
+        return [collate(batch, group, pad_id) for group in pack_micro_batches(lengths, token_budget)]
+    rows = shared_prompt_rows(batch, indices, token_budget)
+    groups = pack_micro_batches({r: row_length(batch, row) for r, row in enumerate(rows)}, token_budget)
+    return [collate_rows(batch, [rows[r] for r in group], pad_id) for group in groups]

@@ -24,9 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trainer.batching import MicroBatch
 from trainer.config import CHUNK_ELEMENTS
-
-# The attention implementations that take a custom 4D mask as it is (flash attention takes none).
-SHARED_PROMPT_ATTENTION = ("sdpa", "eager")
+from trainer.shared_prompts import shared_prompt_mask
 
 
 def default_chunk_size(vocab_size: int) -> int:
@@ -124,22 +122,3 @@ def response_logprobs(
         return torch.zeros(mask.shape, dtype=torch.float32, device=device).index_put((samples, cols), torch.cat(values))
 
     return scatter(logps), scatter(entropies) if with_entropy else None
-
-
-def shared_prompt_mask(segments: torch.Tensor, attention: str | None, dtype: torch.dtype) -> torch.Tensor:
-    """The [rows, 1, L, L] attention mask of shared-prompt rows (trainer/batching.py) from their segments: causal, and
-    a response sees its prompt and itself, never the row's other responses. Boolean (True: attend) for SDPA; additive
-    in the model's dtype for the eager implementation, which adds the mask to the scores. A padding query sees itself
-    only, so that no row of the softmax is empty (that would be NaN, and NaN times a zero gradient is NaN)."""
-    if attention not in SHARED_PROMPT_ATTENTION:
-        raise ValueError(f"shared prompts need attn_implementation in {SHARED_PROMPT_ATTENTION}, not {attention!r}")
-    q, k = segments[:, :, None], segments[:, None, :]
-    length = segments.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=segments.device).tril()
-    allowed = causal & (k >= 0) & ((k == 0) | (k == q))
-    allowed |= torch.eye(length, dtype=torch.bool, device=segments.device)
-    allowed = allowed[:, None]
-    if attention == "sdpa":
-        return allowed
-    additive = torch.zeros(allowed.shape, dtype=dtype, device=segments.device)
-    return additive.masked_fill_(~allowed, torch.finfo(dtype).min)

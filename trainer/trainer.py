@@ -22,22 +22,12 @@ import torch
 import transformers
 
 from trainer import checkpoint
-from trainer.batching import (
-    MicroBatch,
-    TrainBatch,
-    collate,
-    collate_rows,
-    pack_micro_batches,
-    row_length,
-    shared_prompt_rows,
-    split_minibatches,
-    validate_batch,
-)
-from trainer.config import TrainerConfig, sliding_window_layers
+from trainer.batching import MicroBatch, TrainBatch, collate, plan_micro_batches, split_minibatches, validate_batch
+from trainer.config import TrainerConfig
 from trainer.distributed import all_reduce_, all_reduce_grads_, broadcast_params_, init_distributed
-from trainer.logprobs import SHARED_PROMPT_ATTENTION
 from trainer.loss import policy_loss
 from trainer.parallel import LogprobModel, even_out, full_tensors, local, resolve_parallel, shard_fsdp
+from trainer.shared_prompts import check_shared_prompts
 
 # Summed over micro-batches and ranks (they are aggregated losses); every other loss metric is a token mean.
 ADDITIVE_METRICS = ("loss", "pg_loss", "kl_loss")
@@ -227,13 +217,7 @@ class Trainer:
         return out
 
     def _plan(self, batch: TrainBatch, indices: list[int]) -> list[MicroBatch]:
-        budget = self.cfg.micro_batch_tokens
-        if not self.cfg.share_prompts:
-            lengths = {i: len(batch.prompts[i]) + len(batch.responses[i]) for i in indices}
-            return [collate(batch, group, self.pad_id) for group in pack_micro_batches(lengths, budget)]
-        rows = shared_prompt_rows(batch, indices, budget)
-        groups = pack_micro_batches({r: row_length(batch, row) for r, row in enumerate(rows)}, budget)
-        return [collate_rows(batch, [rows[r] for r in group], self.pad_id) for group in groups]
+        return plan_micro_batches(batch, indices, self.cfg.micro_batch_tokens, self.pad_id, self.cfg.share_prompts)
 
     def _even_out(self, mbs: list[MicroBatch]) -> tuple[list[MicroBatch], int]:
         """Under fsdp every rank must run as many forwards as the busiest one (trainer/parallel.py)."""
@@ -406,23 +390,6 @@ class Trainer:
     def load(self, path) -> None:
         """Restore what `save` wrote into this trainer (same model architecture, config and parallel mode)."""
         checkpoint.load(self, path)
-
-
-def check_shared_prompts(config: transformers.PretrainedConfig) -> None:
-    """Shared-prompt rows pass a custom 4D attention mask, which HF takes as it is: only SDPA and eager attention
-    accept one, and it would replace a sliding window's mask rather than add to it."""
-    attention = getattr(config, "_attn_implementation", None)
-    if attention not in SHARED_PROMPT_ATTENTION:
-        raise ValueError(
-            f"train.share_prompts needs the model's attention to be one of {SHARED_PROMPT_ATTENTION}, "
-            f"not {attention!r}; set train.share_prompts=false"
-        )
-    if sliding_window_layers(config.to_dict()):
-        raise ValueError(
-            "train.share_prompts does not support sliding-window attention layers (this model has layer_types "
-            f"{getattr(config, 'layer_types', None)}, sliding_window {getattr(config, 'sliding_window', None)}); "
-            "set train.share_prompts=false"
-        )
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,16 @@ def manual_logprobs(model, prompt, response, temperature):
     return logp, entropy
 
 
+def assert_per_sample_hf_logprobs(model, batch, mb, logp, entropy, temperature):
+    """Each sample's log-probs and entropies in a micro-batch equal its own unpadded HF forward; 0 past its end."""
+    for s, i in enumerate(mb.indices):
+        n = len(batch.responses[i])
+        want_logp, want_entropy = manual_logprobs(model, batch.prompts[i], batch.responses[i], temperature)
+        torch.testing.assert_close(logp[s, :n].double(), want_logp, atol=2e-5, rtol=0)
+        torch.testing.assert_close(entropy[s, :n].double(), want_entropy, atol=2e-5, rtol=0)
+        assert mb.response_mask[s].sum() == n and not logp[s, n:].any()
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_batched_logprobs_match_manual_hf_forward(tmp_path, make_batch, family):
     path = make_tiny_hf_model(tmp_path / family, family, tie=family == "qwen3", seed=3)
@@ -49,12 +59,7 @@ def test_entropy_and_micro_batch_layout(tiny_qwen3_dir, make_batch):
         mb = collate(batch, group)
         with torch.no_grad():
             logp, entropy = response_logprobs(model, mb, temperature=1.3, with_entropy=True)
-        for row, i in enumerate(mb.indices):
-            n = len(batch.responses[i])
-            want_logp, want_entropy = manual_logprobs(model, batch.prompts[i], batch.responses[i], 1.3)
-            torch.testing.assert_close(logp[row, :n].double(), want_logp, atol=2e-5, rtol=0)
-            torch.testing.assert_close(entropy[row, :n].double(), want_entropy, atol=2e-5, rtol=0)
-            assert mb.response_mask[row].sum() == n
+        assert_per_sample_hf_logprobs(model, batch, mb, logp, entropy, 1.3)
 
 
 def test_packing_respects_budget_and_keeps_every_sample():
