@@ -26,7 +26,7 @@ def test_a_driver_killed_at_ten_random_points_resumes_into_the_untouched_run(tmp
     out, _ = straight.communicate(timeout=600)
     assert straight.returncode == 0, out[-3000:]
     clean = metrics(tmp_path / "straight")
-    step_s = sum(m["perf/step_s"] for m in clean) / len(clean)
+    step_s = min(m["perf/step_s"] for m in clean[1:])  # the shortest steady step: a kill lands before the next save
 
     run_dir, rng, kills, shm = tmp_path / "killed", random.Random(0), [], shm_segments()
     for attempt in range(3 * STEPS):
@@ -36,7 +36,7 @@ def test_a_driver_killed_at_ten_random_points_resumes_into_the_untouched_run(tmp
             time.sleep(0.02)
         if proc.poll() is not None:
             break
-        time.sleep(rng.uniform(0.0, 0.9 * step_s))  # somewhere in the next step: rollout, train, sync or save
+        time.sleep(rng.uniform(0.0, 0.8 * step_s))  # somewhere in the next step: rollout, train, sync or save
         children = psutil.Process(proc.pid).children(recursive=True)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
