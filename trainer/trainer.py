@@ -27,7 +27,7 @@ from trainer.config import TrainerConfig
 from trainer.distributed import all_reduce_, all_reduce_grads_, broadcast_params_, init_distributed
 from trainer.loss import policy_loss
 from trainer.parallel import LogprobModel, even_out, full_tensors, local, resolve_parallel, shard_fsdp
-from trainer.shared_prompts import check_shared_prompts
+from trainer.shared_prompts import check_shared_prompts, use_blocked_attention
 
 # Summed over micro-batches and ranks (they are aggregated losses); every other loss metric is a token mean.
 ADDITIVE_METRICS = ("loss", "pg_loss", "kl_loss")
@@ -81,6 +81,7 @@ class Trainer:
         self.model.to(self.device)
         if cfg.share_prompts:
             check_shared_prompts(self.model.config)
+            use_blocked_attention(self.model)
         if cfg.gradient_checkpointing:
             # transformers >= 5.x renamed it; non-reentrant checkpointing works with inputs that need no grad.
             if hasattr(self.model, "activation_checkpointing_enable"):

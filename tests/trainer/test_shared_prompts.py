@@ -11,6 +11,13 @@ from tests.trainer.test_logprobs import assert_per_sample_hf_logprobs
 from trainer import Trainer, TrainerConfig
 from trainer.batching import TrainBatch, collate_rows, row_length, shared_prompt_rows
 from trainer.logprobs import response_logprobs
+from trainer.shared_prompts import (
+    BLOCKED_SDPA,
+    block_mask,
+    shared_prompt_attention,
+    shared_prompt_mask,
+    use_blocked_attention,
+)
 from trainer.trainer import check_shared_prompts
 
 
@@ -27,6 +34,11 @@ def grpo_batch(seed: int, group_sizes=(4, 3, 1, 2), max_response: int = 12) -> T
     return TrainBatch([list(prompts[g]) for g in order], responses, rng.normal(0.0, 1.0, len(order)).tolist(), rollout)
 
 
+def long_batch(seed: int) -> TrainBatch:
+    """Responses up to 40 tokens after prompts of 3 to 13, up to 8 to a row: attention in blocks pays."""
+    return grpo_batch(seed, group_sizes=(8, 7, 1, 3), max_response=40)
+
+
 def test_rows_group_samples_by_prompt_within_the_budget():
     batch = grpo_batch(0, group_sizes=(6, 5, 1), max_response=10)
     for budget in (10_000, 30, 1):
@@ -41,32 +53,48 @@ def test_rows_group_samples_by_prompt_within_the_budget():
             assert all(len(row) == 1 for row in rows)
 
 
-@pytest.mark.parametrize("family,attention", [("qwen3", "sdpa"), ("qwen3", "eager"), ("llama", "sdpa")])
-def test_shared_rows_give_each_sample_its_own_hf_logprobs(tmp_path, family, attention):
+@pytest.mark.parametrize(
+    "family,attention,blocks",
+    [("qwen3", "sdpa", False), ("qwen3", "eager", False), ("llama", "sdpa", False), ("qwen3", BLOCKED_SDPA, True)]
+    + [("qwen3", BLOCKED_SDPA, False), ("llama", BLOCKED_SDPA, True)],
+)
+def test_shared_rows_give_each_sample_its_own_hf_logprobs(tmp_path, family, attention, blocks):
     path = make_tiny_hf_model(tmp_path / family, family, tie=family == "qwen3", seed=4)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    if attention == BLOCKED_SDPA:
+        use_blocked_attention(model)  # what the trainer does to an SDPA model
+    else:
+        model.set_attn_implementation(attention)
+    assert model.config._attn_implementation == attention
     model.eval()
-    batch = grpo_batch(1)
+    batch = long_batch(1) if blocks else grpo_batch(1)
     rows = shared_prompt_rows(batch, list(range(len(batch))), 10_000)
     mb = collate_rows(batch, rows)
     assert mb.segments is not None and mb.input_ids.shape[0] == len(rows) < len(batch)
+    assert (block_mask(mb.segments) is not None) == blocks
     with torch.no_grad():
         logp, entropy = response_logprobs(model, mb, temperature=0.9, with_entropy=True)
     assert_per_sample_hf_logprobs(model, batch, mb, logp, entropy, 0.9)
 
 
-@pytest.mark.parametrize("budget, checkpointing", [(10_000, False), (24, False), (24, True)])
-def test_shared_rows_give_the_gradient_of_plain_rows(tiny_qwen3_dir, budget, checkpointing):
+@pytest.mark.parametrize(
+    "budget, checkpointing, blocks",
+    [(10_000, False, False), (24, False, False), (24, True, False), (10_000, True, True)],
+)
+def test_shared_rows_give_the_gradient_of_plain_rows(tiny_qwen3_dir, budget, checkpointing, blocks):
     """Whole-minibatch gradients and metrics agree, with one row per prompt and with groups split across rows and
-    micro-batches (budget 24), padding rows included, and with activation checkpointing recomputing the layers."""
-    batch = grpo_batch(2)
+    micro-batches (budget 24), padding rows included, with activation checkpointing recomputing the layers, and with
+    attention in blocks."""
+    batch = long_batch(3) if blocks else grpo_batch(2)
     plain = Trainer(TrainerConfig(str(tiny_qwen3_dir), micro_batch_tokens=budget))
     shared = Trainer(
         TrainerConfig(
             str(tiny_qwen3_dir), micro_batch_tokens=budget, share_prompts=True, gradient_checkpointing=checkpointing
         )
     )
-    assert len(shared._plan(batch, list(range(len(batch))))) < len(batch)
+    mbs = shared._plan(batch, list(range(len(batch))))
+    assert len(mbs) < len(batch)
+    assert any(mb.segments is not None and block_mask(mb.segments) is not None for mb in mbs) == blocks
     want, want_metrics = plain.compute_gradients(batch)
     got, got_metrics = shared.compute_gradients(batch)
     assert want.keys() == got.keys()
@@ -99,3 +127,44 @@ def test_models_that_cannot_take_a_custom_mask_are_refused(tiny_qwen3_dir):
     config._attn_implementation = "flex_attention"
     with pytest.raises(ValueError, match="train.share_prompts needs the model's attention"):
         check_shared_prompts(config)
+
+
+def segments_of(rows: list[tuple[int, list[int]]]) -> torch.Tensor:
+    """The segments of shared-prompt rows given as (prompt length, response lengths); (0, []) is a padding row."""
+    width = max(p + sum(r) for p, r in rows)
+    segments = torch.full((len(rows), width), -1, dtype=torch.long)
+    for i, (prompt, responses) in enumerate(rows):
+        segments[i, :prompt] = 0
+        segments[i, prompt : prompt + sum(responses)] = torch.repeat_interleave(
+            torch.arange(1, len(responses) + 1), torch.tensor(responses, dtype=torch.long)
+        )
+    return segments
+
+
+def test_attention_in_blocks_equals_the_dense_mask():
+    """Outputs and input gradients at every real position, with grouped-query heads, over rows of different prompt
+    lengths and a padding row, where responses as long as a block start at every offset into one."""
+    segments = segments_of(
+        [(3, [40, 40, 17, 40, 1, 40, 40, 33]), (11, [40, 2, 40, 40, 39, 40, 40, 40]), (7, [5]), (0, [])]
+    )
+    rows, length = segments.shape
+    real = (segments >= 0)[:, :, None, None]
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, 4, length, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(rows, 2, length, 8, generator=gen, requires_grad=True) for _ in range(2))
+    dense, blocks = shared_prompt_mask(segments, "sdpa", torch.float32), block_mask(segments)
+    assert blocks is not None and blocks.shape[-2] == 40  # one block per response length
+    module = torch.nn.Module()
+    module.config = transformers.Qwen3Config(num_attention_heads=4, num_key_value_heads=2)
+    module.is_causal, module.num_key_value_groups = False, 2
+    outputs, grads = [], []
+    for mask in (dense, blocks):
+        out, _ = shared_prompt_attention(module, q, k, v, mask, scaling=0.3)  # [rows, L, heads, dim]
+        (out * real).square().sum().backward()
+        outputs.append(out * real)
+        grads.append([t.grad.clone() for t in (q, k, v)])
+        for t in (q, k, v):
+            t.grad = None
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-6, rtol=0)
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, atol=1e-6 * float(want.abs().max()), rtol=0)
