@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import time
 from dataclasses import dataclass
@@ -28,6 +30,26 @@ def limit_threads(n: int) -> None:
 
     os.environ["OMP_NUM_THREADS"] = str(n)
     torch.set_num_threads(n)
+
+
+# glibc mallopt() parameters (malloc.h)
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc malloc keep and reuse freed memory in this process; False where the C library is not glibc.
+
+    By default every allocation above 32 MiB (most activations of a training step) is a fresh mmap, unmapped again
+    when freed, so each one page-faults and zeroes all of its pages anew: a 30M-parameter train step on CPU took 1.1M
+    page faults. From the heap and never trimmed, the memory of one step serves the next; that step went from 32.6 s to
+    24.7 s (0.09M faults). The cost is that the process keeps its peak memory until it exits, as PyTorch's GPU caching
+    allocator does. tcmalloc (LD_PRELOAD) does as well (22.9 s) but is not always installed."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
+        return False
+    return all(
+        libc.mallopt(k, v) == 1 for k, v in ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 256 << 20))
+    )
 
 
 @dataclass(frozen=True)
@@ -90,6 +112,7 @@ class RolloutWorker:
         compile_cache_dir: str | None = None,
     ):
         limit_threads(threads)
+        keep_freed_memory()
         from rollout import make_engine
 
         if backend == "jax":
@@ -152,6 +175,7 @@ class RolloutWorker:
 class TrainerWorker:
     def __init__(self, trainer: TrainerConfig, rank: int, world_size: int, sync: SyncSpec, threads: int = 1):
         limit_threads(threads)
+        keep_freed_memory()
         self.cfg, self.rank, self.world_size, self.sync = trainer, rank, world_size, sync
         self.trainer = self.sender = None
 
