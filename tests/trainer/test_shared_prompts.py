@@ -143,7 +143,7 @@ def segments_of(rows: list[tuple[int, list[int]]]) -> torch.Tensor:
 
 def test_attention_in_blocks_equals_the_dense_mask():
     """Outputs and input gradients at every real position, with grouped-query heads, over rows of different prompt
-    lengths and a padding row, where responses as long as a block start at every offset into one."""
+    lengths and a padding row, where responses as long as a block start at many offsets into one."""
     segments = segments_of(
         [(3, [40, 40, 17, 40, 1, 40, 40, 33]), (11, [40, 2, 40, 40, 39, 40, 40, 40]), (7, [5]), (0, [])]
     )
