@@ -13,7 +13,6 @@ so a knob is declared, defaulted and range-checked once, in its component. `Conf
 
 from __future__ import annotations
 
-import difflib
 import logging
 from pathlib import Path
 from typing import Annotated, Literal
@@ -22,6 +21,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
+from rlloop.config_errors import ConfigError, describe
 from rollout import EngineConfig
 from rollout.buckets import validate_buckets
 from rollout.types import DType
@@ -283,7 +283,7 @@ class Config(Section):
             try:
                 build()
             except ValidationError as e:
-                raise ValueError("; ".join(_describe(err, prefix=section) for err in e.errors())) from None
+                raise ValueError("; ".join(describe(err, Config, section) for err in e.errors())) from None
         return self
 
     @property
@@ -317,10 +317,6 @@ class Config(Section):
 
     def loss_config(self) -> LossConfig:
         return LossConfig(**component_kwargs(self.grpo, LossConfig))
-
-
-class ConfigError(Exception):
-    """A config problem; the message names the key path. `rlloop.run` exits with code 2 on it."""
 
 
 PATH_KEYS = ("model.path", "model.tokenizer", "data.path", "eval.path")
@@ -360,34 +356,6 @@ def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     return OmegaConf.to_container(OmegaConf.merge(base, node))
 
 
-def _known_keys(loc: tuple) -> list[str]:
-    """The keys the section at `loc` (a path of field names from the top) accepts; [] when it is not a section."""
-    cls: type = Config
-    for part in loc:
-        field = cls.model_fields.get(str(part)) if isinstance(cls, type) and issubclass(cls, BaseModel) else None
-        if field is None:
-            return []
-        cls = field.annotation
-    return list(cls.model_fields) if isinstance(cls, type) and issubclass(cls, BaseModel) else []
-
-
-def _describe(err: dict, prefix: str = "") -> str:
-    """One line per pydantic error: the key path, then what is wrong (a model-level check names its keys itself)."""
-    loc = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
-    if err["type"] == "extra_forbidden":
-        known = _known_keys((prefix, *err["loc"][:-1]) if prefix else err["loc"][:-1])
-        close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else (f"; known keys here: {', '.join(known)}" if known else "")
-        return f"{loc}: unknown key{hint}"
-    if err["type"] == "missing":
-        return f"{loc}: required key is missing"
-    got, msg = err.get("input"), err["msg"].removeprefix("Value error, ")
-    shown = isinstance(got, (str, int, float, list, tuple)) or got is None
-    # A section-level check (loc empty) gets the whole section as input: nothing worth echoing.
-    suffix = f", got {got!r}" if shown else (", got a mapping" if isinstance(got, dict) and loc else "")
-    return (f"{loc}: " if loc else "") + msg + suffix
-
-
 def _check_override(item: str) -> None:
     """`a.b.c=value`: a key of non-empty dotted names, then `=`; the value may itself hold `=`."""
     key = item.split("=", 1)[0]
@@ -417,7 +385,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as e:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(_describe(err) for err in e.errors())) from None
+        raise ConfigError("invalid config:\n  " + "\n  ".join(describe(err, Config) for err in e.errors())) from None
 
 
 def to_yaml(cfg: Config) -> str:

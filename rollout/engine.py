@@ -5,7 +5,7 @@ Three kinds of compiled programs, one per bucket, all built in `warmup()`:
   copy/M     GRPO fan-out: copy M slot rows (a prompt's KV into its other samples' slots)
   decode/B   `steps_per_dispatch` decode steps for rows 0..B-1 in one on-device scan, sampling included
 Every input is an array of a bucket's shape; the cache is donated and updated in place. Steady state therefore
-compiles nothing, and the engine counts XLA compiles (a jax.monitoring listener) so that tests can prove it.
+compiles nothing, and rollout.compiles counts XLA compiles so that tests can prove it.
 
 The host loop is thin: per dispatch it uploads the rows of a `DecodeState` (a few [B] arrays), reads back [K, B]
 tokens / log-probs / an emitted mask in one transfer, scatters them into per-slot output buffers with numpy, and
@@ -26,6 +26,7 @@ import numpy as np
 
 from rollout import cost, model, numerics
 from rollout.buckets import default_decode_buckets, default_prefill_buckets, pick_bucket, validate_buckets
+from rollout.compiles import compile_count
 from rollout.decode_state import FREE, LENGTH, MAX_STOP_IDS, RUNNING, STOPPED, DecodeState
 from rollout.engine_config import EngineConfig
 from rollout.kv_cache import copy_slots, init_cache
@@ -36,34 +37,14 @@ from rollout.sharding import cache_sharding, check_tp, make_mesh, param_sharding
 from rollout.types import Completion, SamplingParams, request_id
 from rollout.weights import load_safetensors_dir, params_from_named_arrays, resolve_model_dir, zero_weights
 
-__all__ = ["EngineConfig", "JaxEngine", "DecodeState", "compile_count", "MAX_STOP_IDS"]
+__all__ = ["EngineConfig", "JaxEngine", "DecodeState", "MAX_STOP_IDS"]
 
 _FINISH_REASON = {STOPPED: "stop", LENGTH: "length"}
 
-# -- compile counting: every XLA backend compile in this process, whoever triggers it --------------------------------
-_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_compiles = 0
-
-
-def _on_duration_event(event: str, duration: float, **_) -> None:
-    global _compiles
-    if event == _BACKEND_COMPILE_EVENT:
-        _compiles += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_on_duration_event)
-
-
-def compile_count() -> int:
-    """XLA compiles in this process so far (all jit programs, not only the engine's)."""
-    return _compiles
-
-
 # -- the compiled programs ------------------------------------------------------------------------------------------
-# Module-level jit with the model config, cache layout and loop sizes as static arguments: engines with the same
-# configuration (a restarted engine, several engines in one process, tests) share compiled programs. Array shapes
-# select the bucket. The cache is donated, so XLA updates it in place. The model's programs keep every bf16 rounding
-# that they name, as HF's bf16 forward does (no XLA excess precision: rollout.numerics).
+# Module-level jit with model config, cache layout and loop sizes static: engines of one configuration (restarted,
+# several in a process, tests) share compiled programs; array shapes select the bucket; the donated cache is updated in
+# place. The programs keep every bf16 rounding they name, as HF's bf16 forward does (no excess precision: numerics).
 _jit = partial(jax.jit, compiler_options=numerics.COMPILER_OPTIONS)
 
 

@@ -4,7 +4,7 @@ swap) run on the programs built in warmup. The counter itself is checked to see 
 import numpy as np
 
 from rollout.buckets import default_decode_buckets, default_prefill_buckets
-from rollout.engine import compile_count
+from rollout.compiles import compile_count
 from rollout.types import SamplingParams
 from rollout.weights import load_safetensors_dir
 from tests.rollout.conftest import small_engine

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from rollout.engine import compile_count
+from rollout.compiles import compile_count
 from rollout.types import SamplingParams
 from rollout.weights import load_safetensors_dir
 from tests.conftest import make_tiny_hf_model

@@ -1,0 +1,44 @@
+"""Config errors: `ConfigError`, and pydantic's validation errors as one line each that names the key path.
+
+`rlloop.run` exits with code 2 on a ConfigError. An unknown key gets the closest known one as a hint (or the keys its
+section accepts), so a typo in a YAML file or an override says what was meant.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from pydantic import BaseModel
+
+
+class ConfigError(Exception):
+    """A config problem; the message names the key path. `rlloop.run` exits with code 2 on it."""
+
+
+def known_keys(root: type[BaseModel], loc: tuple) -> list[str]:
+    """The keys the section at `loc` (a path of field names from `root`) accepts; [] when it is not a section."""
+    cls: type = root
+    for part in loc:
+        field = cls.model_fields.get(str(part)) if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+        if field is None:
+            return []
+        cls = field.annotation
+    return list(cls.model_fields) if isinstance(cls, type) and issubclass(cls, BaseModel) else []
+
+
+def describe(err: dict, root: type[BaseModel], prefix: str = "") -> str:
+    """One line per pydantic error of validating `root`: the key path, then what is wrong (a model-level check names
+    its keys itself)."""
+    loc = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
+    if err["type"] == "extra_forbidden":
+        known = known_keys(root, (prefix, *err["loc"][:-1]) if prefix else err["loc"][:-1])
+        close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else (f"; known keys here: {', '.join(known)}" if known else "")
+        return f"{loc}: unknown key{hint}"
+    if err["type"] == "missing":
+        return f"{loc}: required key is missing"
+    got, msg = err.get("input"), err["msg"].removeprefix("Value error, ")
+    shown = isinstance(got, (str, int, float, list, tuple)) or got is None
+    # A section-level check (loc empty) gets the whole section as input: nothing worth echoing.
+    suffix = f", got {got!r}" if shown else (", got a mapping" if isinstance(got, dict) and loc else "")
+    return (f"{loc}: " if loc else "") + msg + suffix
