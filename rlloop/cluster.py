@@ -189,12 +189,18 @@ class Cluster:
         import ray
 
         timeout = self.cfg.cluster.actor_timeout_s
+        refs = [getattr(w, method).remote(*a) for w, a in zip(workers, args)]
         try:
-            return ray.get([getattr(w, method).remote(*a) for w, a in zip(workers, args)], timeout=timeout)
+            return ray.get(refs, timeout=timeout)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
             role = "rollout" if workers[0] in self.engines else "trainer"
             error = ClusterError if role == "rollout" else TrainerDied
-            # A hung actor is treated as dead: the restart (or close) kills it.
+            if isinstance(e, ray.exceptions.GetTimeoutError):
+                # A hung actor is treated as dead, and killed now: it would never answer close()'s graceful stop.
+                _, waiting = ray.wait(refs, num_returns=len(refs), timeout=0)
+                for w, ref in zip(workers, refs):
+                    if ref in waiting:
+                        ray.kill(w)
             how = "died" if isinstance(e, ray.exceptions.RayActorError) else f"hung (no answer in {timeout:g} s)"
             raise error(
                 f"a {role} actor {how} during {method}(); the last checkpoint is intact: rerun with --resume.\n{e}"
