@@ -1,15 +1,17 @@
 """Rollout throughput: the JAX bucketed decoder vs `transformers.generate` on the same weights and requests.
 
     python -m rlloop.bench rollout [--quick] [--models tiny,30m] [--prompts 8] [--n 8] [--new-tokens 128]
-                                   [--repeats 3] [--threads 1]
+                                   [--repeats 3] [--threads 1] [--engines 2] [--vllm-python PATH]
 
 Both engines load one saved HF checkpoint, get the same prompts, the same sampling settings (T=1, no top-k/top-p)
 and no stop ids; the benchmark checkpoints carry no EOS id and requests set ignore_eos, so every row generates
 exactly --new-tokens tokens. Models: "tiny" (the embedded example model) and "30m", a random Qwen3 of ~31M
 parameters (vocab 32000, hidden 384, 12 layers, 6 heads / 2 KV heads of 64, MLP 1024, tied head). MFU / MBU divide
 the run's FLOPs / bytes, as the JAX engine counts them with `rollout.cost`, by the peaks that `rlloop.bench.peaks`
-measures on the same device. Timings are best-of---repeats (default 3), the engines taking turns within each round
-so that load from other processes on a shared machine hits both alike. The last line is one JSON object.
+measures on the same device. `--engines N` adds N JAX engines side by side, each in its own process on 1/N of the
+cores with 1/N of the prompts (`engine_worker.py`), as `cluster.rollout_engines` runs them; the same requests, so
+the same tokens and FLOPs. Timings are best-of---repeats (default 3), the engines taking turns within each round so
+that load from other processes on a shared machine hits all alike. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -156,6 +159,51 @@ def jax_runner(path: Path, prompts, n, sampling, dtype: str):
     return run, warm
 
 
+def jax_engines_runner(path: Path, prompts, n, sampling, dtype: str, engines: int):
+    """(timed closure, close, compile counter) for `engines` JAX engines in processes of their own
+    (`engine_worker.py`), this process's cores split evenly between them and the prompts dealt out in turn, as
+    `cluster.rollout_engines` shares a CPU host. The closure sends every engine its share at once and returns
+    when all have answered."""
+    cores = sorted(os.sched_getaffinity(0))
+    shares = [prompts[e::engines] for e in range(engines)]
+    max_seq_len = max(len(p) for p in prompts) + sampling.max_new_tokens
+    procs = []
+    for e, share in enumerate(shares):
+        mine = ",".join(map(str, cores[e::engines]))
+        args = [str(path), dtype, str(len(share) * n), str(max_seq_len), mine]
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "rlloop.bench.engine_worker", *args],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=os.environ | {"JAX_PLATFORMS": "cpu"},
+            )
+        )
+    for proc in procs:
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"a JAX engine worker failed to start (exit {proc.wait(timeout=60)}); its log is above")
+    compiles = {"after_warmup": 0.0}
+
+    def run() -> int:
+        for proc, share in zip(procs, shares):
+            proc.stdin.write(json.dumps([share, n, sampling.max_new_tokens, sampling.seed]) + "\n")
+            proc.stdin.flush()
+        answers = [json.loads(proc.stdout.readline()) for proc in procs]
+        compiles["after_warmup"] += sum(a["compiles"] for a in answers)
+        return sum(a["tokens"] for a in answers)
+
+    def close() -> None:
+        for proc in procs:
+            proc.stdin.close()
+        for proc in procs:
+            proc.wait(timeout=60)
+
+    run()  # first-call costs, not counted (as for the other engines)
+    compiles["after_warmup"] = 0.0
+    return run, close, compiles
+
+
 VLLM_WORKER = Path(__file__).with_name("vllm_worker.py")
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
@@ -257,16 +305,20 @@ def bench_model(name: str, args, workdir: Path, peaks: dict) -> dict:
             "error": f"rollout.engine: {e}",
         }
     runners = {"jax": jax_run, **hf_runners(path, prompts, args.n, sampling, args.dtype)}
-    close_vllm, preload = None, []
-    if not args.vllm_missing:
-        runners["vllm"], close_vllm, preload = vllm_runner(
-            path, prompts, args.n, sampling, args.dtype, args.vllm_python
-        )
+    closers, preload, engines_compiles = [], [], None
     try:
+        if args.engines > 1:
+            runners["jax_engines"], close, engines_compiles = jax_engines_runner(
+                path, prompts, args.n, sampling, args.dtype, args.engines
+            )
+            closers.append(close)
+        if not args.vllm_missing:
+            runners["vllm"], close, preload = vllm_runner(path, prompts, args.n, sampling, args.dtype, args.vllm_python)
+            closers.append(close)
         best = best_of(runners, args.repeats, expected_tokens)
     finally:
-        if close_vllm:
-            close_vllm()
+        for close in closers:
+            close()
     stats = jax_info["stats"]  # of the last run; its timings are not the best ones, its counts are the same
     jx = {"seconds": best["jax"], "tok_s": expected_tokens / best["jax"]}
     hf = {
@@ -304,7 +356,21 @@ def bench_model(name: str, args, workdir: Path, peaks: dict) -> dict:
         "flops": flops,
         "bytes": nbytes,
     }
+    if "jax_engines" in best:  # the same requests split over the engines: the same tokens, the same FLOPs
+        result |= {
+            "engines": args.engines,
+            "jax_engines_tok_s": expected_tokens / best["jax_engines"],
+            "jax_engines_over_jax": best["jax"] / best["jax_engines"],
+            "jax_engines_mfu": flops / best["jax_engines"] / peaks["matmul_flops"],
+            "jax_engines_over_vllm": best["vllm"] / best["jax_engines"] if "vllm" in best else None,
+            "jax_engines_compiles_after_warmup": engines_compiles["after_warmup"],
+        }
     vllm_note = f"vllm {result['vllm_tok_s']:.0f} tok/s ({result['speedup_vs_vllm']:.2f}x), " if "vllm" in best else ""
+    if "jax_engines" in best:
+        vllm_note += (
+            f"{args.engines} engines {result['jax_engines_tok_s']:.0f} tok/s ({result['jax_engines_over_jax']:.2f}x "
+            f"one, MFU {result['jax_engines_mfu']:.1%}), "
+        )
     print(
         f"[{name}] params {params / 1e6:.1f}M rows {result['rows']} x {args.new_tokens} tokens: "
         f"jax {jx['tok_s']:.0f} tok/s, hf {hf['tok_s']:.0f} tok/s (plain generate {hf['plain_tok_s']:.0f}), "
@@ -352,12 +418,23 @@ def parse_args(argv):
         help="CPU threads for torch and XLA alike (0: all cores). 1 gives stable numbers on a shared box",
     )
     ap.add_argument(
+        "--engines",
+        type=int,
+        default=2,
+        help="also run this many JAX engines side by side, each in its own process on its share of the cores and "
+        "the rows, as cluster.rollout_engines does (1: the single engine only)",
+    )
+    ap.add_argument(
         "--vllm-python",
         default=os.environ.get("RLLOOP_VLLM_PYTHON"),
         help="the python of a vLLM-CPU environment: adds a vLLM column (default $RLLOOP_VLLM_PYTHON)",
     )
     args = ap.parse_args(argv)
     args.vllm_missing = vllm_missing(args.vllm_python)
+    cores = len(os.sched_getaffinity(0))
+    if args.engines > cores:
+        print(f"--engines {args.engines}: this process may use {cores} core(s); running {cores}", flush=True)
+        args.engines = cores
     if args.quick:
         args.prompts, args.n, args.new_tokens, args.repeats = 4, 4, 32, 2
     return args

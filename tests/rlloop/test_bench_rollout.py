@@ -1,5 +1,6 @@
 """`python -m rlloop.bench rollout` end to end on the tiny model: every engine generates exactly the tokens asked
-for, the JAX engine compiles nothing after warmup, and without a vLLM environment the vLLM column says why."""
+for (two JAX engines in processes of their own included), the JAX engines compile nothing after warmup, and without
+a vLLM environment the vLLM column says why."""
 
 import json
 import sys
@@ -21,3 +22,4 @@ def test_quick_rollout_bench_ends_with_a_json_line(capsys, monkeypatch):
     assert tiny["vllm_tok_s"] is None and tiny["compiles_after_warmup"] == 0
     assert tiny["rows"] == 16 and tiny["jax_tok_s"] > 0 and tiny["hf_tok_s"] > 0
     assert 0 < tiny["mfu"] < 1 and 0 < tiny["mbu"] < 1
+    assert tiny["engines"] == 2 and tiny["jax_engines_tok_s"] > 0 and tiny["jax_engines_compiles_after_warmup"] == 0
