@@ -1,4 +1,5 @@
-"""One JAX engine of `python -m rlloop.bench rollout --engines N`, in a process of its own, pinned to its cores.
+"""JAX engines of `python -m rlloop.bench rollout --engines N`, each in a process of its own, pinned to its cores:
+the bench's side (`engines_runner`) and the engine's (`main`).
 
     python -m rlloop.bench.engine_worker MODEL_DIR DTYPE MAX_BATCH MAX_SEQ_LEN CORES < requests
 
@@ -10,7 +11,54 @@ and answers one JSON line {"tokens": generated tokens, "compiles": compiles duri
 
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
+
+
+def engines_runner(path: Path, prompts, n, sampling, dtype: str, engines: int):
+    """(timed closure, close, compile counter) for `engines` JAX engines in processes of their own
+    (`main` below), this process's cores split evenly between them and the prompts dealt out in turn, as
+    `cluster.rollout_engines` shares a CPU host. The closure sends every engine its share at once and returns
+    when all have answered."""
+    cores = sorted(os.sched_getaffinity(0))
+    shares = [prompts[e::engines] for e in range(engines)]
+    max_seq_len = max(len(p) for p in prompts) + sampling.max_new_tokens
+    procs = []
+    for e, share in enumerate(shares):
+        mine = ",".join(map(str, cores[e::engines]))
+        args = [str(path), dtype, str(len(share) * n), str(max_seq_len), mine]
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "rlloop.bench.engine_worker", *args],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=os.environ | {"JAX_PLATFORMS": "cpu"},
+            )
+        )
+    for proc in procs:
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"a JAX engine worker failed to start (exit {proc.wait(timeout=60)}); its log is above")
+    compiles = {"after_warmup": 0.0}
+
+    def run() -> int:
+        for proc, share in zip(procs, shares):
+            proc.stdin.write(json.dumps([share, n, sampling.max_new_tokens, sampling.seed]) + "\n")
+            proc.stdin.flush()
+        answers = [json.loads(proc.stdout.readline()) for proc in procs]
+        compiles["after_warmup"] += sum(a["compiles"] for a in answers)
+        return sum(a["tokens"] for a in answers)
+
+    def close() -> None:
+        for proc in procs:
+            proc.stdin.close()
+        for proc in procs:
+            proc.wait(timeout=60)
+
+    run()  # first-call costs, not counted (as for the other engines)
+    compiles["after_warmup"] = 0.0
+    return run, close, compiles
 
 
 def main() -> None:

@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -159,51 +158,6 @@ def jax_runner(path: Path, prompts, n, sampling, dtype: str):
     return run, warm
 
 
-def jax_engines_runner(path: Path, prompts, n, sampling, dtype: str, engines: int):
-    """(timed closure, close, compile counter) for `engines` JAX engines in processes of their own
-    (`engine_worker.py`), this process's cores split evenly between them and the prompts dealt out in turn, as
-    `cluster.rollout_engines` shares a CPU host. The closure sends every engine its share at once and returns
-    when all have answered."""
-    cores = sorted(os.sched_getaffinity(0))
-    shares = [prompts[e::engines] for e in range(engines)]
-    max_seq_len = max(len(p) for p in prompts) + sampling.max_new_tokens
-    procs = []
-    for e, share in enumerate(shares):
-        mine = ",".join(map(str, cores[e::engines]))
-        args = [str(path), dtype, str(len(share) * n), str(max_seq_len), mine]
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "rlloop.bench.engine_worker", *args],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                env=os.environ | {"JAX_PLATFORMS": "cpu"},
-            )
-        )
-    for proc in procs:
-        if proc.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"a JAX engine worker failed to start (exit {proc.wait(timeout=60)}); its log is above")
-    compiles = {"after_warmup": 0.0}
-
-    def run() -> int:
-        for proc, share in zip(procs, shares):
-            proc.stdin.write(json.dumps([share, n, sampling.max_new_tokens, sampling.seed]) + "\n")
-            proc.stdin.flush()
-        answers = [json.loads(proc.stdout.readline()) for proc in procs]
-        compiles["after_warmup"] += sum(a["compiles"] for a in answers)
-        return sum(a["tokens"] for a in answers)
-
-    def close() -> None:
-        for proc in procs:
-            proc.stdin.close()
-        for proc in procs:
-            proc.wait(timeout=60)
-
-    run()  # first-call costs, not counted (as for the other engines)
-    compiles["after_warmup"] = 0.0
-    return run, close, compiles
-
-
 VLLM_WORKER = Path(__file__).with_name("vllm_worker.py")
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
@@ -308,7 +262,9 @@ def bench_model(name: str, args, workdir: Path, peaks: dict) -> dict:
     closers, preload, engines_compiles = [], [], None
     try:
         if args.engines > 1:
-            runners["jax_engines"], close, engines_compiles = jax_engines_runner(
+            from rlloop.bench.engine_worker import engines_runner
+
+            runners["jax_engines"], close, engines_compiles = engines_runner(
                 path, prompts, args.n, sampling, args.dtype, args.engines
             )
             closers.append(close)
@@ -365,16 +321,16 @@ def bench_model(name: str, args, workdir: Path, peaks: dict) -> dict:
             "jax_engines_over_vllm": best["vllm"] / best["jax_engines"] if "vllm" in best else None,
             "jax_engines_compiles_after_warmup": engines_compiles["after_warmup"],
         }
-    vllm_note = f"vllm {result['vllm_tok_s']:.0f} tok/s ({result['speedup_vs_vllm']:.2f}x), " if "vllm" in best else ""
+    columns = f"vllm {result['vllm_tok_s']:.0f} tok/s ({result['speedup_vs_vllm']:.2f}x), " if "vllm" in best else ""
     if "jax_engines" in best:
-        vllm_note += (
+        columns += (
             f"{args.engines} engines {result['jax_engines_tok_s']:.0f} tok/s ({result['jax_engines_over_jax']:.2f}x "
             f"one, MFU {result['jax_engines_mfu']:.1%}), "
         )
     print(
         f"[{name}] params {params / 1e6:.1f}M rows {result['rows']} x {args.new_tokens} tokens: "
         f"jax {jx['tok_s']:.0f} tok/s, hf {hf['tok_s']:.0f} tok/s (plain generate {hf['plain_tok_s']:.0f}), "
-        f"speedup {result['speedup']:.2f}x, {vllm_note}"
+        f"speedup {result['speedup']:.2f}x, {columns}"
         f"warmup {jax_info['warmup_s']:.1f}s, compiles after warmup {result['compiles_after_warmup']}, "
         f"MFU {result['mfu']:.1%}, MBU {result['mbu']:.1%}, pad {result['pad_frac']:.1%}",
         flush=True,

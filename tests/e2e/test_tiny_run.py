@@ -98,7 +98,16 @@ def test_tiny_example_with_ray_learns_and_leaves_nothing_behind(tmp_path):
     assert shm_segments() <= before and not ray_processes()
 
 
-def test_ctrl_c_stops_cleanly_and_resume_continues(tmp_path):
+@pytest.fixture
+def sigint_not_ignored():
+    """A suite started in the background by a non-interactive shell ignores SIGINT, and exec hands that on to the
+    driver under test, which then never sees the Ctrl-C. A handler in this process is reset to the default by exec."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_stops_cleanly_and_resume_continues(tmp_path, sigint_not_ignored):
     before = shm_segments()
     args = [
         f"run.dir={tmp_path}",
