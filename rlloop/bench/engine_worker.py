@@ -37,9 +37,11 @@ def engines_runner(path: Path, prompts, n, sampling, dtype: str, engines: int):
                 env=os.environ | {"JAX_PLATFORMS": "cpu"},
             )
         )
-    for proc in procs:
-        if proc.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"a JAX engine worker failed to start (exit {proc.wait(timeout=60)}); its log is above")
+    failed = [proc for proc in procs if proc.stdout.readline().strip() != "ready"]
+    if failed:
+        for proc in procs:
+            proc.kill()
+        raise RuntimeError(f"a JAX engine worker failed to start (exit {failed[0].wait(timeout=60)}); its log is above")
     compiles = {"after_warmup": 0.0}
 
     def run() -> int:
@@ -65,8 +67,9 @@ def main() -> None:
     model, dtype, max_batch, max_seq_len, cores = sys.argv[1:6]
     cores = [int(c) for c in cores.split(",")]
     os.sched_setaffinity(0, cores)
-    if len(cores) == 1:  # as rlloop.cluster sets an engine actor up on one core
-        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
+    from rlloop.cluster import cpu_engine_xla_flags
+
+    os.environ["XLA_FLAGS"] = cpu_engine_xla_flags(1, len(cores))  # as a run sets up an engine actor on these cores
     from rollout.engine import JaxEngine
     from rollout.engine_config import EngineConfig
     from rollout.types import SamplingParams
