@@ -6,11 +6,12 @@ import json
 import sys
 
 from rlloop.bench import rollout
+from rlloop.bench.vllm_runner import vllm_missing
 
 
 def test_without_vllm_the_column_says_why():
-    assert "--vllm-python" in rollout.vllm_missing(None)
-    assert "cannot import vllm" in rollout.vllm_missing(sys.executable)  # rlloop's own environment has no vLLM
+    assert "--vllm-python" in vllm_missing(None)
+    assert "cannot import vllm" in vllm_missing(sys.executable)  # rlloop's own environment has no vLLM
 
 
 def test_quick_rollout_bench_ends_with_a_json_line(capsys, monkeypatch):
