@@ -59,6 +59,17 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+def compile_layers(model: transformers.PreTrainedModel) -> None:
+    """`TrainerConfig.compile`: torch.compile each decoder layer in place (the classes HF names in
+    `_no_split_modules`), with dynamic shapes, since every batch has other lengths."""
+    layer_classes = set(model._no_split_modules or ())
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"train.compile: found no decoder layers ({sorted(layer_classes)}) in {type(model).__name__}")
+    for layer in layers:
+        layer.compile(dynamic=True)
+
+
 class Trainer:
     def __init__(self, cfg: TrainerConfig, rank: int = 0, world_size: int = 1):
         if not 0 <= rank < world_size:
@@ -90,6 +101,8 @@ class Trainer:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # HF checkpoints only recompute in train mode; otherwise eval mode, so nothing is stochastic.
         self.model.train(cfg.gradient_checkpointing)
+        if cfg.compile:
+            compile_layers(self.model)  # before FSDP wraps the layers, as torchtitan orders it
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
 

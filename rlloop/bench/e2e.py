@@ -12,7 +12,8 @@ verifier, 16 prompts x 8 samples, lr, loss dapo with eps 0.2/0.28, beta 0, tempe
 TRL runs in this process as its docs say for CPU (use_cpu; fp32 like rlloop here, so no bf16; torch on --threads
 cores; defaults otherwise), on the same prompts in the same order, one optimizer step per 128 samples, rlloop's
 AdamW settings and constant lr. rlloop runs its real loop (`rlloop.loop.train`, Ray actors; engine and trainer on one
-core each) in each of --modes; `colocate` is sync with both roles on all cores in turns (cluster.colocate). The runs
+core each) in each of --modes; `colocate` is sync with both roles on all cores in turns (cluster.colocate), and a
+mode ending in `+compile` (`async+compile`) runs with `train.compile: true`. The runs
 go back to back in one invocation (rlloop's first mode, TRL, then the other modes): the machine is shared and noisy,
 so compare ratios from one invocation only.
 
@@ -93,10 +94,12 @@ def run_rlloop(cfg_overrides: list[str], mode: str, steps: int, skip: int, run_d
 
     # No eval (TRL runs none: the steps compare the same work), no checkpoints.
     overrides = [*cfg_overrides, f"run.steps={steps}", "run.save_every=0", "run.eval_every=0"]
-    overrides += [f"loop.mode={mode}", f"run.dir={run_dir}", "tracking.progress=false"]
+    mode, compiled = mode.removesuffix("+compile"), mode.endswith("+compile")
+    overrides += [f"run.dir={run_dir}", "tracking.progress=false", f"train.compile={str(compiled).lower()}"]
     if mode == "colocate":  # both roles on all `threads` cores, in turns (rlloop.placement.colocated_plan)
-        overrides[overrides.index("loop.mode=colocate")] = "loop.mode=sync"
-        overrides += ["cluster.colocate=true", f"cluster.cpus_per_actor={threads}"]
+        overrides += ["loop.mode=sync", "cluster.colocate=true", f"cluster.cpus_per_actor={threads}"]
+    else:
+        overrides.append(f"loop.mode={mode}")
     t0 = time.perf_counter()
     train(load_config(TINY, overrides))
     wall = time.perf_counter() - t0
@@ -360,7 +363,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--steps", type=int, default=0, help=f"steps per run (default {DEFAULT_STEPS}; --quick: 2)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 steps, tiny, sync only unless told")
     ap.add_argument("--threads", type=int, default=0, help="torch threads for TRL and cores for the peaks (0: all)")
-    ap.add_argument("--modes", default=None, help="of sync,async,colocate (default sync,async; --quick: sync)")
+    modes_help = "of sync,async,colocate, each optionally +compile (default sync,async; --quick: sync)"
+    ap.add_argument("--modes", default=None, help=modes_help)
     ap.add_argument("--frameworks", default="trl,rlloop", help="trl,rlloop or one of them")
     args = ap.parse_args(argv)
     args.settings = args.settings or ("tiny" if args.quick else "tiny,30m")
