@@ -18,6 +18,8 @@ Two things differ from DDP and shape the trainer's code:
 
 Weights leave a sharded model one tensor at a time (`full_tensors`): each is all-gathered, copied to host on rank 0
 and dropped, so the accelerator never holds more than one extra unsharded tensor (the embedding, at most).
+
+`compile_layers` (`TrainerConfig.compile`) works on the same decoder layers; the trainer calls it before sharding.
 """
 
 from __future__ import annotations
@@ -52,6 +54,17 @@ def resolve_parallel(parallel: str, world_size: int) -> str:
     if world_size == 1:
         return "ddp"
     return "fsdp" if parallel == "auto" else parallel
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """`TrainerConfig.compile`: torch.compile each decoder layer in place (the classes HF names in
+    `_no_split_modules`), with dynamic shapes, since every batch has other lengths."""
+    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"train.compile: found no decoder layers ({sorted(layer_classes)}) in {type(model).__name__}")
+    for layer in layers:
+        layer.compile(dynamic=True)
 
 
 def shard_fsdp(scorer: LogprobModel, device: torch.device, compute_dtype: torch.dtype) -> None:

@@ -26,7 +26,7 @@ from trainer.batching import MicroBatch, TrainBatch, collate, plan_micro_batches
 from trainer.config import TrainerConfig
 from trainer.distributed import all_reduce_, all_reduce_grads_, broadcast_params_, init_distributed
 from trainer.loss import policy_loss
-from trainer.parallel import LogprobModel, even_out, full_tensors, local, resolve_parallel, shard_fsdp
+from trainer.parallel import LogprobModel, compile_layers, even_out, full_tensors, local, resolve_parallel, shard_fsdp
 from trainer.shared_prompts import check_shared_prompts, use_blocked_attention
 
 # Summed over micro-batches and ranks (they are aggregated losses); every other loss metric is a token mean.
@@ -57,17 +57,6 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
-
-
-def compile_layers(model: transformers.PreTrainedModel) -> None:
-    """`TrainerConfig.compile`: torch.compile each decoder layer in place (the classes HF names in
-    `_no_split_modules`), with dynamic shapes, since every batch has other lengths."""
-    layer_classes = set(model._no_split_modules or ())
-    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
-    if not layers:
-        raise ValueError(f"train.compile: found no decoder layers ({sorted(layer_classes)}) in {type(model).__name__}")
-    for layer in layers:
-        layer.compile(dynamic=True)
 
 
 class Trainer:

@@ -363,8 +363,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--steps", type=int, default=0, help=f"steps per run (default {DEFAULT_STEPS}; --quick: 2)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 steps, tiny, sync only unless told")
     ap.add_argument("--threads", type=int, default=0, help="torch threads for TRL and cores for the peaks (0: all)")
-    modes_help = "of sync,async,colocate, each optionally +compile (default sync,async; --quick: sync)"
-    ap.add_argument("--modes", default=None, help=modes_help)
+    ap.add_argument("--modes", default=None, help="of sync,async,colocate[+compile] (default sync,async; --quick sync)")
     ap.add_argument("--frameworks", default="trl,rlloop", help="trl,rlloop or one of them")
     args = ap.parse_args(argv)
     args.settings = args.settings or ("tiny" if args.quick else "tiny,30m")
