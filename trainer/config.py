@@ -83,7 +83,7 @@ class TrainerConfig:
     gradient_checkpointing: bool = False
     # torch.compile (inductor, dynamic shapes) of each decoder layer: fuses the norms, RoPE and the MLP's elementwise
     # ops around the matmuls and attention. 1.10-1.15x on the tiny recipe's train step (one CPU thread), 1.05-1.07x on
-    # a 28M model, after a one-off compile (15-85 s here); log-probs move by ~1e-5 in fp32 (another op order), so it
-    # is off by default and the exactness tests run eager.
+    # a 28M model, after a one-off compile in the first step (8 s to ~1 min here); log-probs move by ~1e-5 in fp32
+    # (another op order), so it is off by default and the exactness tests run eager. Untested under fsdp.
     compile: bool = False
     seed: int = 0
