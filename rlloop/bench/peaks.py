@@ -50,10 +50,11 @@ def measure_peaks(dtype: str = "float32") -> dict[str, float]:
     elems = _COPY_BYTES.get(platform, 1 << 30) // jdtype.itemsize
     # Donating the input lets the output reuse its buffer: fresh output pages would measure page faults instead.
     scale = jax.jit(lambda v: v * jnp.asarray(0.5, jdtype) + jnp.asarray(1, jdtype), donate_argnums=0)
-    x = [jnp.ones((elems,), jdtype)]
+    x = jnp.ones((elems,), jdtype)
 
     def copy() -> None:
-        x[0] = scale(x[0]).block_until_ready()
+        nonlocal x
+        x = scale(x).block_until_ready()
 
     copy_s = _best_seconds(copy)
     return {
