@@ -170,7 +170,12 @@ class Sender(_Endpoint):
         if self.delta and self._compatible(arrays):
             changed = {n: delta_codec.changed_indices(self._last[n], a) for n, a in arrays.items()}
         full_bytes = sum(a.nbytes for a in arrays.values())
-        if changed and not requested and self._deltas_since_key + 1 < self.keyframe_every:
+        # A delta carries every changed value: when those alone exceed what a delta may weigh, encoding it would
+        # only find that out (fp32 at a high learning rate changes every element; zstd-ing it all cost more than
+        # the whole push of a small model). Weights are float mantissas, which zstd barely shrinks.
+        value_bytes = sum(len(idx) * arrays[n].itemsize for n, idx in changed.items())
+        hopeless = value_bytes > self.worth_ratio * full_bytes
+        if changed and not requested and not hopeless and self._deltas_since_key + 1 < self.keyframe_every:
             entries, blobs = [], {}
             for name, new in arrays.items():
                 blob = np.frombuffer(delta_codec.encode(self._last[name], new, changed[name]), np.uint8)
