@@ -56,7 +56,16 @@ class OneStepOffPolicy:
 
     def _start(self, step: int) -> None:
         cursor = self.manager.data.state_dict()  # taken before the thread draws: the resume point of `step`
-        self.pending = (step, cursor, self.pool.submit(self.manager.collect, step))
+        self.pending = (step, cursor, self.pool.submit(self._pull_and_collect, step))
+
+    def _pull_and_collect(self, step: int) -> StepRollout:
+        """In the rollout thread: the engines load the newest weights (those of step - 2, pushed after it trained,
+        before this was started), then generate `step`. The load is off the training path: the trainer is already
+        on step - 1."""
+        pulled = self.manager.cluster.pull_weights()
+        batch = self.manager.collect(step)
+        batch.metrics |= pulled
+        return batch
 
     def next(self, step: int) -> StepRollout:
         if self.pending is None or self.pending[0] != step:
@@ -64,14 +73,11 @@ class OneStepOffPolicy:
         t0 = time.perf_counter()
         batch = self.pending[2].result()
         waited = time.perf_counter() - t0
-        # The weights of step - 1 were pushed after it trained; the engines load them now, before step + 1 starts
-        # (queued behind nothing: step's generation has finished).
-        pulled = self.manager.cluster.pull_weights()
         if step < self.manager.cfg.run.steps:
             self._start(step + 1)
         else:
             self.pending = None
-        batch.metrics |= pulled | {"perf/rollout_wait_s": waited}
+        batch.metrics |= {"perf/rollout_wait_s": waited}
         return batch
 
     def resume_state(self) -> dict:
