@@ -11,6 +11,7 @@ the attention mask) and has the positions it would have after the prompt alone, 
 plain layout, but the prompt is run once per row instead of once per sample.
 """
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -161,53 +162,63 @@ def collate(batch: TrainBatch, indices: list[int], pad_id: int = 0) -> MicroBatc
 
 
 def collate_rows(batch: TrainBatch, rows: list[list[int]], pad_id: int = 0) -> MicroBatch:
-    """`rows`: lists of sample indices; the samples of a row must share their prompt (`shared_prompt_rows`)."""
-    indices = [i for row in rows for i in row]
-    width, resp_width = max(row_length(batch, row) for row in rows), max(len(batch.responses[i]) for i in indices)
-    shared = any(len(row) > 1 for row in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    segments = torch.full((len(rows), width), -1, dtype=torch.long) if shared else None
-    position_ids = torch.zeros((len(rows), width), dtype=torch.long) if shared else None
-    row_of, response_start, context_end = [], [], []
-    for r, row in enumerate(rows):
-        prompt = batch.prompts[row[0]]
-        if any(batch.prompts[i] != prompt for i in row):
+    """`rows`: lists of sample indices; the samples of a row must share their prompt (`shared_prompt_rows`).
+
+    Built from flat numpy arrays, one pass over the tokens: a row is laid out as its pieces (the prompt, then each
+    response) end to end, so every per-token array is a repeat or a running count over those pieces. A loop of small
+    tensor writes per sample cost ~4 ms of a ~0.1 s tiny train step."""
+    for row in rows:
+        if any(batch.prompts[i] != batch.prompts[row[0]] for i in row[1:]):
             raise ValueError(f"collate_rows: the samples {row} of one row do not share their prompt")
-        seq = prompt + [t for i in row for t in batch.responses[i]]
-        input_ids[r, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attention_mask[r, : len(seq)] = 1
-        col = len(prompt)
-        if shared:
-            segments[r, :col] = 0
-            position_ids[r, :col] = torch.arange(col)
-        for j, i in enumerate(row, 1):
-            n = len(batch.responses[i])
-            if shared:
-                segments[r, col : col + n] = j
-                position_ids[r, col : col + n] = torch.arange(len(prompt), len(prompt) + n)
-            row_of.append(r)
-            response_start.append(col)
-            context_end.append(len(prompt) - 1)
-            col += n
-    response_mask = torch.zeros((len(indices), resp_width), dtype=torch.float32)
-    rollout_logp = None if batch.rollout_logprobs is None else torch.zeros(response_mask.shape, dtype=torch.float32)
-    for s, i in enumerate(indices):
-        response_mask[s, : len(batch.responses[i])] = 1.0
-        if rollout_logp is not None:
-            rollout_logp[s, : len(batch.responses[i])] = torch.tensor(batch.rollout_logprobs[i], dtype=torch.float32)
+    indices = [i for row in rows for i in row]
+    prompts = [batch.prompts[row[0]] for row in rows]
+    prompt_len = np.array([len(p) for p in prompts], dtype=np.int64)
+    resp_len = np.array([len(batch.responses[i]) for i in indices], dtype=np.int64)
+    samples_per_row = np.array([len(row) for row in rows], dtype=np.int64)
+    row_of = np.repeat(np.arange(len(rows)), samples_per_row)
+    # A response starts after its prompt and the responses before it in its row.
+    before = np.cumsum(resp_len) - resp_len
+    row_first = np.cumsum(samples_per_row) - samples_per_row
+    response_start = prompt_len[row_of] + before - before[row_first][row_of]
+    row_len = prompt_len + np.bincount(row_of, weights=resp_len, minlength=len(rows)).astype(np.int64)
+    width, resp_width = int(row_len.max()), int(resp_len.max())
+
+    # The rows' tokens, row after row, as pieces: a row's prompt, then its responses. Per piece: its segment id (0 the
+    # prompt, j the row's j-th response) and the position of its first token (a response continues its prompt's).
+    pieces = [p for r, row in enumerate(rows) for p in (prompts[r], *(batch.responses[i] for i in row))]
+    piece_len = np.array([len(p) for p in pieces], dtype=np.int64)
+    piece_segment = np.concatenate([np.arange(n + 1) for n in samples_per_row])
+    piece_row = np.repeat(np.arange(len(rows)), samples_per_row + 1)
+    piece_first_pos = np.where(piece_segment == 0, 0, prompt_len[piece_row])
+    total = int(piece_len.sum())
+    within_piece = np.arange(total) - np.repeat(np.cumsum(piece_len) - piece_len, piece_len)
+    filled = np.arange(width)[None, :] < row_len[:, None]  # in row-major order, exactly the pieces' tokens
+
+    def grid(fill: int, values: np.ndarray) -> torch.Tensor:
+        out = np.full((len(rows), width), fill, dtype=np.int64)
+        out[filled] = values
+        return torch.from_numpy(out)
+
+    shared = any(len(row) > 1 for row in rows)
+    in_response = np.arange(resp_width)[None, :] < resp_len[:, None]
+    rollout_logp = None
+    if batch.rollout_logprobs is not None:
+        logps = itertools.chain.from_iterable(batch.rollout_logprobs[i] for i in indices)
+        rollout_logp = np.zeros(in_response.shape, dtype=np.float32)
+        rollout_logp[in_response] = np.fromiter(logps, dtype=np.float32, count=int(resp_len.sum()))
+        rollout_logp = torch.from_numpy(rollout_logp)
     return MicroBatch(
         indices=indices,
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        row_of=torch.tensor(row_of, dtype=torch.long),
-        response_start=torch.tensor(response_start, dtype=torch.long),
-        context_end=torch.tensor(context_end, dtype=torch.long),
-        response_mask=response_mask,
+        input_ids=grid(pad_id, np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int64, count=total)),
+        attention_mask=torch.from_numpy(filled.astype(np.int64)),
+        row_of=torch.from_numpy(row_of),
+        response_start=torch.from_numpy(response_start),
+        context_end=torch.from_numpy(prompt_len[row_of] - 1),
+        response_mask=torch.from_numpy(in_response.astype(np.float32)),
         advantages=torch.tensor([float(batch.advantages[i]) for i in indices], dtype=torch.float32),
         rollout_logp=rollout_logp,
-        segments=segments,
-        position_ids=position_ids,
+        segments=grid(-1, np.repeat(piece_segment, piece_len)) if shared else None,
+        position_ids=grid(0, np.repeat(piece_first_pos, piece_len) + within_piece) if shared else None,
     )
 
 
