@@ -1,6 +1,6 @@
 """`python -m rlloop.bench e2e`: TRL's GRPOTrainer vs rlloop on the same GRPO work, end to end, seconds per step.
 
-    python -m rlloop.bench e2e [--settings tiny,30m] [--steps N] [--quick] [--threads T]
+    python -m rlloop.bench e2e [--settings tiny,30m] [--steps N] [--rounds R] [--quick] [--threads T]
                                [--modes sync,async[,colocate]] [--frameworks trl,rlloop]
 
 Both settings are examples/grpo_dapo_tiny.yaml (its tokenizer, the prompts rlloop's loader draws, rlloop's DAPO
@@ -9,13 +9,13 @@ verifier, 16 prompts x 8 samples, lr, loss dapo with eps 0.2/0.28, beta 0, tempe
     30m   a random Qwen3 of ~28M parameters with the tiny tokenizer (`wide_model(768)` of rlloop/bench/loop.py); every
           response runs to 128 tokens (rollout.ignore_eos; TRL: min_new_tokens), so compute dominates. A random
           policy never writes "Answer:": its reward stays at -1, the setting is for timing
-TRL runs in this process as its docs say for CPU (use_cpu; fp32 like rlloop here, so no bf16; torch on --threads
-cores; defaults otherwise), on the same prompts in the same order, one optimizer step per 128 samples, rlloop's
-AdamW settings and constant lr. rlloop runs its real loop (`rlloop.loop.train`, Ray actors; engine and trainer on one
-core each) in each of --modes; `colocate` is sync with both roles on all cores in turns (cluster.colocate), and a
-mode ending in `+compile` (`async+compile`) runs with `train.compile: true`. The runs
-go back to back in one invocation (rlloop's first mode, TRL, then the other modes): the machine is shared and noisy,
-so compare ratios from one invocation only.
+TRL runs in this process (rlloop/bench/trl_runner.py: as its docs say for CPU, on the same prompts in the same order,
+one optimizer step per 128 samples, rlloop's AdamW settings and constant lr). rlloop runs its real loop
+(`rlloop.loop.train`, Ray actors; engine and trainer on one core each) in each of --modes; `colocate` is sync with both
+roles on all cores in turns (cluster.colocate), and a mode ending in `+compile` (`async+compile`) runs with
+`train.compile: true`. The runs go back to back (rlloop's first mode, TRL, then the other modes), --rounds times over:
+the machine is shared and noisy, so a ratio is taken within each round, from runs a minute apart, and the median
+round is reported (each run's s/step too; every round's figures are in the JSON).
 
 Per setting: s/step (mean after the warm-up steps), TRL/rlloop, rlloop's per-step breakdown from metrics.jsonl
 (rollout, train, sync, other = the rest of the step; in async, rollout is the wait for the batch), a roofline bound
@@ -29,14 +29,12 @@ Ends with one JSON line.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +44,7 @@ TINY = ROOT / "examples" / "grpo_dapo_tiny.yaml"
 TRL_VERSION = "1.16.0"  # the `bench` extra
 WIDE_HIDDEN = 768  # wide_model(768): 4 layers x 12 h^2 + a 99-token embedding, ~28.4M parameters
 DEFAULT_STEPS = {"tiny": 12, "30m": 4}
+DEFAULT_ROUNDS = {"tiny": 3, "30m": 1}  # a tiny round takes about a minute, a 30m one half an hour
 
 
 def trl_missing() -> str | None:
@@ -129,99 +128,6 @@ def run_rlloop(cfg_overrides: list[str], mode: str, steps: int, skip: int, run_d
     }
 
 
-# ------------------------------------------------------------------------------------------------------------- TRL
-def micro_rows(rows: int, max_len: int, token_budget: int) -> int:
-    """The largest divisor of `rows` whose padded micro-batch fits rlloop's token budget (at least 1)."""
-    return max([d for d in range(1, rows + 1) if rows % d == 0 and d * max_len <= token_budget] or [1])
-
-
-def run_trl(cfg, batches, tokenizer, threads: int, out_dir: Path, skip: int) -> dict:
-    import torch
-    from datasets import Dataset
-    from transformers import PrinterCallback, ProgressCallback, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from rlloop.rewards import resolve
-
-    torch.set_num_threads(threads)
-    verifier = resolve(cfg.reward.fn)  # the very function rlloop's RewardScorer runs
-
-    def reward(prompts, completions, answer, **_) -> list[float]:
-        """TRL's reward-function signature around rlloop's verifier (conversational completions)."""
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [float(verifier(t, a)) for t, a in zip(texts, answer)]
-
-    reward.__name__ = cfg.reward.fn
-    r, t, g = cfg.rollout, cfg.train, cfg.grpo
-    rows = r.prompts_per_step * r.group_size
-    longest = max(len(p.token_ids) for b in batches for p in b) + r.max_response_len
-    per_device = micro_rows(rows, longest, t.micro_batch_tokens)
-    dataset = Dataset.from_list([{"prompt": p.messages, "answer": p.answer} for b in batches for p in b])
-    # As TRL's docs say for CPU (use_cpu; no bf16: both sides fp32 here), quiet, one log line (the reward) per step.
-    cpu = dict(use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True)
-    # One generation of 128 rows per optimizer step, in micro-batches through gradient accumulation; the loader's
-    # order (no shuffle): TRL's step k trains on the very prompts rlloop's step k draws.
-    batching = dict(per_device_train_batch_size=per_device, gradient_accumulation_steps=rows // per_device)
-    batching |= dict(max_steps=len(batches), shuffle_dataset=False, seed=cfg.run.seed)
-    # ignore_eos: EOS is forbidden until the last token, so every row runs to max length, as rlloop's do.
-    sampling = dict(num_generations=r.group_size, max_completion_length=r.max_response_len, temperature=r.temperature)
-    sampling |= dict(top_p=r.top_p, top_k=max(r.top_k, 0), model_init_kwargs={"dtype": torch.float32})
-    sampling["generation_kwargs"] = {"min_new_tokens": r.max_response_len} if r.ignore_eos else None
-    # rlloop's AdamW and its constant lr (TRL's default decays linearly); TRL turns gradient checkpointing on by
-    # default, the tiny recipe has it off.
-    optim = dict(learning_rate=t.lr, lr_scheduler_type="constant", weight_decay=t.weight_decay, adam_epsilon=t.eps)
-    optim |= dict(adam_beta1=t.betas[0], adam_beta2=t.betas[1], max_grad_norm=t.max_grad_norm)
-    optim["gradient_checkpointing"] = t.gradient_checkpointing
-    loss = dict(loss_type=g.loss_agg, epsilon=g.clip_eps_low, epsilon_high=g.clip_eps_high, beta=g.kl_coef)
-    loss["scale_rewards"] = "group" if g.std_scale else "none"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing's rename in transformers 5
-        args = GRPOConfig(output_dir=str(out_dir), **cpu, **batching, **sampling, **optim, **loss)
-    trainer = GRPOTrainer(
-        model=cfg.model.path, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer
-    )
-    for cb in (PrinterCallback, ProgressCallback):
-        trainer.remove_callback(cb)
-
-    marks: list[float] = []
-    gen_s: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_train_begin(self, *a, **k):
-            marks.append(time.perf_counter())
-
-        def on_step_end(self, *a, **k):
-            marks.append(time.perf_counter())
-
-    trainer.add_callback(Clock())
-    generate = trainer._generate_single_turn  # timed from outside: TRL's own profiling goes to wandb/trackio only
-
-    def timed_generate(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return generate(*a, **k)
-        finally:
-            gen_s.append(time.perf_counter() - t0)
-
-    trainer._generate_single_turn = timed_generate
-    t0 = time.perf_counter()
-    trainer.train()
-    wall = time.perf_counter() - t0
-    logs = [e for e in trainer.state.log_history if "reward" in e]
-    step_s = list(np.diff(marks))
-    del trainer
-    gc.collect()
-    return {
-        "s_per_step": mean_after(step_s, skip),
-        "generate_s": mean_after(gen_s, skip),
-        "step_s": step_s,
-        "rewards": [e["reward"] for e in logs],
-        "response_len": [e.get("completions/mean_length") for e in logs],
-        "micro_batch_rows": per_device,
-        "setup_s": wall - sum(step_s),
-    }
-
-
 # -------------------------------------------------------------------------------------------------------- roofline
 def measure_peaks(threads: int) -> dict:
     """rlloop.bench.peaks in a child pinned to `threads` cores: pinning this process would pin the Ray cluster it
@@ -301,23 +207,38 @@ def bench_setting(name: str, args, work: Path, trl_reason: str | None) -> dict:
     out |= dict(max_response_len=r.max_response_len, ignore_eos=r.ignore_eos)
     frameworks = args.frameworks.split(",")
     modes = args.modes.split(",") if "rlloop" in frameworks else []
-    order = modes[:1] + (["trl"] if "trl" in frameworks else []) + modes[1:]  # TRL between the rlloop runs
-    for what in order:
-        if what == "trl":
-            if trl_reason:
-                out["trl"] = None
-                continue
-            out["trl"] = run_trl(cfg, batches, tokenizer, args.threads, work / f"{name}-trl", skip)
-        else:
-            out[f"rlloop_{what}"] = run_rlloop(overrides, what, steps, skip, work / f"{name}-{what}", args.threads)
-        run = out["trl" if what == "trl" else f"rlloop_{what}"]
-        print(f"[{name}] {what:<8} {run['s_per_step']:.3f} s/step, rewards {run['rewards']}", flush=True)
+    with_trl = "trl" in frameworks and not trl_reason
+    order = modes[:1] + (["trl"] if with_trl else []) + modes[1:]  # TRL between the rlloop runs
+    rounds = args.rounds or (1 if args.quick else DEFAULT_ROUNDS[name])
+    runs: dict[str, list[dict]] = {what: [] for what in order}
+    for k in range(rounds):
+        for what in order:
+            if what == "trl":
+                from rlloop.bench.trl_runner import run_trl
+
+                run = run_trl(cfg, batches, tokenizer, args.threads, work / f"{name}-trl-{k}", skip)
+            else:
+                run = run_rlloop(overrides, what, steps, skip, work / f"{name}-{what}-{k}", args.threads)
+            runs[what].append(run)
+            print(f"[{name}] round {k + 1}/{rounds} {what:<8} {run['s_per_step']:.3f} s/step", flush=True)
+    out["rounds"] = rounds
+    if "trl" in frameworks and trl_reason:
+        out["trl"] = None
+    for what, results in runs.items():
+        out["trl" if what == "trl" else f"rlloop_{what}"] = median_run(results)
     if modes:
         out["roofline"] = step_work(cfg, batches, out[f"rlloop_{modes[0]}"], skip)  # bound_s: in finish()
-    for mode in modes:
-        if out.get("trl"):
-            out[f"trl_over_rlloop_{mode}"] = out["trl"]["s_per_step"] / out[f"rlloop_{mode}"]["s_per_step"]
+    for mode in modes if with_trl else ():
+        ratios = [t["s_per_step"] / m["s_per_step"] for t, m in zip(runs["trl"], runs[mode])]
+        out[f"trl_over_rlloop_{mode}"] = float(np.median(ratios))
+        out[f"trl_over_rlloop_{mode}_rounds"] = ratios
     return out
+
+
+def median_run(results: list[dict]) -> dict:
+    """The run of median s/step over the rounds (the lower one of an even count), with every round's s/step."""
+    ranked = sorted(results, key=lambda r: r["s_per_step"])
+    return ranked[(len(ranked) - 1) // 2] | {"s_per_step_rounds": [r["s_per_step"] for r in results]}
 
 
 def finish(out: dict, peaks: dict) -> None:
@@ -332,14 +253,16 @@ def finish(out: dict, peaks: dict) -> None:
 
 
 def describe(name: str, r: dict) -> str:
-    lines = [f"[{name}] {r['steps']} steps, means after {r['warmup_steps']} warm-up step(s):"]
+    lines = [f"[{name}] {r['steps']} steps, means after {r['warmup_steps']} warm-up step(s); median of {r['rounds']}:"]
     for key in [k for k in r if (k == "trl" or k.startswith("rlloop_")) and isinstance(r[k], dict)]:
         parts = r[key].get("breakdown_s") or {"generate": r[key]["generate_s"]}
         lines.append(
             f"  {key:<15} {r[key]['s_per_step']:8.3f} s/step ({', '.join(f'{k} {v:.3f}' for k, v in parts.items())})"
         )
         lines.append(f"  {'':<15} reward " + " ".join(f"{x:+.2f}" for x in r[key]["rewards"]))
-    lines += [f"  {k} = {r[k]:.2f}" for k in r if k.startswith("trl_over_") or k.endswith("_over_bound")]
+    for k in [k for k in r if k.startswith("trl_over_") and not k.endswith("_rounds") or k.endswith("_over_bound")]:
+        each = r.get(f"{k}_rounds", [])
+        lines.append(f"  {k} = {r[k]:.2f}" + (f" (rounds: {', '.join(f'{x:.2f}' for x in each)})" if each else ""))
     if "bound_s" in r.get("roofline", {}):
         f = r["roofline"]
         lines.append(
@@ -361,7 +284,8 @@ def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m rlloop.bench e2e", description=__doc__.split("\n")[0])
     ap.add_argument("--settings", default=None, help="comma list of tiny,30m (default both; --quick: tiny)")
     ap.add_argument("--steps", type=int, default=0, help=f"steps per run (default {DEFAULT_STEPS}; --quick: 2)")
-    ap.add_argument("--quick", action="store_true", help="a smoke run: 2 steps, tiny, sync only unless told")
+    ap.add_argument("--rounds", type=int, default=0, help=f"runs of each, alternating (default {DEFAULT_ROUNDS})")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 2 steps, 1 round, tiny, sync only unless told")
     ap.add_argument("--threads", type=int, default=0, help="torch threads for TRL and cores for the peaks (0: all)")
     ap.add_argument("--modes", default=None, help="of sync,async,colocate[+compile] (default sync,async; --quick sync)")
     ap.add_argument("--frameworks", default="trl,rlloop", help="trl,rlloop or one of them")

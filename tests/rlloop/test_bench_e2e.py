@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from rlloop.bench.e2e import median_run
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -42,6 +44,7 @@ def check_top(result: dict) -> None:
     tiny = result["tiny"]
     assert tiny["steps"] == 2 and tiny["warmup_steps"] == 1
     assert (tiny["prompts_per_step"], tiny["group_size"], tiny["max_response_len"]) == (16, 8, 16)
+    assert tiny["rounds"] == 1
 
 
 def test_rlloop_half():
@@ -50,6 +53,7 @@ def test_rlloop_half():
     tiny = result["tiny"]
     rl = tiny["rlloop_sync"]
     assert positive(rl["s_per_step"]) and positive(rl["setup_s"])
+    assert rl["s_per_step_rounds"] == [rl["s_per_step"]]
     assert set(rl["breakdown_s"]) == {"rollout", "train", "sync", "other"}
     for key in ("rollout", "train", "sync"):
         assert positive(rl["breakdown_s"][key]), key
@@ -77,3 +81,10 @@ def test_trl_half():
     assert all(-1.0 <= r <= 1.0 for r in trl["rewards"])
     assert all(0 < n <= 16 for n in trl["response_len"])
     assert 128 % trl["micro_batch_rows"] == 0
+
+
+def test_the_median_round_is_reported_with_every_round():
+    runs = [{"s_per_step": s, "round": k} for k, s in enumerate([0.3, 0.1, 0.2, 0.4])]
+    assert median_run(runs[:3]) == {"s_per_step": 0.2, "round": 2, "s_per_step_rounds": [0.3, 0.1, 0.2]}
+    assert median_run(runs)["round"] == 2  # an even count: the lower of the two middle runs
+    assert median_run(runs[:1])["s_per_step_rounds"] == [0.3]
