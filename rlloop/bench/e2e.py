@@ -39,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rlloop.bench.trl_runner import run_trl
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "grpo_dapo_tiny.yaml"
 TRL_VERSION = "1.16.0"  # the `bench` extra
@@ -214,8 +216,6 @@ def bench_setting(name: str, args, work: Path, trl_reason: str | None) -> dict:
     for k in range(rounds):
         for what in order:
             if what == "trl":
-                from rlloop.bench.trl_runner import run_trl
-
                 run = run_trl(cfg, batches, tokenizer, args.threads, work / f"{name}-trl-{k}", skip)
             else:
                 run = run_rlloop(overrides, what, steps, skip, work / f"{name}-{what}-{k}", args.threads)
