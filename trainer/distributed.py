@@ -1,4 +1,5 @@
-"""Data-parallel plumbing for the trainer: process-group setup and the all-reduces a train step needs.
+"""Data-parallel plumbing for the trainer: the device a config names, process-group setup and the all-reduces a
+train step needs.
 
 Every rank holds the whole model and optimizer (replicated data parallelism). Ranks train on their own slice of the
 batch and sum gradients with one bucketed all-reduce per optimizer step, instead of DDP hooks, because ranks may run
@@ -17,6 +18,19 @@ BUCKET_BYTES = 256 * 2**20
 
 def backend_for(device: str) -> str:
     return {"cpu": "gloo", "cuda": "nccl"}.get(device, "gloo")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("TrainerConfig.device='cuda' but torch sees no CUDA device")
+    if name == "tpu":
+        try:
+            import torch_tpu  # noqa: F401  (registers the device with torch)
+        except ImportError as e:
+            raise ValueError(
+                "TrainerConfig.device='tpu' needs the torch_tpu package (pip install -e '.[tpu]' on a TPU host)"
+            ) from e
+    return torch.device(name)
 
 
 def init_distributed(rank: int, world_size: int, device: str = "cpu", init_method: str | None = None) -> None:

@@ -92,7 +92,7 @@ def full_tensors(model: torch.nn.Module, dtype: torch.dtype, keep: bool) -> Iter
         if id(tensor) in seen:
             continue
         seen.add(id(tensor))
-        full = tensor.detach().full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+        full = whole(tensor)
         if keep:
             yield name, full.to(device="cpu", dtype=dtype)
         del full
@@ -101,6 +101,12 @@ def full_tensors(model: torch.nn.Module, dtype: torch.dtype, keep: bool) -> Iter
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor (the shard of a DTensor; the tensor itself otherwise)."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole of a tensor, detached: a DTensor's shards all-gathered (a collective), any other tensor itself."""
+    t = t.detach()
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def filler(pad_id: int) -> MicroBatch:

@@ -24,9 +24,18 @@ import transformers
 from trainer import checkpoint
 from trainer.batching import MicroBatch, TrainBatch, collate, plan_micro_batches, split_minibatches, validate_batch
 from trainer.config import TrainerConfig
-from trainer.distributed import all_reduce_, all_reduce_grads_, broadcast_params_, init_distributed
+from trainer.distributed import all_reduce_, all_reduce_grads_, broadcast_params_, init_distributed, resolve_device
 from trainer.loss import policy_loss
-from trainer.parallel import LogprobModel, compile_layers, even_out, full_tensors, local, resolve_parallel, shard_fsdp
+from trainer.parallel import (
+    LogprobModel,
+    compile_layers,
+    even_out,
+    full_tensors,
+    local,
+    resolve_parallel,
+    shard_fsdp,
+    whole,
+)
 from trainer.shared_prompts import check_shared_prompts, use_blocked_attention
 
 # Summed over micro-batches and ranks (they are aggregated losses); every other loss metric is a token mean.
@@ -36,19 +45,6 @@ TOKEN_MEAN_METRICS = ("pg_clipfrac", "ppo_kl", "entropy", "logprob_abs_diff")
 
 class NonFiniteTraining(RuntimeError):
     """`train.max_bad_steps` optimizer steps in a row had a non-finite loss or gradient."""
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("TrainerConfig.device='cuda' but torch sees no CUDA device")
-    if name == "tpu":
-        try:
-            import torch_tpu  # noqa: F401  (registers the device with torch)
-        except ImportError as e:
-            raise ValueError(
-                "TrainerConfig.device='tpu' needs the torch_tpu package (pip install -e '.[tpu]' on a TPU host)"
-            ) from e
-    return torch.device(name)
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -203,7 +199,7 @@ class Trainer:
         sums = self._accumulate_gradients(mbs, old, ref)
         if self.parallel == "ddp":
             all_reduce_grads_(self.masters)
-        grads = {n: _full(m.grad).clone() for n, m in zip(self.param_names, self.masters) if m.grad is not None}
+        grads = {n: whole(m.grad).clone() for n, m in zip(self.param_names, self.masters) if m.grad is not None}
         self.optimizer.zero_grad(set_to_none=True)
         return grads, self._finish_metrics(sums)
 
@@ -312,7 +308,7 @@ class Trainer:
     def _optimizer_step(self) -> float:
         if self.parallel == "ddp":  # fsdp reduce-scattered them during backward
             all_reduce_grads_(self.masters)
-        grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(self.masters, self.cfg.max_grad_norm)))
+        grad_norm = float(whole(torch.nn.utils.clip_grad_norm_(self.masters, self.cfg.max_grad_norm)))
         # A non-finite loss gives a non-finite gradient, and its norm is all-reduced: every rank skips the update
         # together (reported as the grad norm and train/skipped_steps) instead of poisoning the weights.
         self.bad_steps = 0 if np.isfinite(grad_norm) else self.bad_steps + 1
@@ -393,9 +389,3 @@ class Trainer:
     def load(self, path) -> None:
         """Restore what `save` wrote into this trainer (same model architecture, config and parallel mode)."""
         checkpoint.load(self, path)
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A whole tensor from a possibly sharded one (a collective for a DTensor)."""
-    t = t.detach()
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
