@@ -204,9 +204,9 @@ def collate_rows(batch: TrainBatch, rows: list[list[int]], pad_id: int = 0) -> M
     rollout_logp = None
     if batch.rollout_logprobs is not None:
         logps = itertools.chain.from_iterable(batch.rollout_logprobs[i] for i in indices)
-        rollout_logp = np.zeros(in_response.shape, dtype=np.float32)
-        rollout_logp[in_response] = np.fromiter(logps, dtype=np.float32, count=int(resp_len.sum()))
-        rollout_logp = torch.from_numpy(rollout_logp)
+        values = np.zeros(in_response.shape, dtype=np.float32)
+        values[in_response] = np.fromiter(logps, dtype=np.float32, count=int(resp_len.sum()))
+        rollout_logp = torch.from_numpy(values)
     return MicroBatch(
         indices=indices,
         input_ids=grid(pad_id, np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int64, count=total)),
