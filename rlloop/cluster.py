@@ -18,22 +18,11 @@ import threading
 from pathlib import Path
 
 from rlloop.config import Config
-from rlloop.placement import actor_options, plan_placement
+from rlloop.placement import actor_env, actor_options, plan_placement
 from rlloop.ray_agents import reap_orphaned_agents
-from rlloop.workers import CPU_AFFINITY_ENV, RolloutWorker, SyncSpec, TrainerWorker
+from rlloop.workers import RolloutWorker, SyncSpec, TrainerWorker
 from rollout import mix_seed
 
-# Passed to every actor: offline switches, tokens and caches must reach workers on other nodes too.
-FORWARDED_ENV = (
-    "HF_HUB_OFFLINE",
-    "HF_DATASETS_OFFLINE",
-    "TRANSFORMERS_OFFLINE",
-    "HF_HOME",
-    "HF_TOKEN",
-    "WANDB_MODE",
-    "JAX_PLATFORMS",
-    "PYTHONPATH",
-)
 PLACEMENT_TIMEOUT_S = 120
 log = logging.getLogger(__name__)
 
@@ -62,33 +51,6 @@ class ClusterError(RuntimeError):
 
 class TrainerDied(ClusterError):
     """A trainer rank's actor died: the loop rebuilds the cluster from the last checkpoint (run.max_restarts)."""
-
-
-def cpu_engine_xla_flags(devices: int, threads: int) -> str:
-    """XLA flags of a rollout engine on CPU cores: a host device per engine "chip", so tensor parallel decode works
-    on CPU hosts too, and Eigen's thread pool only when the engine has more than one thread."""
-    return (
-        f"--xla_force_host_platform_device_count={devices} "
-        f"--xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'}"
-    )
-
-
-def actor_env(cfg: Config, threads: int, rollout: bool, cores: range) -> dict[str, str]:
-    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-    env.update({"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"})
-    if cfg.cluster.device == "cpu":
-        # A CPU "chip" is cores of its own (its bundle's): XLA and torch size their pools from the cores a process
-        # may run on, so without pinning every actor spreads over every core and they slow each other down.
-        env[CPU_AFFINITY_ENV] = ",".join(map(str, cores))
-        env["JAX_PLATFORMS"] = "cpu"
-        if rollout:
-            env["XLA_FLAGS"] = cpu_engine_xla_flags(cfg.cluster.rollout_chips // cfg.cluster.rollout_engines, threads)
-    if cfg.cluster.device == "gpu" and rollout and cfg.cluster.colocate:
-        # JAX would grab 75% of the GPU at start and its pooling allocator never hands freed memory back: the
-        # engine's release() must return its cache and weights to CUDA for the trainer sharing the GPU to use.
-        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-        env["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
-    return env
 
 
 class Cluster:

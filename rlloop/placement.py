@@ -2,14 +2,29 @@
 
 Each of the `rollout_engines` engines holds `rollout_chips / rollout_engines` chips (tensor parallel inside JAX, in
 its own mesh); the trainer runs one rank per chip (`train_chips` ranks, torch.distributed). On `cpu` a "chip" is
-`cpus_per_actor` cores. The shm transport needs both sides on one host, so its plan packs strictly.
+`cpus_per_actor` cores. The shm transport needs both sides on one host, so its plan packs strictly. `actor_env` is
+the environment an actor starts with: on CPU hosts it pins the actor to its bundle's cores.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
-from rlloop.config import ClusterSection
+from rlloop.config import ClusterSection, Config
+from rlloop.workers import CPU_AFFINITY_ENV
+
+# Passed to every actor: offline switches, tokens and caches must reach workers on other nodes too.
+FORWARDED_ENV = (
+    "HF_HUB_OFFLINE",
+    "HF_DATASETS_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "HF_HOME",
+    "HF_TOKEN",
+    "WANDB_MODE",
+    "JAX_PLATFORMS",
+    "PYTHONPATH",
+)
 
 RESOURCE = {"tpu": "TPU", "gpu": "GPU", "cpu": None}
 
@@ -129,3 +144,30 @@ def actor_options(plan: Placement, bundle: int, pg, env: dict[str, str] | None =
         "runtime_env": {"env_vars": env or {}},
         "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, bundle),
     }
+
+
+def cpu_engine_xla_flags(devices: int, threads: int) -> str:
+    """XLA flags of a rollout engine on CPU cores: a host device per engine "chip", so tensor parallel decode works
+    on CPU hosts too, and Eigen's thread pool only when the engine has more than one thread."""
+    return (
+        f"--xla_force_host_platform_device_count={devices} "
+        f"--xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'}"
+    )
+
+
+def actor_env(cfg: Config, threads: int, rollout: bool, cores: range) -> dict[str, str]:
+    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    env.update({"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"})
+    if cfg.cluster.device == "cpu":
+        # A CPU "chip" is cores of its own (its bundle's): XLA and torch size their pools from the cores a process
+        # may run on, so without pinning every actor spreads over every core and they slow each other down.
+        env[CPU_AFFINITY_ENV] = ",".join(map(str, cores))
+        env["JAX_PLATFORMS"] = "cpu"
+        if rollout:
+            env["XLA_FLAGS"] = cpu_engine_xla_flags(cfg.cluster.rollout_chips // cfg.cluster.rollout_engines, threads)
+    if cfg.cluster.device == "gpu" and rollout and cfg.cluster.colocate:
+        # JAX would grab 75% of the GPU at start and its pooling allocator never hands freed memory back: the
+        # engine's release() must return its cache and weights to CUDA for the trainer sharing the GPU to use.
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        env["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
+    return env

@@ -67,7 +67,7 @@ def main() -> None:
     model, dtype, max_batch, max_seq_len, cores = sys.argv[1:6]
     cores = [int(c) for c in cores.split(",")]
     os.sched_setaffinity(0, cores)
-    from rlloop.cluster import cpu_engine_xla_flags
+    from rlloop.placement import cpu_engine_xla_flags
 
     os.environ["XLA_FLAGS"] = cpu_engine_xla_flags(1, len(cores))  # as a run sets up an engine actor on these cores
     from rollout.engine import JaxEngine
