@@ -19,6 +19,7 @@ from pathlib import Path
 from rlloop.config import Config, ConfigError
 from rollout.cost import engine_memory, kv_bytes_per_token, param_count
 from rollout.model_config import ModelConfig
+from rollout.weights import copies_tied_head
 from trainer.memory import ITEMSIZE, trainer_memory
 
 GB = 1e9
@@ -81,7 +82,8 @@ def plan_memory(cfg: Config) -> MemoryPlan | None:
         return None
     c, engine_cfg, trainer_cfg = cfg.cluster, cfg.engine_config(), cfg.trainer_config()
     item = ITEMSIZE[cfg.model.dtype]
-    engine = engine_memory(shape, item, engine_cfg.max_batch, engine_cfg.max_seq_len, engine_cfg.tp)
+    head_copy = copies_tied_head(shape, c.device)
+    engine = engine_memory(shape, item, engine_cfg.max_batch, engine_cfg.max_seq_len, engine_cfg.tp, head_copy)
     trainer = trainer_memory(
         trainer_cfg,
         param_count(shape),

@@ -99,9 +99,12 @@ def decode_bytes(cfg: ModelConfig, itemsize: int, steps: int, rows: int, max_len
     return steps * (weight_bytes(cfg, itemsize) + rows * per_row)
 
 
-def engine_memory(cfg: ModelConfig, itemsize: int, max_batch: int, max_seq_len: int, tp: int = 1) -> dict[str, int]:
-    """Bytes per device that an engine allocates up front: its weights and its static KV cache (max_batch rows of
-    max_seq_len positions, heads split over the tp devices), before any activation or compiled-program workspace."""
-    weights = weight_bytes(cfg, itemsize) // tp
+def engine_memory(
+    cfg: ModelConfig, itemsize: int, max_batch: int, max_seq_len: int, tp: int = 1, head_copy: bool = False
+) -> dict[str, int]:
+    """Bytes per device that an engine allocates up front: its weights (with `head_copy`, a tied model's LM head
+    copy too: rollout.weights.copies_tied_head) and its static KV cache (max_batch rows of max_seq_len positions,
+    heads split over the tp devices), before any activation or compiled-program workspace."""
+    weights = (weight_bytes(cfg, itemsize) + head_copy * cfg.vocab_size * cfg.hidden_size * itemsize) // tp
     kv_cache = max_batch * max_seq_len * kv_bytes_per_token(cfg, itemsize) // tp
     return {"weights": weights, "kv_cache": kv_cache, "total": weights + kv_cache}

@@ -35,7 +35,13 @@ from rollout.sampler import sample
 from rollout.scheduler import Admission, Request, Scheduler, pack_prefills
 from rollout.sharding import cache_sharding, check_tp, make_mesh, param_shardings
 from rollout.types import Completion, SamplingParams, request_id
-from rollout.weights import load_safetensors_dir, params_from_named_arrays, resolve_model_dir, zero_weights
+from rollout.weights import (
+    copies_tied_head,
+    load_safetensors_dir,
+    params_from_named_arrays,
+    resolve_model_dir,
+    zero_weights,
+)
 
 __all__ = ["EngineConfig", "JaxEngine", "DecodeState", "MAX_STOP_IDS"]
 
@@ -119,7 +125,8 @@ class JaxEngine:
 
         # Weights: the safetensors in model_path when there are any, else zeros until load_weights() (the RL loop
         # pushes the trainer's weights); generate() refuses to run on the zeros.
-        self._shardings = param_shardings(mc, self.mesh)
+        self._head_copy = copies_tied_head(mc, self.mesh.devices.flat[0].platform)
+        self._shardings = param_shardings(mc, self.mesh, self._head_copy)
         self.weight_version: int | None = None
         try:
             named = load_safetensors_dir(self.model_dir)
@@ -128,7 +135,7 @@ class JaxEngine:
         if named is not None:
             self.load_weights(named, 0)
         else:
-            self.params = jax.device_put(zero_weights(mc, cfg.dtype), self._shardings)
+            self.params = jax.device_put(zero_weights(mc, cfg.dtype, self._head_copy), self._shardings)
         self.cache = self._new_cache()
         self._host_params = None  # the weights while released (colocation)
         self._static = dict(mc=mc, cache_sh=cache_sharding(self.mesh))
@@ -229,7 +236,7 @@ class JaxEngine:
 
         Everything is validated before anything is replaced: a bad dict leaves the current weights in place.
         """
-        host = params_from_named_arrays(self.model_cfg, named_arrays, self.cfg.dtype)
+        host = params_from_named_arrays(self.model_cfg, named_arrays, self.cfg.dtype, self._head_copy)
         if getattr(self, "_host_params", None) is not None:  # released (colocation): applied when it resumes
             self._host_params = host
         else:

@@ -8,13 +8,15 @@ is declared in rollout.weights' parameter table. With tp=1 the same code runs on
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from rollout.model_config import ModelConfig
-from rollout.weights import Param, Weights, build_weights
+from rollout.weights import LM_HEAD, Param, Weights, build_weights
 
 AXIS = "tp"
 
@@ -47,10 +49,14 @@ def param_spec(cfg: ModelConfig, param: Param, tp: int) -> P:
     return P(*(AXIS if i == param.tp_axis else None for i in range(len(param.dims))))
 
 
-def param_shardings(cfg: ModelConfig, mesh: Mesh) -> Weights:
-    """NamedShardings in the structure of the decoder's Weights (None where a tensor is absent)."""
+def param_shardings(cfg: ModelConfig, mesh: Mesh, head_copy: bool = False) -> Weights:
+    """NamedShardings in the structure of the decoder's Weights (None where a tensor is absent); with `head_copy`, a
+    tied model's copy of the LM head (rollout.weights.with_head_copy) is split by vocab as an untied head is."""
     tp = mesh.shape[AXIS]
-    return build_weights(cfg, lambda p, _: NamedSharding(mesh, param_spec(cfg, p, tp)))
+    shardings = build_weights(cfg, lambda p, _: NamedSharding(mesh, param_spec(cfg, p, tp)))
+    if head_copy:
+        shardings = dataclasses.replace(shardings, lm_head=NamedSharding(mesh, param_spec(cfg, LM_HEAD, tp)))
+    return shardings
 
 
 def cache_sharding(mesh: Mesh) -> NamedSharding:

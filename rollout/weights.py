@@ -53,20 +53,21 @@ def dim_sizes(cfg: ModelConfig) -> dict[str, int]:
     }
 
 
+# A tied model reuses the embedding; its state_dict may still list lm_head.weight (skipped on load).
+LM_HEAD = Param(
+    "lm_head",
+    "lm_head.weight",
+    ("d", "vocab"),
+    tp_axis=1,
+    transposed=True,
+    when=lambda cfg: not cfg.tie_word_embeddings,
+)
 # Megatron-style tensor parallelism: q/k/v and gate/up split by output columns, o/down by input rows, the untied LM
 # head by vocab; embeddings, norms and output biases are replicated.
 TOP_PARAMS = (
     Param("embed", "model.embed_tokens.weight", ("vocab", "d")),
     Param("final_norm", "model.norm.weight", ("d",)),
-    # A tied model reuses the embedding; its state_dict may still list lm_head.weight (skipped on load).
-    Param(
-        "lm_head",
-        "lm_head.weight",
-        ("d", "vocab"),
-        tp_axis=1,
-        transposed=True,
-        when=lambda cfg: not cfg.tie_word_embeddings,
-    ),
+    LM_HEAD,
 )
 LAYER_PARAMS = (
     Param("attn_norm", "input_layernorm.weight", ("d",)),
@@ -123,7 +124,7 @@ class Weights:
     embed: jax.Array  # [V, D]
     final_norm: jax.Array  # [D]
     layers: tuple[LayerWeights, ...]
-    lm_head: jax.Array | None = None  # [D, V]; None when tied to the embedding
+    lm_head: jax.Array | None = None  # [D, V]; None when tied to the embedding, unless held as a copy (with_head_copy)
 
 
 # The table and the pytree must name the same tensors: checked at import, so a field added to one fails at once.
@@ -153,8 +154,11 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def params_from_named_arrays(cfg: ModelConfig, named: Mapping[str, np.ndarray], dtype: str = "float32") -> Weights:
-    """Validate HF-named arrays against `cfg` and build the decoder's Weights (host numpy arrays in `dtype`).
+def params_from_named_arrays(
+    cfg: ModelConfig, named: Mapping[str, np.ndarray], dtype: str = "float32", head_copy: bool = False
+) -> Weights:
+    """Validate HF-named arrays against `cfg` and build the decoder's Weights (host numpy arrays in `dtype`; with
+    `head_copy`, a tied model's LM head copy too: `copies_tied_head`).
 
     Raises ValueError naming the first missing, misshapen or unknown tensor; nothing is built until all are valid.
     """
@@ -179,12 +183,29 @@ def params_from_named_arrays(cfg: ModelConfig, named: Mapping[str, np.ndarray], 
         arr = np.asarray(named[name]).astype(np_dtype, copy=False)
         return np.ascontiguousarray(arr.T if param.transposed else arr)
 
-    return build_weights(cfg, get)
+    weights = build_weights(cfg, get)
+    return with_head_copy(weights) if head_copy else weights
 
 
-def zero_weights(cfg: ModelConfig, dtype: str) -> Weights:
+def copies_tied_head(cfg: ModelConfig, platform: str) -> bool:
+    """Whether an engine on `platform` (a JAX platform: cpu, gpu, tpu) holds a tied model's LM head as a copy of the
+    embedding in the head's own [D, V] layout (`with_head_copy`). On XLA:CPU the 32-row [N, D] x [D, V] product of
+    a decode step runs ~1.1x faster than [N, D] x [V, D]^T, and the head is a third of the step (docs/benchmarks.md,
+    rollout), for V x D more memory; accelerators take either layout at full speed."""
+    return cfg.tie_word_embeddings and platform == "cpu"
+
+
+def with_head_copy(weights: Weights) -> Weights:
+    """A tied model's weights with `lm_head` set to the embedding transposed (`copies_tied_head`): the same
+    products, summed in another order (fp32 logits move by ~1e-6 relative). Made on every weight load, so the copy
+    is never stale."""
+    return dataclasses.replace(weights, lm_head=np.ascontiguousarray(np.asarray(weights.embed).T))
+
+
+def zero_weights(cfg: ModelConfig, dtype: str, head_copy: bool = False) -> Weights:
     """All-zero host weights of the right shapes: what an engine holds before its first load_weights()."""
-    return build_weights(cfg, lambda p, _: np.zeros(p.shape(cfg), np.dtype(dtype)))
+    weights = build_weights(cfg, lambda p, _: np.zeros(p.shape(cfg), np.dtype(dtype)))
+    return with_head_copy(weights) if head_copy else weights
 
 
 def resolve_model_dir(model_path: str) -> str:
