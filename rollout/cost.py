@@ -105,6 +105,7 @@ def engine_memory(
     """Bytes per device that an engine allocates up front: its weights (with `head_copy`, a tied model's LM head
     copy too: rollout.weights.copies_tied_head) and its static KV cache (max_batch rows of max_seq_len positions,
     heads split over the tp devices), before any activation or compiled-program workspace."""
-    weights = (weight_bytes(cfg, itemsize) + head_copy * cfg.vocab_size * cfg.hidden_size * itemsize) // tp
+    copy = cfg.vocab_size * cfg.hidden_size * itemsize if head_copy else 0
+    weights = (weight_bytes(cfg, itemsize) + copy) // tp
     kv_cache = max_batch * max_seq_len * kv_bytes_per_token(cfg, itemsize) // tp
     return {"weights": weights, "kv_cache": kv_cache, "total": weights + kv_cache}
