@@ -1,6 +1,6 @@
 """JaxEngine: the bucketed, compiled rollout engine (continuous batching over a static KV cache).
 
-Three kinds of compiled programs, one per bucket, all built in `warmup()`:
+Three kinds of compiled programs (rollout/programs.py), one per bucket, all built in `warmup()`:
   prefill/P  packed prompts, P tokens, K/V written straight into their slots
   copy/M     GRPO fan-out: copy M slot rows (a prompt's KV into its other samples' slots)
   decode/B   `steps_per_dispatch` decode steps for rows 0..B-1 in one on-device scan, sampling included
@@ -15,23 +15,21 @@ only; what they cost in FLOPs and bytes is rollout.cost's arithmetic.
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from functools import partial
 from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rollout import cost, model, numerics
+from rollout import cost
 from rollout.buckets import default_decode_buckets, default_prefill_buckets, pick_bucket, validate_buckets
 from rollout.compiles import compile_count
 from rollout.decode_state import FREE, LENGTH, MAX_STOP_IDS, RUNNING, STOPPED, DecodeState
 from rollout.engine_config import EngineConfig
-from rollout.kv_cache import copy_slots, init_cache
+from rollout.kv_cache import init_cache
 from rollout.model_config import ModelConfig
-from rollout.sampler import sample
+from rollout.programs import copy_program, decode_program, prefill_program
 from rollout.scheduler import Admission, Request, Scheduler, pack_prefills
 from rollout.sharding import cache_sharding, check_tp, make_mesh, param_shardings
 from rollout.types import Completion, SamplingParams, request_id
@@ -46,64 +44,6 @@ from rollout.weights import (
 __all__ = ["EngineConfig", "JaxEngine", "DecodeState", "MAX_STOP_IDS"]
 
 _FINISH_REASON = {STOPPED: "stop", LENGTH: "length"}
-
-# -- the compiled programs ------------------------------------------------------------------------------------------
-# Module-level jit with model config, cache layout and loop sizes static: engines of one configuration (restarted,
-# several in a process, tests) share compiled programs; array shapes select the bucket; the donated cache is updated in
-# place. The programs keep every bf16 rounding they name, as HF's bf16 forward does (no excess precision: numerics).
-_jit = partial(jax.jit, compiler_options=numerics.COMPILER_OPTIONS)
-
-
-def _constrain(cache, cache_sh):
-    # Pin the cache's layout so each output matches the next call's input (GSPMD could otherwise choose another
-    # sharding for an output, which would mean a re-layout and a recompile on the next call).
-    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, cache_sh), cache)
-
-
-@partial(_jit, donate_argnums=1, static_argnames=("mc", "cache_sh"))
-def _prefill_program(params, cache, tokens, positions, segments, slots, *, mc, cache_sh):
-    cache, _ = model.prefill(mc, params, cache, tokens, positions, segments, slots)
-    return _constrain(cache, cache_sh)
-
-
-@partial(jax.jit, donate_argnums=0, static_argnames=("mc", "cache_sh", "length"))
-def _copy_program(cache, src, dst, *, mc, cache_sh, length):
-    return _constrain(copy_slots(cache, src, dst, length), cache_sh)
-
-
-@partial(_jit, donate_argnums=1, static_argnames=("mc", "cache_sh", "steps", "max_len"))
-def _decode_program(params, cache, state: DecodeState, *, mc, cache_sh, steps, max_len):
-    """`steps` decode steps for rows 0..B-1 in one on-device scan; finished rows ride along masked. Returns the
-    cache, the state after the last step, and per step [steps, B] tokens, log-probs and emitted masks."""
-    s = state
-
-    def step(carry, _):
-        cache, tok, pos, n_gen, finish = carry
-        active = finish == RUNNING
-        # attention reads only as far as the longest running row (finished / free rows are junk anyway)
-        kv_len = jnp.max(jnp.where(active, pos, 0)) + 1
-        cache, logits = model.decode_step(mc, params, cache, tok, pos, kv_len)
-        new_tok, logp = sample(logits, s.temp, s.top_k, s.top_p, s.seed, s.rid, pos + 1)
-        n_gen = n_gen + active.astype(jnp.int32)
-        hit_stop = jnp.any(new_tok[:, None] == s.stop, axis=-1)
-        # the new token sits at pos + 1; the sequence is full once that is the cache's last position
-        ended = jnp.where(
-            hit_stop, STOPPED, jnp.where((n_gen >= s.max_new) | (pos + 1 >= max_len - 1), LENGTH, RUNNING)
-        )
-        finish = jnp.where(active, ended, finish)
-        tok = jnp.where(active, new_tok, tok)
-        pos = jnp.where(active, pos + 1, pos)
-        return (cache, tok, pos, n_gen, finish), (new_tok, logp, active)
-
-    init = (cache, s.tok, s.pos, s.n_gen, s.finish)
-    (cache, tok, pos, n_gen, finish), (toks, logps, emitted) = jax.lax.scan(step, init, None, length=steps)
-    return (
-        _constrain(cache, cache_sh),
-        dataclasses.replace(s, tok=tok, pos=pos, n_gen=n_gen, finish=finish),
-        toks,
-        logps,
-        emitted,
-    )
 
 
 class JaxEngine:
@@ -178,7 +118,7 @@ class JaxEngine:
 
     def _decode_dispatch(self, state: DecodeState, b: int):
         """Run one decode dispatch on rows 0..b-1; the cache is replaced, the rest is returned (on device)."""
-        self.cache, new, toks, logps, emitted = _decode_program(
+        self.cache, new, toks, logps, emitted = decode_program(
             self.params,
             self.cache,
             state.rows(b),
@@ -189,7 +129,7 @@ class JaxEngine:
         return new, toks, logps, emitted
 
     def _run_prefill(self, batch) -> None:
-        self.cache = _prefill_program(
+        self.cache = prefill_program(
             self.params, self.cache, batch.tokens, batch.positions, batch.segments, batch.slots, **self._static
         )
 
@@ -202,7 +142,7 @@ class JaxEngine:
             src = np.zeros(m, np.int32)
             dst = np.full(m, self.cfg.max_batch, np.int32)  # padding pairs write out of range: dropped
             src[: len(chunk)], dst[: len(chunk)] = zip(*chunk)
-            self.cache = _copy_program(self.cache, src, dst, **self._static, length=self._copy_len)
+            self.cache = copy_program(self.cache, src, dst, **self._static, length=self._copy_len)
             padded += m
         return padded
 
@@ -212,12 +152,12 @@ class JaxEngine:
         for p in self.prefill_buckets:
             t0 = time.perf_counter()
             z = np.zeros(p, np.int32)
-            self.cache = _prefill_program(self.params, self.cache, z, z, z, np.full(p, s, np.int32), **self._static)
+            self.cache = prefill_program(self.params, self.cache, z, z, z, np.full(p, s, np.int32), **self._static)
             jax.block_until_ready(self.cache)
             times[f"prefill/{p}"] = time.perf_counter() - t0
         for m in self.decode_buckets:
             t0 = time.perf_counter()
-            self.cache = _copy_program(
+            self.cache = copy_program(
                 self.cache, np.zeros(m, np.int32), np.full(m, s, np.int32), **self._static, length=self._copy_len
             )
             jax.block_until_ready(self.cache)
