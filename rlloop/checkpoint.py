@@ -17,6 +17,8 @@ from pathlib import Path
 
 import xxhash
 
+from rlloop.errors import TrainerDied
+
 PREFIX = "step_"
 MANIFEST = "manifest.json"
 log = logging.getLogger(__name__)
@@ -83,7 +85,8 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def save_checkpoint(run_dir: Path, step: int, state: dict, save_trainer, keep: int = 2) -> Path:
-    """`save_trainer(path)` writes the trainer's state into `path`; `state` is the loop's (JSON)."""
+    """`save_trainer(path)` writes the trainer's state into `path`; `state` is the loop's (JSON). A write that
+    fails is a CheckpointError; a trainer rank that dies mid-save is its TrainerDied, for the loop to heal."""
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -94,6 +97,8 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, save_trainer, keep: i
         (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1))
     except Exception as e:  # a full disk, a trainer rank that failed to write: nothing half-written stays
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, TrainerDied):  # not a failed write: the loop rebuilds from the previous checkpoint
+            raise
         previous = _completed(run_dir)
         kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
         raise CheckpointError(f"writing checkpoint {final} failed ({e}); {kept}; rerun with --resume") from e

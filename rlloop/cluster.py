@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 from rlloop.config import Config
+from rlloop.errors import ClusterError, TrainerDied
 from rlloop.placement import actor_env, actor_options, plan_placement
 from rlloop.ray_agents import reap_orphaned_agents
 from rlloop.workers import RolloutWorker, SyncSpec, TrainerWorker
@@ -43,14 +44,6 @@ def sync_spec(cfg: Config, run_dir: Path) -> SyncSpec:
         keyframe_every=s.keyframe_every,
         keep=s.keep,
     )
-
-
-class ClusterError(RuntimeError):
-    """The cluster cannot host the plan, or an actor died; the message says which and what to do."""
-
-
-class TrainerDied(ClusterError):
-    """A trainer rank's actor died: the loop rebuilds the cluster from the last checkpoint (run.max_restarts)."""
 
 
 class Cluster:

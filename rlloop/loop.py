@@ -15,9 +15,10 @@ from contextlib import ExitStack, closing
 from pathlib import Path
 
 from rlloop.checkpoint import latest_checkpoint, load_state, save_checkpoint
-from rlloop.cluster import Cluster, TrainerDied
+from rlloop.cluster import Cluster
 from rlloop.config import Config, to_yaml
 from rlloop.data import Inputs, load_inputs
+from rlloop.errors import TrainerDied
 from rlloop.rollout_manager import RolloutManager
 from rlloop.schedules import rollout_schedule
 from rlloop.tracking import Tracker

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from rlloop.checkpoint import CheckpointError
-    from rlloop.cluster import ClusterError
+    from rlloop.errors import ClusterError
     from rlloop.loop import train
     from trainer import NonFiniteTraining
 

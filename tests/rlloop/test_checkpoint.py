@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from rlloop.checkpoint import CheckpointError, latest_checkpoint, save_checkpoint, verify
+from rlloop.errors import TrainerDied
 
 
 def trainer_writing(nbytes: int):
@@ -35,6 +36,21 @@ def test_a_full_disk_mid_save_keeps_the_previous_checkpoint(small_disk):
         save_checkpoint(small_disk, 2, {"data": {"position": 2}}, trainer_writing(900_000))
     assert latest_checkpoint(small_disk) == first and verify(first) is None
     assert not list((small_disk / "checkpoints").glob("*.tmp"))  # the half-written one is gone
+
+
+def test_a_trainer_dying_mid_save_is_left_for_the_loop_to_heal(tmp_path):
+    """A death is not a failed write: it reaches the loop as TrainerDied (which rebuilds the cluster from the previous
+    checkpoint), not as the CheckpointError that ends the run, and the half-written checkpoint is gone."""
+    first = save_checkpoint(tmp_path, 1, {}, trainer_writing(4096))
+
+    def dies_mid_write(path):
+        trainer_writing(4096)(path)
+        raise TrainerDied("a trainer actor died during save()")
+
+    with pytest.raises(TrainerDied):
+        save_checkpoint(tmp_path, 2, {}, dies_mid_write)
+    assert latest_checkpoint(tmp_path) == first
+    assert not list((tmp_path / "checkpoints").glob("*.tmp"))
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,10 @@
+"""What an actor's death or an unplaceable plan raises, apart from the cluster that raises it, so that code which must
+tell a recoverable death from a failed write (`rlloop/checkpoint.py`) need not import the cluster and its workers."""
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot host the plan, or an actor died; the message says which and what to do."""
+
+
+class TrainerDied(ClusterError):
+    """A trainer rank's actor died: the loop rebuilds the cluster from the last checkpoint (run.max_restarts)."""
