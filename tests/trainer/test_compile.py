@@ -2,7 +2,6 @@
 batches of new lengths compile nothing more (dynamic shapes): a run compiles once, not once per step."""
 
 import pytest
-import torch
 from torch._dynamo.utils import counters
 
 from trainer import TrainBatch, Trainer, TrainerConfig
@@ -18,6 +17,7 @@ def test_compiled_layers_train_like_eager_and_compile_once(tiny_qwen3_dir, make_
     eager = Trainer(TrainerConfig(tiny_qwen3_dir, lr=1e-3, share_prompts=True))
     compiled = Trainer(TrainerConfig(tiny_qwen3_dir, lr=1e-3, share_prompts=True, compile=True))
     batches = [grouped(make_batch(12, seed=s, max_prompt=9 + 3 * s, max_response=12 + 4 * s)) for s in range(3)]
+    initial = {name: p.detach().clone() for name, p in eager.model.named_parameters()}
     before = counters["stats"]["unique_graphs"]  # the counters are the process's
     for step, batch in enumerate(batches):
         if step == 1:  # the first batch compiled what training needs
@@ -27,5 +27,9 @@ def test_compiled_layers_train_like_eager_and_compile_once(tiny_qwen3_dir, make_
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (step, key)
     assert counters["stats"]["unique_graphs"] == graphs, "a batch of new lengths recompiled the layers"
     assert graphs > before, "nothing was compiled"
+    # Each tensor's update, not each element: AdamW divides by sqrt(v), so an element whose gradient is ~0 moves by up
+    # to lr whichever way op-order noise tips it (one element of 8192 did, by 1e-5, on an AVX2 CPU). Measured: the
+    # updates agree to <= 6e-5 of their norm; a wrong gradient anywhere is O(1).
     for (name, a), b in zip(eager.model.named_parameters(), compiled.model.parameters()):
-        torch.testing.assert_close(b, a, rtol=0, atol=1e-5, msg=name)
+        want, got = a - initial[name], b - initial[name]
+        assert float((got - want).norm()) <= 1e-3 * float(want.norm()), name
