@@ -89,25 +89,31 @@ def bench_engine(path: Path, args) -> dict:
 
 
 def torch_matmul_peak(device: str) -> float:
+    """The best bf16 FLOP/s of torch's square matmuls over a few sizes: a CPU without bf16 units (AVX2) runs small
+    ones faster than large ones (1.7 against 0.9 GFLOP/s at 64 and 1024 on a Zen 3), so one size is no peak."""
     import torch
 
-    n = 8192 if device == "cuda" else 1024
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    best = float("inf")
-    for _ in range(5):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        a @ a
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * n**3 / best
+    best = 0.0
+    for n in (4096, 8192) if device == "cuda" else (64, 256, 1024):
+        a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        reps = max(1, int(2e8 // (2 * n**3)))  # ~0.2 GFLOP a timing, so small sizes are not all timer overhead
+        for _ in range(5):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                a @ a
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best = max(best, 2.0 * n**3 * reps / (time.perf_counter() - t0))
+    return best
 
 
 def bench_trainer(path: Path, args) -> dict:
     import torch
 
+    from rollout.cost import generate_flops
+    from rollout.model_config import ModelConfig
     from trainer import TrainBatch, Trainer, TrainerConfig
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -129,10 +135,12 @@ def bench_trainer(path: Path, args) -> dict:
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    params = sum(p.numel() for p in trainer.model.parameters())
     tokens = rows * (args.prompt_len + args.new_tokens)
-    # 6 N per token for forward + backward, plus one more forward for the checkpointed recomputation.
-    flops = 8.0 * params * tokens
+    # Model FLOPs (the recomputation under checkpointing is not counted, as MFU is defined): a training forward is
+    # what generating the responses computes (the layers over every token, the LM head over the scored ones, the same
+    # attention), and the backward twice that.
+    mc = ModelConfig.from_dir(str(path))
+    flops = 3.0 * generate_flops(mc, rows * (args.prompt_len - 1), [(args.prompt_len, args.new_tokens)] * rows)
     return {
         "device": device,
         "step_s": seconds,
