@@ -23,6 +23,11 @@ from tests.rollout.conftest import small_engine
 
 PROMPT_LEN, NEW_TOKENS, PROMPTS, SAMPLES = 16, 48, 4, 2
 HEAD_STD = 0.28
+# The engine reproduces torch's bf16 kernels as they run on an AVX-512 CPU, where its matmuls are oneDNN's. Without
+# AVX-512, torch's bf16 matmuls and flash attention fall back to its own loops, whose fp32 accumulation order differs
+# from XLA's in about one output element in 10^4; spread through the layers that left 1.3e-3 (T=1) and 2.1e-3
+# (T=0.7) on a Zen 3 (docs/benchmarks.md, Numerics). Unmatched numerics give 1.4-1.6e-2 on either.
+GAP_BOUND = 2e-3 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 3e-3
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +89,7 @@ def test_bf16_engine_logprobs_match_the_trainer(realistic_bf16_dir, temperature)
     ours, theirs = _sample_and_score(realistic_bf16_dir, "bfloat16", temperature)
     gap = np.abs(ours - theirs)
     print(f"bf16 T={temperature}: mean |engine - trainer| {gap.mean():.2e}, max {gap.max():.2e} over {gap.size}")
-    assert gap.mean() <= 2e-3
+    assert gap.mean() <= GAP_BOUND
 
 
 def test_fp32_engine_logprobs_match_the_trainer(realistic_bf16_dir):
