@@ -19,7 +19,7 @@ from pathlib import Path
 from rlloop.config import Config, ConfigError
 from rollout.cost import engine_memory, kv_bytes_per_token, param_count
 from rollout.model_config import ModelConfig
-from rollout.weights import copies_tied_head
+from rollout.weight_table import copies_tied_head
 from trainer.memory import ITEMSIZE, trainer_memory
 
 GB = 1e9

@@ -14,7 +14,7 @@ from functools import lru_cache
 from typing import Iterable
 
 from rollout.model_config import ModelConfig
-from rollout.weights import LAYER_PARAMS, TOP_PARAMS
+from rollout.weight_table import LAYER_PARAMS, TOP_PARAMS
 
 # Decode reads a long cache in chunks of this many positions, and only as many chunks as the longest running row
 # needs: a step costs the context actually in use, not the cache's full max_len. A short cache (up to 2 chunks) is
@@ -42,7 +42,7 @@ def decode_kv_positions(max_len: int, kv_len: int) -> int:
 
 @lru_cache(maxsize=None)  # the engine asks on every dispatch; a ModelConfig is frozen and hashable
 def param_count(cfg: ModelConfig) -> int:
-    """Elements of every tensor the decoder holds (rollout.weights' table)."""
+    """Elements of every tensor the decoder holds (rollout.weight_table)."""
 
     def size(p) -> int:
         n = 1
@@ -103,7 +103,7 @@ def engine_memory(
     cfg: ModelConfig, itemsize: int, max_batch: int, max_seq_len: int, tp: int = 1, head_copy: bool = False
 ) -> dict[str, int]:
     """Bytes per device that an engine allocates up front: its weights (with `head_copy`, a tied model's LM head
-    copy too: rollout.weights.copies_tied_head) and its static KV cache (max_batch rows of max_seq_len positions,
+    copy too: rollout.weight_table.copies_tied_head) and its static KV cache (max_batch rows of max_seq_len positions,
     heads split over the tp devices), before any activation or compiled-program workspace."""
     copy = cfg.vocab_size * cfg.hidden_size * itemsize if head_copy else 0
     weights = (weight_bytes(cfg, itemsize) + copy) // tp

@@ -33,8 +33,8 @@ from rollout.programs import copy_program, decode_program, prefill_program
 from rollout.scheduler import Admission, Request, Scheduler, pack_prefills
 from rollout.sharding import cache_sharding, check_tp, make_mesh, param_shardings
 from rollout.types import Completion, SamplingParams, request_id
+from rollout.weight_table import copies_tied_head
 from rollout.weights import (
-    copies_tied_head,
     load_safetensors_dir,
     params_from_named_arrays,
     resolve_model_dir,

@@ -3,7 +3,7 @@
 Megatron-style: q/k/v and gate/up projections are split by output columns (whole heads / MLP channels per device),
 o_proj and down_proj by input rows, so each layer needs one all-reduce after attention and one after the MLP
 (GSPMD inserts them). The KV cache is split on its kv-heads axis to follow k/v. Which axis of which weight is split
-is declared in rollout.weights' parameter table. With tp=1 the same code runs on a one-device mesh.
+is declared in rollout.weight_table. With tp=1 the same code runs on a one-device mesh.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from rollout.model_config import ModelConfig
-from rollout.weights import LM_HEAD, Param, Weights, build_weights
+from rollout.weight_table import LM_HEAD, Param
+from rollout.weights import Weights, build_weights
 
 AXIS = "tp"
 

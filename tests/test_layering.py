@@ -53,3 +53,19 @@ def test_the_check_sees_lazy_and_relative_imports(tmp_path):
         "rollout/a.py:5 imports ray",
         "rollout/b.py:2 imports rlloop",
     ]
+
+
+def test_the_driver_checks_a_run_without_importing_jax():
+    """Where the engine runs in a Ray actor, the driver never needs JAX: its preflight (config, memory plan, reward
+    references) must not pay JAX's import, which every `python -m rlloop.run` and every restart would."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from rlloop.config import load_config; from rlloop.run import check_references; "
+        "check_references(load_config('examples/grpo_dapo_tiny.yaml')); "
+        "print(sorted({'jax', 'jaxlib'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

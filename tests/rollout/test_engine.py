@@ -133,8 +133,8 @@ def test_load_weights_swaps_model_without_compiling(tmp_path, engine, hf, tiny_q
     engine.load_weights(load_safetensors_dir(str(other_dir)), version=5)
     c = engine.generate([prompt], 1, sp)[0]
     assert c.weight_version == 5 and c.token_ids == _hf_greedy(_hf(other_dir), prompt, 10)
-    # on CPU the tied head is multiplied from a copy in [D, V] (rollout.weights.copies_tied_head), made from the new
-    # embedding, not the old one
+    # on CPU the tied head is multiplied from a copy in [D, V] (rollout.weight_table.copies_tied_head), made from the
+    # new embedding, not the old one
     np.testing.assert_array_equal(np.asarray(engine.params.lm_head), np.asarray(engine.params.embed).T)
     # a bad dict raises naming the tensor and leaves the loaded weights in place
     bad = load_safetensors_dir(str(other_dir))
