@@ -9,16 +9,11 @@ import time
 import psutil
 import pytest
 
-from tests.e2e.test_tiny_run import metrics, run_cli, shm_segments
+from tests.e2e.test_tiny_run import latest_step, metrics, run_cli, shm_segments
 
 STEPS = 12
 ARGS = [f"run.steps={STEPS}", "run.save_every=1", "run.eval_every=0", "rollout.backend=hf", "cluster.use_ray=false"]
 ARGS += ["tracking.progress=false", "rollout.prompts_per_step=8"]
-
-
-def latest_step(run_dir) -> int:
-    done = [p for p in (run_dir / "checkpoints").glob("step_*") if p.name[5:].isdigit() and (p / "state.json").exists()]
-    return max((int(p.name[5:]) for p in done), default=0)
 
 
 def test_a_driver_killed_at_ten_random_points_resumes_into_the_untouched_run(tmp_path):
