@@ -114,38 +114,46 @@ def ray_agents() -> set[int]:
     return {int(pid) for pid in out.stdout.split()}
 
 
-def test_ctrl_c_sigterm_or_sigkill_of_the_driver_leaves_nothing_and_resume_continues(tmp_path, sigint_not_ignored):
-    """Ctrl-C (exit 130) and SIGTERM (`ray job stop`, a preemption: exit 143) unwind cleanly: a --resume hint, Ray
-    and shared memory gone. A SIGKILLed driver cannot clean up: Ray's agents outlive it by ~60 s, and the next start
-    ends them. Each time --resume continues the run, which ends at its last step, every step logged once."""
+def test_every_way_a_run_stops_leaves_nothing_and_resume_continues(tmp_path, sigint_not_ignored):
+    """Ctrl-C (exit 130), an actor's death with run.max_restarts=0 (exit 1) and SIGTERM (`ray job stop`, a
+    preemption: exit 143) unwind cleanly: a --resume hint, Ray and shared memory gone. A SIGKILLed driver cannot clean
+    up: Ray's agents outlive it by ~60 s, and the next start ends them. Each time --resume continues the run, which
+    ends at its last step with every step logged once."""
     from rlloop.cluster import run_id_for
 
     def ours() -> set[str]:
         return {s for s in shm_segments() if run_id_for(tmp_path) in s}
 
     args = [f"run.dir={tmp_path}", "tracking.progress=false", "run.save_every=1", "run.eval_every=0"]
-    args += ["rollout.backend=hf", "run.steps=6"]
+    args += ["rollout.backend=hf", "run.steps=8"]
 
-    def start_and_signal(send, after_step: int, resume: bool) -> tuple[int, str]:
+    def start_and_stop(stop, *extra: str) -> tuple[int, str]:
+        """A driver (resuming, once a checkpoint exists) stopped by `stop(proc)` once it has saved a checkpoint."""
+        seen = latest_step(tmp_path) if tmp_path.exists() else 0
         # a session of its own, as a terminal's foreground job is (Ctrl-C signals the whole group)
-        proc = run_cli(*args, *(["--resume"] if resume else []), start_new_session=True)
+        proc = run_cli(*args, *extra, *(["--resume"] if seen else []), start_new_session=True)
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not (tmp_path / "checkpoints" / f"step_{after_step:06d}").exists():
+        while time.monotonic() < deadline and latest_step(tmp_path) <= seen:
             time.sleep(0.2)
         assert proc.poll() is None, proc.stdout.read()[-3000:]
-        send(proc)
-        out, _ = proc.communicate(timeout=120)
+        stop(proc)
+        out, _ = proc.communicate(timeout=180)
         return proc.returncode, out
 
-    rc, out = start_and_signal(lambda p: os.killpg(p.pid, signal.SIGINT), 1, resume=False)  # what Ctrl-C does
+    rc, out = start_and_stop(lambda p: os.killpg(p.pid, signal.SIGINT))  # what Ctrl-C does
     assert rc == 130 and "--resume" in out, out[-3000:]
     assert not ray_processes() and not ours()
 
-    rc, out = start_and_signal(lambda p: p.send_signal(signal.SIGTERM), 3, resume=True)  # the driver alone
+    kill_engine = ["pkill", "-9", "-f", "ray::RolloutWorker"]
+    rc, out = start_and_stop(lambda p: subprocess.run(kill_engine, check=True), "run.max_restarts=0")
+    assert rc == 1 and "actor died" in out and "--resume" in out, out[-3000:]
+    assert not ray_processes() and not ours()
+
+    rc, out = start_and_stop(lambda p: p.send_signal(signal.SIGTERM))  # the driver alone, as `kill` does
     assert rc == 143 and "terminated; continue with" in out and "--resume" in out, out[-3000:]
     assert not ray_processes() and not ray_agents() and not ours()
 
-    rc, _ = start_and_signal(lambda p: p.send_signal(signal.SIGKILL), 4, resume=True)
+    rc, _ = start_and_stop(lambda p: p.send_signal(signal.SIGKILL))
     killed_at, orphans = time.monotonic(), ray_agents()
     assert rc == -signal.SIGKILL and orphans, "Ray's agents used to outlive a killed driver: if not, drop the reaping"
     resume = run_cli(*args, "--resume")
@@ -155,8 +163,7 @@ def test_ctrl_c_sigterm_or_sigkill_of_the_driver_leaves_nothing_and_resume_conti
     assert not orphans & ray_agents() and time.monotonic() - killed_at < 50
     out, _ = resume.communicate(timeout=600)
     assert resume.returncode == 0, out[-3000:]
-    steps = [m["step"] for m in metrics(tmp_path)]
-    assert steps == list(range(1, 7))  # every step once, in order, across four drivers
+    assert [m["step"] for m in metrics(tmp_path)] == list(range(1, 9))  # every step once, in order, over 5 drivers
     assert not ray_processes() and not ray_agents() and not ours()  # the killed driver's segments: swept too
 
 
@@ -244,31 +251,6 @@ def test_two_trainer_ranks_over_gloo_match_one(tmp_path):
     for key in ("rollout/raw_reward", "train/loss", "train/grad_norm", "train/tokens", "train/entropy"):
         assert [m[key] for m in two] == pytest.approx([m[key] for m in one], rel=1e-4, abs=1e-7), key
     assert [m["sync/rollout_version"] for m in two] == [1, 2]
-
-
-def test_without_restarts_a_killed_rollout_actor_stops_the_run_cleanly_and_resume_recovers(tmp_path):
-    before = shm_segments()
-    args = [
-        f"run.dir={tmp_path}",
-        "tracking.progress=false",
-        "run.save_every=1",
-        "run.eval_every=0",
-        "rollout.backend=hf",
-        "run.steps=4",
-        "run.max_restarts=0",
-    ]
-    proc = run_cli(*args)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not (tmp_path / "checkpoints" / "step_000001").exists():
-        time.sleep(0.5)
-    subprocess.run(["pkill", "-9", "-f", "ray::RolloutWorker"], check=True)
-    out, _ = proc.communicate(timeout=180)
-    assert proc.returncode == 1 and "actor died" in out and "--resume" in out, out[-3000:]
-    assert not ray_processes() and shm_segments() <= before
-    resume = run_cli(*args, "--resume")
-    out, _ = resume.communicate(timeout=600)
-    assert resume.returncode == 0, out[-3000:]
-    assert [m["step"] for m in metrics(tmp_path)][-1] == 4
 
 
 KILL_ARGS = ["tracking.progress=false", "run.save_every=1", "run.eval_every=0", "rollout.backend=hf", "run.steps=8"]
