@@ -129,7 +129,7 @@ def test_every_way_a_run_stops_leaves_nothing_and_resume_continues(tmp_path, sig
 
     def start_and_stop(stop, *extra: str) -> tuple[int, str]:
         """A driver (resuming, once a checkpoint exists) stopped by `stop(proc)` once it has saved a checkpoint."""
-        seen = latest_step(tmp_path) if tmp_path.exists() else 0
+        seen = latest_step(tmp_path)
         # a session of its own, as a terminal's foreground job is (Ctrl-C signals the whole group)
         proc = run_cli(*args, *extra, *(["--resume"] if seen else []), start_new_session=True)
         deadline = time.monotonic() + 300
@@ -254,8 +254,8 @@ def test_two_trainer_ranks_over_gloo_match_one(tmp_path):
 
 
 KILL_ARGS = ["tracking.progress=false", "run.save_every=1", "run.eval_every=0", "rollout.backend=hf", "run.steps=8"]
-# Each fault lands once a checkpoint newer than the last heal exists: with 3 faults that is by checkpoint 5 at the
-# latest, which leaves steps for the last one to heal into.
+# Each fault lands once a checkpoint newer than the last heal exists; 8 steps leave the last of 3 faults steps to land
+# in and heal into even when every fault lands a step late.
 HANG = ["cluster.actor_timeout_s=15"]  # far above any call here (warmup compiles ~2 s), and each hang waits it out
 # Every way an actor dies, in turn in one run: stopped (SIGTERM), killed (SIGKILL, an OOM kill) and hung (SIGSTOP:
 # frozen, which the driver must notice by cluster.actor_timeout_s alone).
