@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rlloop.bench.machine import machine
 from rlloop.bench.rollout import make_prompts, save_random_qwen3
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml"
@@ -228,7 +229,7 @@ def main(argv: list[str]) -> None:
     # The engine and the trainer parts share this process's GPU: JAX must not reserve 75% of it up front.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     args = parse_args(argv)
-    report: dict = {"bench": "device", "quick": args.quick}
+    report: dict = {"bench": "device", **machine(), "quick": args.quick}
     with tempfile.TemporaryDirectory(prefix="rlloop_bench_device_") as tmp:
         workdir = Path(tmp)
         path = save_random_qwen3(workdir / "model", **(QUICK if args.quick else QWEN3_0_6B))

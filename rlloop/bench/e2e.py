@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rlloop.bench.machine import machine
 from rlloop.bench.trl_runner import run_trl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -272,14 +273,6 @@ def describe(name: str, r: dict) -> str:
     return "\n".join(lines)
 
 
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return "unknown"
-
-
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m rlloop.bench e2e", description=__doc__.split("\n")[0])
     ap.add_argument("--settings", default=None, help="comma list of tiny,30m (default both; --quick: tiny)")
@@ -300,7 +293,7 @@ def main(argv: list[str]) -> None:
     if trl_reason:
         print(f"TRL column missing: {trl_reason}", flush=True)
     trl_version = None if trl_reason or "trl" not in args.frameworks else __import__("trl").__version__
-    result: dict = dict(bench="e2e", cpu=cpu_model(), cpus=os.cpu_count(), threads=args.threads)
+    result: dict = dict(bench="e2e", **machine(), threads=args.threads)
     result |= dict(trl_version=trl_version, trl_missing=trl_reason, load_avg_start=os.getloadavg()[0])
     names = args.settings.split(",")
     peaks = [measure_peaks(args.threads)]

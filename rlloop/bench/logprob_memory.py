@@ -27,6 +27,8 @@ import subprocess
 import sys
 import time
 
+from rlloop.bench.machine import machine
+
 MODES = ("train", "train_eg", "score")
 
 
@@ -241,6 +243,7 @@ def main(argv: list[str]) -> None:
     )
     result = {
         "bench": "logprob_memory",
+        **machine(),
         "vocab": args.vocab,
         "rows": args.rows,
         "seq": args.seq,

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rlloop.bench.machine import machine
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "grpo_dapo_tiny.yaml"
 MODES = ("sync", "async", "fully_async")
@@ -155,7 +157,7 @@ def main(argv: list[str]) -> None:
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    result = {"bench": "loop", "cpus": os.cpu_count(), "steps": args.steps}
+    result = {"bench": "loop", **machine(), "steps": args.steps}
     with tempfile.TemporaryDirectory(prefix="rlloop_bench_loop_") as tmp:
         work = Path(tmp)
         model = wide_model(work, args.engine_hidden)

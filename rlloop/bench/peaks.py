@@ -14,6 +14,8 @@ import functools
 import json
 import time
 
+from rlloop.bench.machine import machine
+
 # Sizes per platform: big enough to leave the caches and amortise dispatch, small enough to take ~1 s on a CPU.
 _MATMUL_N = {"cpu": 1024, "gpu": 8192, "tpu": 8192}
 _COPY_BYTES = {"cpu": 256 << 20, "gpu": 2 << 30, "tpu": 2 << 30}
@@ -76,4 +78,4 @@ def main(argv: list[str]) -> None:
             f"{r['device_kind']} {r['dtype']}: matmul {r['matmul_flops'] / 1e9:.1f} GFLOP/s, "
             f"memory {r['mem_bytes_per_s'] / 1e9:.1f} GB/s"
         )
-    print(json.dumps({"bench": "peaks", "results": results}))
+    print(json.dumps({"bench": "peaks", **machine(), "results": results}))

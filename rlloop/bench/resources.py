@@ -23,6 +23,8 @@ from pathlib import Path
 
 import psutil
 
+from rlloop.bench.machine import machine
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "grpo_dapo_tiny.yaml"
 ROLES = {"ray::RolloutWorker": "rollout engine", "ray::TrainerWorker": "trainer rank", "spawn_main": "reward worker"}
@@ -114,6 +116,7 @@ def main(argv: list[str]) -> None:
     w = warm_at or 0
     report = {
         "bench": "resources",
+        **machine(),
         "steps": rows[-1]["step"] if rows else 0,
         "exit_code": proc.returncode,
         "wall_s": times[-1] if times else 0.0,

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rlloop.bench.machine import machine
 from rlloop.bench.vllm_runner import vllm_missing, vllm_runner
 from rollout.types import DTYPES
 
@@ -359,7 +360,7 @@ def main(argv: list[str]) -> None:
             {
                 "bench": "rollout",
                 "device": peaks["device_kind"],
-                "cpus": os.cpu_count(),
+                **machine(),
                 "threads": args.threads or os.cpu_count(),
                 "dtype": args.dtype,
                 "vllm_missing": args.vllm_missing,

@@ -31,6 +31,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from rlloop.bench.machine import machine
 from weight_sync import make_receiver, make_sender
 from weight_sync.checksum import byte_view, copy_with_checksums
 
@@ -222,6 +223,7 @@ def main(argv: list[str]) -> None:
         del state
         result = {
             "bench": "sync",
+            **machine(),
             "bytes": nbytes,
             "copy_gbps": gb / t["copy"],
             "shm_gbps": gb / t["shm"],

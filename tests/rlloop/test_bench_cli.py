@@ -22,3 +22,24 @@ def test_usage_lists_exactly_the_benchmarks():
     assert out.stderr.strip() == f"usage: python -m rlloop.bench {{{'|'.join(BENCHES)}}} [args]"
     modules = [m.name for m in pkgutil.iter_modules(rlloop.bench.__path__) if not m.name.startswith("_")]
     assert sorted(name for name in modules if takes_argv(name)) == sorted(BENCHES)
+
+
+def test_the_json_lines_name_the_cpu_by_family_and_vector_units():
+    """A CPU is named with its family and vector units: "AMD EPYC" alone is both a Zen 3 and a Zen 4, whose figures
+    differ a lot. Checked against lscpu and the kernels torch picked."""
+    import os
+
+    import torch
+
+    from rlloop.bench.machine import machine
+
+    m = machine()
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in lscpu.splitlines())}
+    assert m["cpu"].startswith(info["Model name"])
+    assert f"(family {info['CPU family']}, model {info['Model']})" in m["cpu"]
+    capability = torch.backends.cpu.get_cpu_capability()  # the kernels torch picked: "AVX2", "AVX512", ...
+    assert ("avx2" in m["cpu_flags"]) == (capability in ("AVX2", "AVX512"))
+    if capability == "AVX512":
+        assert "avx512f" in m["cpu_flags"]
+    assert m["cpus"] == len(os.sched_getaffinity(0))

@@ -41,6 +41,7 @@ def check_top(result: dict) -> None:
     assert result["bench"] == "e2e"
     assert positive(result["peak_matmul_flops"]) and positive(result["peak_mem_bytes_per_s"])
     assert result["cpus"] >= 1 and result["threads"] >= 1
+    assert result["cpu"] != "unknown" and isinstance(result["cpu_flags"], list)  # rlloop.bench.machine
     tiny = result["tiny"]
     assert tiny["steps"] == 2 and tiny["warmup_steps"] == 1
     assert (tiny["prompts_per_step"], tiny["group_size"], tiny["max_response_len"]) == (16, 8, 16)
