@@ -31,5 +31,5 @@ def test_compiled_layers_train_like_eager_and_compile_once(tiny_qwen3_dir, make_
     # to lr whichever way op-order noise tips it (one element of 8192 did, by 1e-5, on an AVX2 CPU). Measured: the
     # updates agree to <= 6e-5 of their norm; a wrong gradient anywhere is O(1).
     for (name, a), b in zip(eager.model.named_parameters(), compiled.model.parameters()):
-        want, got = a - initial[name], b - initial[name]
+        want, got = a.detach() - initial[name], b.detach() - initial[name]
         assert float((got - want).norm()) <= 1e-3 * float(want.norm()), name
