@@ -140,16 +140,18 @@ class Cluster:
         ]
         nodes = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
         self.placement = {who: nodes[plan.bundle_of(who)] for who in plan.roles()}  # -> <run dir>/cluster.json
-        master = self._call_all(self.trainers[:1], "rendezvous", [()])[0] if len(self.trainers) > 1 else None
-        self._call_all(self.trainers, "setup", [(master,)] * len(self.trainers))
+        rank0 = self.trainers[:1]
+        master = self._call_all(rank0, "rendezvous", [()], start=True)[0] if len(self.trainers) > 1 else None
+        self._call_all(self.trainers, "setup", [(master,)] * len(self.trainers), start=True)
 
-    def _call_all(self, workers: list, method: str, args: list[tuple]) -> list:
-        """`method(*args[i])` on every worker at once (Ray) or in turn (local); an actor's death is a ClusterError."""
+    def _call_all(self, workers: list, method: str, args: list[tuple], start: bool = False) -> list:
+        """`method(*args[i])` on every worker at once (Ray) or in turn (local); an actor's death, or no answer within
+        cluster.actor_timeout_s (actor_start_timeout_s for a `start` call), is a ClusterError, or TrainerDied."""
         if not self.remote:
             return [getattr(w, method)(*a) for w, a in zip(workers, args)]
         import ray
 
-        timeout = self.cfg.cluster.actor_timeout_s
+        timeout = self.cfg.cluster.actor_start_timeout_s if start else self.cfg.cluster.actor_timeout_s
         refs = [getattr(w, method).remote(*a) for w, a in zip(workers, args)]
         try:
             return ray.get(refs, timeout=timeout)
@@ -169,7 +171,7 @@ class Cluster:
 
     # ------------------------------------------------------------------ what the loop calls
     def warmup(self) -> dict[str, float]:
-        warm = self._call_all(self.engines, "warmup", [()] * len(self.engines))
+        warm = self._call_all(self.engines, "warmup", [()] * len(self.engines), start=True)
         return warm[0] if warm else {}  # the same programs everywhere
 
     def generate(self, prompts: list[list[int]], n: int, sampling, in_flight_updates: bool = False):
@@ -231,12 +233,12 @@ class Cluster:
         try:
             # The new engine has the checkpoint's weights: give it the trainer's current ones directly (an object
             # ref, never through the driver), and make the next push a keyframe, since it has no base for deltas.
-            ray.get(self.engines[e].warmup.remote())
+            ray.get(self.engines[e].warmup.remote(), timeout=self.cfg.cluster.actor_start_timeout_s)
             current = [t.current_weights.remote() for t in self.trainers]  # every rank joins an fsdp gather
             ray.get(self.engines[e].load_weights.remote(current[0]))
             ray.get(current[1:])
             ray.get(self.trainers[0].force_keyframe.remote())
-        except ray.exceptions.RayActorError as err:
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
             raise ClusterError(f"restarting rollout engine {e} failed; rerun with --resume.\n{err}") from None
 
     def _assign(self, prompts: list[list[int]], n: int, max_new: int) -> list[list[int]]:
@@ -297,7 +299,7 @@ class Cluster:
         self._call_all(self.trainers, "save", [(path,)] * len(self.trainers))
 
     def load(self, path: str) -> None:
-        self._call_all(self.trainers, "load", [(path,)] * len(self.trainers))
+        self._call_all(self.trainers, "load", [(path,)] * len(self.trainers), start=True)
 
     def close(self) -> None:
         """Stop the workers (gracefully first, so shared memory is released), then Ray if we started it."""
