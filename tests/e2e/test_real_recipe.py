@@ -17,6 +17,8 @@ from rlloop.config import load_config
 from rlloop.loop import train
 from tests.e2e.test_tiny_run import ROOT, metrics
 
+pytestmark = pytest.mark.xdist_group("ray")  # starts Ray: one at a time (tests/conftest.py)
+
 REAL = str(ROOT / "examples" / "grpo_dapo.yaml")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

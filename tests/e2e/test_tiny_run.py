@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +16,8 @@ import pytest
 from rlloop.config import load_config
 from rlloop.loop import train
 
+pytestmark = pytest.mark.xdist_group("ray")  # starts Ray: one at a time (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "grpo_dapo_tiny.yaml")
 
@@ -23,8 +26,11 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def shm_segments() -> set[str]:
-    return {p for p in os.listdir("/dev/shm") if p.startswith("rlloop_")}
+def shm_segments(run_dir: Path) -> set[str]:
+    """The run's shared-memory segments (named by its run id: other tests may hold their own meanwhile)."""
+    from rlloop.cluster import run_id_for
+
+    return {p for p in os.listdir("/dev/shm") if p.startswith(f"rlloop_{run_id_for(run_dir)}_")}
 
 
 def ray_processes() -> str:
@@ -32,8 +38,8 @@ def ray_processes() -> str:
     return out.strip()
 
 
-def run_cli(*args: str, **kw) -> subprocess.Popen:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+def run_cli(*args: str, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     env.pop("XLA_FLAGS", None)  # the actors set their own
     return subprocess.Popen(
         [sys.executable, "-m", "rlloop.run", TINY, *args],
@@ -80,7 +86,6 @@ def test_local_run_resumes_exactly_where_it_stopped(tmp_path):
 
 def test_tiny_example_with_ray_learns_and_leaves_nothing_behind(tmp_path):
     """The README's main job, as a user runs it: Ray actors, JAX decoder, shm + delta sync."""
-    before = shm_segments()
     proc = run_cli(f"run.dir={tmp_path}", "tracking.progress=false")
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
@@ -96,7 +101,7 @@ def test_tiny_example_with_ray_learns_and_leaves_nothing_behind(tmp_path):
     assert sum(reward[-k:]) / k > sum(reward[:k]) / k + 0.3, reward  # it learns, visibly
     for name in ("curves.png", "report.md", "checkpoints"):
         assert (tmp_path / name).exists()
-    assert shm_segments() <= before and not ray_processes()
+    assert not shm_segments(tmp_path) and not ray_processes()
 
 
 @pytest.fixture
@@ -119,11 +124,6 @@ def test_every_way_a_run_stops_leaves_nothing_and_resume_continues(tmp_path, sig
     preemption: exit 143) unwind cleanly: a --resume hint, Ray and shared memory gone. A SIGKILLed driver cannot clean
     up: Ray's agents outlive it by ~60 s, and the next start ends them. Each time --resume continues the run, which
     ends at its last step with every step logged once."""
-    from rlloop.cluster import run_id_for
-
-    def ours() -> set[str]:
-        return {s for s in shm_segments() if run_id_for(tmp_path) in s}
-
     args = [f"run.dir={tmp_path}", "tracking.progress=false", "run.save_every=1", "run.eval_every=0"]
     args += ["rollout.backend=hf", "run.steps=8"]
 
@@ -142,16 +142,16 @@ def test_every_way_a_run_stops_leaves_nothing_and_resume_continues(tmp_path, sig
 
     rc, out = start_and_stop(lambda p: os.killpg(p.pid, signal.SIGINT))  # what Ctrl-C does
     assert rc == 130 and "--resume" in out, out[-3000:]
-    assert not ray_processes() and not ours()
+    assert not ray_processes() and not shm_segments(tmp_path)
 
     kill_engine = ["pkill", "-9", "-f", "ray::RolloutWorker"]
     rc, out = start_and_stop(lambda p: subprocess.run(kill_engine, check=True), "run.max_restarts=0")
     assert rc == 1 and "actor died" in out and "--resume" in out, out[-3000:]
-    assert not ray_processes() and not ours()
+    assert not ray_processes() and not shm_segments(tmp_path)
 
     rc, out = start_and_stop(lambda p: p.send_signal(signal.SIGTERM))  # the driver alone, as `kill` does
     assert rc == 143 and "terminated; continue with" in out and "--resume" in out, out[-3000:]
-    assert not ray_processes() and not ray_agents() and not ours()
+    assert not ray_processes() and not ray_agents() and not shm_segments(tmp_path)
 
     rc, _ = start_and_stop(lambda p: p.send_signal(signal.SIGKILL))
     killed_at, orphans = time.monotonic(), ray_agents()
@@ -164,13 +164,17 @@ def test_every_way_a_run_stops_leaves_nothing_and_resume_continues(tmp_path, sig
     out, _ = resume.communicate(timeout=600)
     assert resume.returncode == 0, out[-3000:]
     assert [m["step"] for m in metrics(tmp_path)] == list(range(1, 9))  # every step once, in order, over 5 drivers
-    assert not ray_processes() and not ray_agents() and not ours()  # the killed driver's segments: swept too
+    # the killed driver's segments: swept too
+    assert not ray_processes() and not ray_agents() and not shm_segments(tmp_path)
 
 
 def test_ray_job_submit_runs_the_same_command(tmp_path):
     """`ray job submit -- python -m rlloop.run ...` against a local head, as on a cluster."""
+    # The head's own temp dir: `ray stop --force` leaves its dashboard's multiprocessing dir (pymp-*) behind
+    temp = tempfile.mkdtemp(prefix="ray-")
     env = {
         **os.environ,
+        "TMPDIR": temp,
         "RAY_AUTH_MODE": "disabled",
         "RAY_USAGE_STATS_ENABLED": "0",
         "HF_HUB_OFFLINE": "1",
@@ -223,6 +227,7 @@ def test_ray_job_submit_runs_the_same_command(tmp_path):
         assert [m["step"] for m in metrics(tmp_path)] == [1, 2]
     finally:
         subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True)
+        shutil.rmtree(temp, ignore_errors=True)
     assert not ray_processes()
 
 
@@ -265,11 +270,6 @@ HANG = [f"cluster.actor_timeout_s={TIMEOUT_S}"]
 FAULTS = [signal.SIGTERM, signal.SIGKILL, signal.SIGSTOP]
 
 
-def temp_entries() -> set[str]:
-    """What sits in the temp directory, less Ray's own session logs (kept by Ray by design)."""
-    return {p for p in os.listdir(tempfile.gettempdir()) if p != "ray"}
-
-
 def latest_step(run_dir: Path) -> int:
     """The newest complete checkpoint's step (0 without one)."""
     done = [p for p in (run_dir / "checkpoints").glob("step_*") if p.name[5:].isdigit() and (p / "state.json").exists()]
@@ -290,8 +290,9 @@ def faults_mid_run(tmp_path, clean: list[dict], actor: str, healed: str) -> tupl
     """The untouched run again, with `ray::<actor>` sent each of FAULTS in turn, each once a checkpoint exists that is
     newer than the last heal (the driver printing `healed` followed by the count); checks that the run heals into the
     same numbers, step by step, and leaves nothing behind; returns its output and metrics."""
-    shm, temp = shm_segments(), temp_entries()
-    proc = run_cli(f"run.dir={tmp_path}", *KILL_ARGS, *HANG)
+    # A temp directory of the run's own (and its Ray's: Ray follows $TMPDIR); short, for Ray's socket paths.
+    temp = Path(tempfile.mkdtemp(prefix="rlloop-test-"))
+    proc = run_cli(f"run.dir={tmp_path}", *KILL_ARGS, *HANG, env={"TMPDIR": str(temp)})
     lines: list[str] = []
 
     def read() -> None:  # as it comes: a pipe nobody reads fills up and blocks the driver
@@ -320,8 +321,10 @@ def faults_mid_run(tmp_path, clean: list[dict], actor: str, healed: str) -> tupl
     for key in ("rollout/raw_reward", "rollout/response_len/mean", "train/loss", "train/grad_norm"):
         assert [m[key] for m in healed_metrics] == pytest.approx([m[key] for m in clean], rel=1e-6, abs=1e-9), key
     assert not ray_processes()
-    assert shm_segments() <= shm, "shared-memory segments left behind"
-    assert temp_entries() <= temp, f"left in the temp dir: {temp_entries() - temp}"
+    assert not shm_segments(tmp_path), "shared-memory segments left behind"
+    left = set(os.listdir(temp)) - {"ray"}  # Ray keeps its session logs by design
+    shutil.rmtree(temp)
+    assert not left, f"left in the temp dir: {left}"
     return out, healed_metrics
 
 

@@ -3,11 +3,15 @@ other, syncing through disk and through the Ray object store; shm between them i
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.xdist_group("ray")  # starts Ray: one at a time (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "grpo_dapo_tiny.yaml")
@@ -24,13 +28,15 @@ ENV.pop("XLA_FLAGS", None)
 
 
 def ray_cli(*args: str) -> None:
-    subprocess.run(["ray", *args], env=ENV, check=True, capture_output=True, timeout=120)
+    done = subprocess.run(["ray", *args], env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"ray {' '.join(args)}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
 
 
 @pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory):
+def two_nodes():
     """A head node labelled node_a and a second node labelled node_b, one CPU each."""
-    temp = tmp_path_factory.mktemp("ray")
+    # Short: Ray's unix sockets live under it, and a socket path may not exceed 107 bytes (pytest's tmp paths can)
+    temp = tempfile.mkdtemp(prefix="ray-")
     ray_cli(
         "start",
         "--head",
@@ -48,6 +54,7 @@ def two_nodes(tmp_path_factory):
         yield f"127.0.0.1:{PORT}"
     finally:
         subprocess.run(["ray", "stop", "--force"], env=ENV, capture_output=True, timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def run_split(address: str, run_dir: Path, transport: str) -> subprocess.CompletedProcess:

@@ -48,6 +48,7 @@ def check_top(result: dict) -> None:
     assert tiny["rounds"] == 1
 
 
+@pytest.mark.xdist_group("ray")  # starts Ray: one at a time (tests/conftest.py)
 def test_rlloop_half():
     result = run_bench("--frameworks", "rlloop")
     check_top(result)

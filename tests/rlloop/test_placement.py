@@ -9,6 +9,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from rlloop.config import load_config
 from rlloop.placement import actor_options, plan_placement
 
+pytestmark = pytest.mark.xdist_group("ray")  # starts Ray: one at a time (tests/conftest.py)
+
 REAL = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo.yaml"
 
 

@@ -11,6 +11,8 @@ ray = pytest.importorskip("ray")
 from rlloop.ray_sync import get_mailbox, make_ray_receiver, make_ray_sender  # noqa: E402
 from weight_sync import Sender, encode_payload_into, payload_nbytes  # noqa: E402
 
+pytestmark = pytest.mark.xdist_group("ray")  # starts Ray: one at a time (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def ray_cluster():
