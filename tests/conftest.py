@@ -2,7 +2,7 @@
 
 The suite runs on two pytest-xdist workers (pyproject.toml). Every test that starts Ray is marked
 `xdist_group("ray")`, so those run one at a time on one worker: they check that no raylet is left and signal actors by
-process title (`pkill -f ray::RolloutWorker`), and one uses fixed ports. Checks of shared memory and temp files name
+process title (`pkill -f ray::RolloutWorker`), and two use fixed ports. Checks of shared memory and temp files name
 the run's own segments and directories, since the other worker runs tests meanwhile.
 """
 
