@@ -7,6 +7,9 @@ the run's own segments and directories, since the other worker runs tests meanwh
 """
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 # Set before anything imports transformers / datasets / jax: a failed hub call retries for tens of seconds, and two
 # cores are easily oversubscribed.
@@ -70,6 +73,15 @@ def make_tiny_hf_model(path, family: str = "qwen3", tie: bool = True, seed: int 
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def short_tmp():
+    """A temp dir of the test's own with a short path, removed afterwards: a Ray started with it as $TMPDIR keeps its
+    unix sockets there, and their paths may not exceed 107 bytes, as they can under xdist's tmp_path."""
+    path = tempfile.mkdtemp(prefix="rlloop-test-")
+    yield Path(path)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

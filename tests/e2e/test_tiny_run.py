@@ -2,11 +2,9 @@
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -168,13 +166,11 @@ def test_every_way_a_run_stops_leaves_nothing_and_resume_continues(tmp_path, sig
     assert not ray_processes() and not ray_agents() and not shm_segments(tmp_path)
 
 
-def test_ray_job_submit_runs_the_same_command(tmp_path):
+def test_ray_job_submit_runs_the_same_command(tmp_path, short_tmp):
     """`ray job submit -- python -m rlloop.run ...` against a local head, as on a cluster."""
-    # The head's own temp dir: `ray stop --force` leaves its dashboard's multiprocessing dir (pymp-*) behind
-    temp = tempfile.mkdtemp(prefix="ray-")
     env = {
         **os.environ,
-        "TMPDIR": temp,
+        "TMPDIR": str(short_tmp),  # the head's own: `ray stop --force` leaves its dashboard's pymp-* dir behind
         "RAY_AUTH_MODE": "disabled",
         "RAY_USAGE_STATS_ENABLED": "0",
         "HF_HUB_OFFLINE": "1",
@@ -227,7 +223,6 @@ def test_ray_job_submit_runs_the_same_command(tmp_path):
         assert [m["step"] for m in metrics(tmp_path)] == [1, 2]
     finally:
         subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True)
-        shutil.rmtree(temp, ignore_errors=True)
     assert not ray_processes()
 
 
@@ -286,12 +281,11 @@ def untouched_run(tmp_path_factory) -> list[dict]:
     return metrics(run_dir)
 
 
-def faults_mid_run(tmp_path, clean: list[dict], actor: str, healed: str) -> tuple[str, list[dict]]:
+def faults_mid_run(tmp_path, temp: Path, clean: list[dict], actor: str, healed: str) -> tuple[str, list[dict]]:
     """The untouched run again, with `ray::<actor>` sent each of FAULTS in turn, each once a checkpoint exists that is
     newer than the last heal (the driver printing `healed` followed by the count); checks that the run heals into the
-    same numbers, step by step, and leaves nothing behind; returns its output and metrics."""
-    # A temp directory of the run's own (and its Ray's: Ray follows $TMPDIR); short, for Ray's socket paths.
-    temp = Path(tempfile.mkdtemp(prefix="rlloop-test-"))
+    same numbers, step by step, and leaves nothing behind (`temp`: its $TMPDIR, and its Ray's); returns its output
+    and metrics."""
     proc = run_cli(f"run.dir={tmp_path}", *KILL_ARGS, *HANG, env={"TMPDIR": str(temp)})
     lines: list[str] = []
 
@@ -323,24 +317,26 @@ def faults_mid_run(tmp_path, clean: list[dict], actor: str, healed: str) -> tupl
     assert not ray_processes()
     assert not shm_segments(tmp_path), "shared-memory segments left behind"
     left = set(os.listdir(temp)) - {"ray"}  # Ray keeps its session logs by design
-    shutil.rmtree(temp)
     assert not left, f"left in the temp dir: {left}"
     return out, healed_metrics
 
 
 def test_a_rollout_engine_that_dies_in_any_way_is_restarted_and_the_run_ends_as_if_nothing_happened(
-    tmp_path, untouched_run
+    tmp_path, short_tmp, untouched_run
 ):
     """Each time, the engine is rebuilt with the trainer's weights, its requests are generated again, and every
     step's samples and losses equal those of a run nobody touched."""
-    out, healed = faults_mid_run(tmp_path, untouched_run, "RolloutWorker", "restarting it")
+    out, healed = faults_mid_run(tmp_path, short_tmp, untouched_run, "RolloutWorker", "restarting it")
     assert "GetTimeoutError" in out  # the hang, noticed by the timeout alone
     assert healed[-1]["rollout/engine_restarts"] == 3 and untouched_run[-1]["rollout/engine_restarts"] == 0
 
 
-def test_a_trainer_rank_that_dies_in_any_way_rebuilds_from_the_checkpoint_and_the_run_matches(tmp_path, untouched_run):
+def test_a_trainer_rank_that_dies_in_any_way_rebuilds_from_the_checkpoint_and_the_run_matches(
+    tmp_path, short_tmp, untouched_run
+):
     """Each time, the driver rebuilds the cluster from the last checkpoint and replays from there with the same data
     order, and every step's numbers equal an untouched run's."""
-    out, healed = faults_mid_run(tmp_path, untouched_run, "TrainerWorker", "restarting from the last checkpoint")
+    healed_mark = "restarting from the last checkpoint"
+    out, healed = faults_mid_run(tmp_path, short_tmp, untouched_run, "TrainerWorker", healed_mark)
     assert f"hung (no answer in {TIMEOUT_S} s)" in out
     assert healed[-1]["train/restarts"] == 3 and untouched_run[-1]["train/restarts"] == 0

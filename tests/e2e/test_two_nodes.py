@@ -3,7 +3,6 @@ other, syncing through disk and through the Ray object store; shm between them i
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ def ray_cli(*args: str) -> None:
 def two_nodes():
     """A head node labelled node_a and a second node labelled node_b, one CPU each."""
     # Short: Ray's unix sockets live under it, and a socket path may not exceed 107 bytes (pytest's tmp paths can)
-    temp = tempfile.mkdtemp(prefix="ray-")
+    temp = tempfile.TemporaryDirectory(prefix="rlloop-test-", ignore_cleanup_errors=True)
     ray_cli(
         "start",
         "--head",
@@ -45,7 +44,7 @@ def two_nodes():
         '--resources={"node_a": 1}',
         "--include-dashboard=false",
         "--disable-usage-stats",
-        f"--temp-dir={temp}",
+        f"--temp-dir={temp.name}",
     )
     try:
         ray_cli(
@@ -54,7 +53,7 @@ def two_nodes():
         yield f"127.0.0.1:{PORT}"
     finally:
         subprocess.run(["ray", "stop", "--force"], env=ENV, capture_output=True, timeout=120)
-        shutil.rmtree(temp, ignore_errors=True)
+        temp.cleanup()
 
 
 def run_split(address: str, run_dir: Path, transport: str) -> subprocess.CompletedProcess:
