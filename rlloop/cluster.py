@@ -21,7 +21,7 @@ from rlloop.config import Config
 from rlloop.errors import ClusterError, TrainerDied
 from rlloop.placement import actor_env, actor_options, plan_placement
 from rlloop.ray_agents import reap_orphaned_agents
-from rlloop.workers import RolloutWorker, SyncSpec, TrainerWorker
+from rlloop.workers import RolloutWorker, SyncSpec, TrainerWorker, freeze_heap
 from rollout import mix_seed
 
 PLACEMENT_TIMEOUT_S = 120
@@ -172,6 +172,8 @@ class Cluster:
     # ------------------------------------------------------------------ what the loop calls
     def warmup(self) -> dict[str, float]:
         warm = self._call_all(self.engines, "warmup", [()] * len(self.engines), start=True)
+        if self.remote:  # the workers froze theirs; the driver's long-lived state (tokenizer, data, Ray) is built too
+            freeze_heap()
         return warm[0] if warm else {}  # the same programs everywhere
 
     def generate(self, prompts: list[list[int]], n: int, sampling, in_flight_updates: bool = False):

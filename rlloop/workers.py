@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import os
 import time
 from dataclasses import dataclass
@@ -50,6 +51,14 @@ def keep_freed_memory() -> bool:
     return all(
         libc.mallopt(k, v) == 1 for k, v in ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 256 << 20))
     )
+
+
+def freeze_heap() -> None:
+    """Collect, then move every object alive now out of the garbage collector's reach (`gc.freeze`): call once the
+    long-lived state (modules, model, compiled programs) is built. Otherwise each full collection walks all of it:
+    80-170 ms pauses in both workers of the tiny example, one every few steps, each stalling a 0.12 s step."""
+    gc.collect()
+    gc.freeze()
 
 
 @dataclass(frozen=True)
@@ -122,7 +131,9 @@ class RolloutWorker:
         self.version = 0
 
     def warmup(self) -> dict[str, float]:
-        return self.engine.warmup()
+        seconds = self.engine.warmup()
+        freeze_heap()  # the engine and its compiled programs live as long as the actor
+        return seconds
 
     def generate(
         self, prompts: list[list[int]], n: int, sampling, in_flight_updates: bool = False
@@ -178,6 +189,7 @@ class TrainerWorker:
         keep_freed_memory()
         self.cfg, self.rank, self.world_size, self.sync = trainer, rank, world_size, sync
         self.trainer = self.sender = None
+        self.steps = 0
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0's address and a free port there, for torch.distributed's env:// rendezvous."""
@@ -196,10 +208,14 @@ class TrainerWorker:
         self.trainer = Trainer(self.cfg, self.rank, self.world_size)
         if self.rank == 0:
             self.sender = self.sync.sender()
+        freeze_heap()
 
     def train_step(self, batch) -> dict[str, float]:
         t0 = time.perf_counter()
         metrics = self.trainer.train_step(batch)
+        self.steps += 1
+        if self.steps == 1:
+            freeze_heap()  # the first step built the optimizer state and, with train.compile, the compiled layers
         state = self.trainer.state_nbytes()["total"]  # rank 0's share: what train.parallel=fsdp divides
         return {**metrics, "perf/train_busy_s": time.perf_counter() - t0, "train/state_bytes_per_rank": state}
 

@@ -1,4 +1,5 @@
-"""The worker processes' malloc setting: freed memory is reused instead of being mapped and page-faulted anew."""
+"""The worker processes' memory settings: freed memory is reused instead of being mapped and page-faulted anew, and the
+long-lived heap is kept out of the garbage collector's full collections."""
 
 import subprocess
 import sys
@@ -39,3 +40,22 @@ def test_freed_memory_is_reused_without_page_faults():
     assert faults("default")[1] > 4 * 16_000  # glibc maps a fresh region for every one
     kept, count = faults("keep")
     assert kept == "True" and count < 16_000  # at most one of them
+
+
+# A worker freezes its heap once its long-lived state is built (rlloop.workers.freeze_heap): garbage cycles from the
+# build must be collected first (frozen, they would never be), and what is alive must leave the collected generations.
+FREEZE_PROGRAM = """
+import gc, weakref
+from rlloop.workers import freeze_heap
+class Node: pass
+cycle = Node(); cycle.me = cycle; cycle_ref = weakref.ref(cycle); del cycle
+model = [Node() for _ in range(1000)]
+before = gc.get_freeze_count()
+freeze_heap()
+print(cycle_ref() is None, gc.get_freeze_count() - before >= 1000, any(o is model for o in gc.get_objects()))
+"""
+
+
+def test_freezing_the_heap_collects_garbage_first_and_takes_the_live_objects_out_of_collections():
+    out = subprocess.run([sys.executable, "-c", FREEZE_PROGRAM], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "True", "False"]
