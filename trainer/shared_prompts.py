@@ -3,12 +3,18 @@ check that a model can take it.
 
 A shared-prompt row is one prompt followed by several of its GRPO samples' responses (trainer/batching.py lays them
 out). HF's decoder takes a custom 4D attention mask as it is, so a mask alone makes every response see its prompt and
-itself, as it would in a row of its own. A dense [L, L] mask makes attention cost L^2 per row, though, and with long
-responses most of it is masked: eight 128-token responses after a 100-token prompt leave 14% of it to compute. So an
-SDPA model attends in blocks instead when that is much cheaper (`shared_prompt_attention`): the row is cut into
-blocks of c >= the longest response, and each block's queries attend to the prompt and to their block and the one
-before it (which hold all of a response that ends in the block). That is the same softmax over the same keys, in SDPA
-calls over [P + 2c] keys instead of L. docs/design.md §4.12 says what it costs and when it pays.
+itself, as it would in a row of its own. A dense [L, L] mask makes attention cost L^2
+per row, though, and with long responses most of it is masked: eight 128-token responses after a 100-token prompt
+leave 14% of it to compute. So an SDPA model attends in pieces instead (`shared_prompt_attention`):
+
+- where responses are long, in blocks: the row is cut into blocks of c >= the longest response, and each block's
+  queries attend to the prompt and to their block and the one before it (which hold all of a response that ends in
+  the block). That is the same softmax over the same keys, in SDPA calls over [P + 2c] keys instead of L;
+- else with the mask's rows cut at the micro-batch's shortest prompt: the queries before that cut are prompt tokens
+  that see the prompt causally, which SDPA computes without a mask and without the half above the diagonal; only the
+  queries after it take the mask.
+
+docs/design.md §4.12 says what each costs and when it pays.
 """
 
 import torch
@@ -21,7 +27,7 @@ from trainer.config import sliding_window_layers
 
 # The attention implementations that take a custom 4D mask as it is (flash attention takes none).
 SHARED_PROMPT_ATTENTION = ("sdpa", "eager")
-# An SDPA model's implementation under shared prompts: SDPA with a dense mask, or in blocks where that pays.
+# An SDPA model's implementation under shared prompts: SDPA in blocks where they pay, else cut at the shortest prompt.
 BLOCKED_SDPA = "rlloop_shared_prompts"
 # Blocks are used when they compute at most this fraction of the dense mask's [L, L] scores. They copy the prompt's
 # keys into every block, so they must save a lot to pay: on 2 CPU cores, 0.32 of the scores (8 x 128-token responses)
@@ -48,7 +54,8 @@ def check_shared_prompts(config: transformers.PretrainedConfig) -> None:
 
 
 def use_blocked_attention(model: transformers.PreTrainedModel) -> None:
-    """Switch an SDPA model to `shared_prompt_attention` (SDPA, dense or in blocks); others stay as they are."""
+    """Switch an SDPA model to `shared_prompt_attention` (SDPA in blocks or cut at the shortest prompt); others stay as
+    they are."""
     if model.config._attn_implementation != "sdpa":
         return
     transformers.AttentionInterface.register(BLOCKED_SDPA, shared_prompt_attention)
@@ -59,9 +66,10 @@ def use_blocked_attention(model: transformers.PreTrainedModel) -> None:
 def shared_prompt_mask(segments: torch.Tensor, attention: str | None, dtype: torch.dtype) -> torch.Tensor:
     """The attention mask of shared-prompt rows (trainer/batching.py) from their segments: causal, and a response sees
     its prompt and itself, never the row's other responses. For `BLOCKED_SDPA` the blocks' mask where blocks pay
-    (`block_mask`); else the dense [rows, 1, L, L] mask, boolean (True: attend) for SDPA and additive in the model's
-    dtype for the eager implementation, which adds the mask to the scores. A padding query sees itself only, so that
-    no row of the softmax is empty (that would be NaN, and NaN times a zero gradient is NaN)."""
+    (`block_mask`), else the dense mask's rows from the shortest prompt on (`prompt_cut`). For SDPA the dense
+    [rows, 1, L, L] mask, boolean (True: attend); additive in the model's dtype for the others (eager attention adds
+    the mask to the scores). A padding query sees itself only, so that no row of the softmax is empty (that would be
+    NaN, and NaN times a zero gradient is NaN)."""
     if attention not in (*SHARED_PROMPT_ATTENTION, BLOCKED_SDPA):
         raise ValueError(f"shared prompts need attn_implementation in {SHARED_PROMPT_ATTENTION}, not {attention!r}")
     if attention == BLOCKED_SDPA and (blocks := block_mask(segments)) is not None:
@@ -72,10 +80,20 @@ def shared_prompt_mask(segments: torch.Tensor, attention: str | None, dtype: tor
     allowed = causal & (k >= 0) & ((k == 0) | (k == q))
     allowed |= torch.eye(length, dtype=torch.bool, device=segments.device)
     allowed = allowed[:, None]
-    if attention != "eager":
+    if attention == BLOCKED_SDPA:
+        allowed = allowed[:, :, prompt_cut(segments) :]
+    elif attention == "sdpa":
         return allowed
     additive = torch.zeros(allowed.shape, dtype=dtype, device=segments.device)
     return additive.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def prompt_cut(segments: torch.Tensor) -> int:
+    """The micro-batch's shortest prompt (padding rows aside): the columns before it hold prompt tokens in every row
+    that has one, so their queries attend causally to them alone."""
+    prompts = (segments == 0).sum(1)
+    prompts = prompts[prompts > 0]
+    return int(prompts.min()) if prompts.numel() else 0
 
 
 def block_mask(segments: torch.Tensor) -> torch.Tensor | None:
@@ -105,11 +123,14 @@ def block_mask(segments: torch.Tensor) -> torch.Tensor | None:
 
 
 def shared_prompt_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """HF attention function of `BLOCKED_SDPA`: HF's SDPA with a dense mask; with `block_mask`'s (fewer query
-    columns than the row) the same attention in blocks. query [rows, H, L, D], key/value [rows, KV, L, D]; returns
-    [rows, L, H, D] and no weights, as HF's SDPA does."""
+    """HF attention function of `BLOCKED_SDPA`: the same attention as HF's SDPA under the dense mask, from the mask
+    `shared_prompt_mask` made for it, whose shape says how: the dense mask's last rows (a [rows, 1, L - cut, L] mask)
+    or `block_mask`'s blocks. query [rows, H, L, D], key/value [rows, KV, L, D]; returns [rows, L, H, D] and no
+    weights, as HF's SDPA does."""
     if attention_mask is None or attention_mask.shape[-2] == query.shape[-2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if attention_mask.shape[-1] == query.shape[-2]:  # blocks have P + 2c > L keys
+        return cut_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     rows, heads, length, dim = query.shape
     c = attention_mask.shape[-2]
     blocks, prompt = attention_mask.shape[0] // rows, attention_mask.shape[-1] - 2 * c
@@ -127,3 +148,21 @@ def shared_prompt_attention(module, query, key, value, attention_mask, dropout=0
     )
     out = out.view(rows, blocks, heads, c, dim).transpose(2, 3).reshape(rows, blocks * c, heads, dim)
     return out[:, :length].contiguous(), None
+
+
+def cut_attention(module, query, key, value, rest_mask, dropout=0.0, scaling=None, **kwargs):
+    """`shared_prompt_attention` under the dense mask's rows from the prompt cut on ([rows, 1, L - cut, L]): the
+    queries before the cut attend causally to the keys before it, which SDPA computes without a mask and without the
+    half above the diagonal; the others take their mask."""
+    cut = query.shape[-2] - rest_mask.shape[-2]
+    causal = {**kwargs, "is_causal": True}  # whatever the module says: these are a decoder's prompt tokens
+    first, _ = sdpa_attention_forward(
+        module, query[:, :, :cut], key[:, :, :cut], value[:, :, :cut], None, dropout, scaling, **causal
+    )
+    if query.device.type == "cpu":  # CPU's flash kernel takes a mask and GQA at once, without copying the keys
+        rest = F.scaled_dot_product_attention(
+            query[:, :, cut:], key, value, rest_mask, dropout, scale=scaling, enable_gqa=True
+        ).transpose(1, 2)
+    else:  # CUDA's kernels take one or the other: HF copies the keys for every query head
+        rest, _ = sdpa_attention_forward(module, query[:, :, cut:], key, value, rest_mask, dropout, scaling, **kwargs)
+    return torch.cat([first, rest], 1), None

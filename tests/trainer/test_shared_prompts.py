@@ -141,30 +141,46 @@ def segments_of(rows: list[tuple[int, list[int]]]) -> torch.Tensor:
     return segments
 
 
-def test_attention_in_blocks_equals_the_dense_mask():
-    """Outputs and input gradients at every real position, with grouped-query heads, over rows of different prompt
-    lengths and a padding row, where responses as long as a block start at many offsets into one."""
-    segments = segments_of(
-        [(3, [40, 40, 17, 40, 1, 40, 40, 33]), (11, [40, 2, 40, 40, 39, 40, 40, 40]), (7, [5]), (0, [])]
-    )
+def attention_and_input_grads(segments: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`shared_prompt_attention` under `mask` with grouped-query heads, on random inputs fixed by a seed: its output at
+    the real positions and the gradients of queries, keys and values."""
     rows, length = segments.shape
     real = (segments >= 0)[:, :, None, None]
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(rows, 4, length, 8, generator=gen, requires_grad=True)
     k, v = (torch.randn(rows, 2, length, 8, generator=gen, requires_grad=True) for _ in range(2))
-    dense, blocks = shared_prompt_mask(segments, "sdpa", torch.float32), block_mask(segments)
-    assert blocks is not None and blocks.shape[-2] == 40  # one block per response length
     module = torch.nn.Module()
     module.config = transformers.Qwen3Config(num_attention_heads=4, num_key_value_heads=2)
     module.is_causal, module.num_key_value_groups = False, 2
-    outputs, grads = [], []
-    for mask in (dense, blocks):
-        out, _ = shared_prompt_attention(module, q, k, v, mask, scaling=0.3)  # [rows, L, heads, dim]
-        (out * real).square().sum().backward()
-        outputs.append(out * real)
-        grads.append([t.grad.clone() for t in (q, k, v)])
-        for t in (q, k, v):
-            t.grad = None
-    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-6, rtol=0)
-    for got, want in zip(*grads):
-        torch.testing.assert_close(got, want, atol=1e-6 * float(want.abs().max()), rtol=0)
+    out, _ = shared_prompt_attention(module, q, k, v, mask, scaling=0.3)  # [rows, L, heads, dim]
+    (out * real).square().sum().backward()
+    return (out * real).detach(), [t.grad for t in (q, k, v)]
+
+
+def assert_same_attention(segments: torch.Tensor, mask: torch.Tensor) -> None:
+    """Outputs and input gradients at every real position equal those under the dense mask."""
+    want, want_grads = attention_and_input_grads(segments, shared_prompt_mask(segments, "sdpa", torch.float32))
+    got, got_grads = attention_and_input_grads(segments, mask)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, atol=1e-6 * float(w.abs().max()), rtol=0)
+
+
+def test_attention_in_blocks_equals_the_dense_mask():
+    """Over rows of different prompt lengths and a padding row, where responses as long as a block start at many
+    offsets into one."""
+    segments = segments_of(
+        [(3, [40, 40, 17, 40, 1, 40, 40, 33]), (11, [40, 2, 40, 40, 39, 40, 40, 40]), (7, [5]), (0, [])]
+    )
+    blocks = shared_prompt_mask(segments, BLOCKED_SDPA, torch.float32)
+    assert blocks.shape[-2] == 40  # one block per response length
+    assert_same_attention(segments, blocks)
+
+
+def test_attention_cut_at_the_shortest_prompt_equals_the_dense_mask():
+    """Short responses, where blocks do not pay: the queries before the shortest prompt's end (9; the padding row has
+    none) attend causally without a mask, the rest under theirs, the longer prompts' last tokens among them."""
+    segments = segments_of([(12, [3, 5, 1, 4]), (9, [2, 2]), (15, [6]), (0, [])])
+    cut = shared_prompt_mask(segments, BLOCKED_SDPA, torch.float32)
+    assert cut.shape == (4, 1, segments.shape[1] - 9, segments.shape[1])
+    assert_same_attention(segments, cut)
