@@ -3,9 +3,9 @@ check that a model can take it.
 
 A shared-prompt row is one prompt followed by several of its GRPO samples' responses (trainer/batching.py lays them
 out). HF's decoder takes a custom 4D attention mask as it is, so a mask alone makes every response see its prompt and
-itself, as it would in a row of its own. A dense [L, L] mask makes attention cost L^2
-per row, though, and with long responses most of it is masked: eight 128-token responses after a 100-token prompt
-leave 14% of it to compute. So an SDPA model attends in pieces instead (`shared_prompt_attention`):
+itself, as it would in a row of its own. A dense [L, L] mask makes attention cost L^2 per row, though, and with long
+responses most of it is masked: eight 128-token responses after a 100-token prompt leave 14% of it to compute. So an
+SDPA model attends in pieces instead (`shared_prompt_attention`):
 
 - where responses are long, in blocks: the row is cut into blocks of c >= the longest response, and each block's
   queries attend to the prompt and to their block and the one before it (which hold all of a response that ends in
