@@ -74,15 +74,12 @@ def shared_prompt_mask(segments: torch.Tensor, attention: str | None, dtype: tor
         raise ValueError(f"shared prompts need attn_implementation in {SHARED_PROMPT_ATTENTION}, not {attention!r}")
     if attention == BLOCKED_SDPA and (blocks := block_mask(segments)) is not None:
         return blocks
-    q, k = segments[:, :, None], segments[:, None, :]
-    length = segments.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=segments.device).tril()
-    allowed = causal & (k >= 0) & ((k == 0) | (k == q))
-    allowed |= torch.eye(length, dtype=torch.bool, device=segments.device)
-    allowed = allowed[:, None]
-    if attention == BLOCKED_SDPA:
-        allowed = allowed[:, :, prompt_cut(segments) :]
-    elif attention == "sdpa":
+    cut = prompt_cut(segments) if attention == BLOCKED_SDPA else 0  # the mask's rows (queries) from `cut` on
+    q, k = segments[:, cut:, None], segments[:, None, :]
+    q_pos = torch.arange(cut, segments.shape[1], device=segments.device)[:, None]
+    k_pos = torch.arange(segments.shape[1], device=segments.device)
+    allowed = ((k_pos <= q_pos) & (k >= 0) & ((k == 0) | (k == q)) | (k_pos == q_pos))[:, None]
+    if attention == "sdpa":
         return allowed
     additive = torch.zeros(allowed.shape, dtype=dtype, device=segments.device)
     return additive.masked_fill_(~allowed, torch.finfo(dtype).min)
