@@ -78,7 +78,7 @@ def shared_prompt_mask(segments: torch.Tensor, attention: str | None, dtype: tor
     q, k = segments[:, cut:, None], segments[:, None, :]
     q_pos = torch.arange(cut, segments.shape[1], device=segments.device)[:, None]
     k_pos = torch.arange(segments.shape[1], device=segments.device)
-    allowed = ((k_pos <= q_pos) & (k >= 0) & ((k == 0) | (k == q)) | (k_pos == q_pos))[:, None]
+    allowed = (((k_pos <= q_pos) & (k >= 0) & ((k == 0) | (k == q))) | (k_pos == q_pos))[:, None]  # | itself
     if attention == "sdpa":
         return allowed
     additive = torch.zeros(allowed.shape, dtype=dtype, device=segments.device)
