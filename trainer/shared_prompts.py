@@ -128,23 +128,28 @@ def shared_prompt_attention(module, query, key, value, attention_mask, dropout=0
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if attention_mask.shape[-1] == query.shape[-2]:  # blocks have P + 2c > L keys
         return cut_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    return block_attention(query, key, value, attention_mask, dropout, scaling), None
+
+
+def block_attention(query, key, value, mask, dropout=0.0, scaling=None) -> torch.Tensor:
+    """`shared_prompt_attention` in `block_mask`'s blocks ([rows * blocks, 1, c, P + 2c]): block b's queries attend to
+    the row's first P keys and to blocks b - 1 and b."""
     rows, heads, length, dim = query.shape
-    c = attention_mask.shape[-2]
-    blocks, prompt = attention_mask.shape[0] // rows, attention_mask.shape[-1] - 2 * c
+    c = mask.shape[-2]
+    blocks, prompt = mask.shape[0] // rows, mask.shape[-1] - 2 * c
     pad = blocks * c - length
     q = F.pad(query, (0, 0, 0, pad)).view(rows, heads, blocks, c, dim).transpose(1, 2).reshape(-1, heads, c, dim)
 
-    def block_keys(t: torch.Tensor) -> torch.Tensor:  # [rows, KV, L, D] -> [rows * blocks, H, P + 2c, D]
-        t = t.repeat_interleave(heads // t.shape[1], dim=1)  # GQA: the copy below is made anyway
-        window = F.pad(t, (0, 0, c, pad)).unfold(2, 2 * c, c).permute(0, 2, 1, 4, 3)
-        first = t[:, None, :, :prompt].expand(rows, blocks, heads, prompt, dim)
-        return torch.cat([first, window], 3).reshape(rows * blocks, heads, prompt + 2 * c, dim)
+    def block_keys(t: torch.Tensor) -> torch.Tensor:  # [rows, KV, L, D] -> [rows * blocks, KV, P + 2c, D]
+        kv = t.shape[1]
+        own = F.pad(t, (0, 0, 0, pad)).view(rows, kv, blocks, c, dim).transpose(1, 2)  # [rows, blocks, KV, c, D]
+        before = F.pad(own, (0, 0, 0, 0, 0, 0, 1, 0))[:, :-1]  # block b - 1 (zeros before the first)
+        first = t[:, None, :, :prompt].expand(rows, blocks, kv, prompt, dim)
+        return torch.cat([first, before, own], 3).reshape(rows * blocks, kv, prompt + 2 * c, dim)
 
-    out = F.scaled_dot_product_attention(
-        q, block_keys(key), block_keys(value), attn_mask=attention_mask, dropout_p=dropout, scale=scaling
-    )
+    out = masked_sdpa(q, block_keys(key), block_keys(value), mask, dropout, scaling)
     out = out.view(rows, blocks, heads, c, dim).transpose(2, 3).reshape(rows, blocks * c, heads, dim)
-    return out[:, :length].contiguous(), None
+    return out[:, :length].contiguous()
 
 
 def cut_attention(module, query, key, value, rest_mask, dropout=0.0, scaling=None, **kwargs):
@@ -156,10 +161,15 @@ def cut_attention(module, query, key, value, rest_mask, dropout=0.0, scaling=Non
     first, _ = sdpa_attention_forward(
         module, query[:, :, :cut], key[:, :, :cut], value[:, :, :cut], None, dropout, scaling, **causal
     )
-    if query.device.type == "cpu":  # CPU's flash kernel takes a mask and GQA at once, without copying the keys
-        rest = F.scaled_dot_product_attention(
-            query[:, :, cut:], key, value, rest_mask, dropout, scale=scaling, enable_gqa=True
-        ).transpose(1, 2)
-    else:  # CUDA's kernels take one or the other: HF copies the keys for every query head
-        rest, _ = sdpa_attention_forward(module, query[:, :, cut:], key, value, rest_mask, dropout, scaling, **kwargs)
-    return torch.cat([first, rest], 1), None
+    rest = masked_sdpa(query[:, :, cut:], key, value, rest_mask, dropout, scaling)
+    return torch.cat([first, rest.transpose(1, 2)], 1), None
+
+
+def masked_sdpa(query, key, value, mask, dropout=0.0, scaling=None) -> torch.Tensor:
+    """SDPA under a mask with grouped-query heads (query [B, H, T, D], key/value [B, KV, S, D]): CPU's flash kernel
+    takes the mask and GQA at once; CUDA's kernels take one or the other, so there the keys are copied for every query
+    head, as HF does."""
+    on_cpu = query.device.type == "cpu"
+    if not on_cpu and (groups := query.shape[1] // key.shape[1]) > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(query, key, value, mask, dropout, scale=scaling, enable_gqa=on_cpu)
