@@ -94,11 +94,12 @@ def prompt_cut(segments: torch.Tensor) -> int:
 
 
 def block_mask(segments: torch.Tensor) -> torch.Tensor | None:
-    """The [rows * blocks, 1, c, P + 2c] boolean mask of `shared_prompt_attention`'s blocks, or None where the dense
-    mask is about as cheap (`BLOCKED_BELOW`). P is the micro-batch's longest prompt, c >= its longest response. Block b
-    holds the queries at columns [b c, (b + 1) c); its keys are the row's first P columns (the prompt, causal for
-    prompt queries) and columns [(b - 1) c, (b + 1) c) (the query's own response, causal). A padding query sees the
-    row's first column, so that no row of the softmax is empty."""
+    """The [rows * blocks, 1, c, P + 2c] boolean mask of `shared_prompt_attention`'s blocks, or None where they would
+    not save enough of the dense mask's scores (`BLOCKED_BELOW`; the mask cut at the shortest prompt serves then). P is
+    the micro-batch's longest prompt, c >= its longest response. Block b holds the queries at columns [b c, (b + 1) c);
+    its keys are the row's first P columns (the prompt, causal for prompt queries) and columns [(b - 1) c, (b + 1) c)
+    (the query's own response, causal). A padding query sees the row's first column, so that no row of the softmax is
+    empty."""
     rows, length = segments.shape
     device = segments.device
     prompt = max(1, int((segments == 0).sum(1).max()))  # a filler micro-batch of padding rows has none
