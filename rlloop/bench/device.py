@@ -17,6 +17,7 @@ Four parts, each reported even when another fails (its error is recorded instead
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import tempfile
@@ -60,12 +61,17 @@ def bench_engine(path: Path, args) -> dict:
     vocab = ModelConfig.from_dir(str(path)).vocab_size
     prompts = make_prompts(args.prompts, vocab, args.prompt_len // 2, args.prompt_len, seed=0)
     sampling = SamplingParams(max_new_tokens=args.new_tokens, stop_token_ids=(), seed=0, ignore_eos=True)
+    rows, max_seq_len = args.prompts * args.n, args.prompt_len + args.new_tokens
+    # One bucket each (the prompts packed into the largest prefill, every row decoding to the end), not the default
+    # ladders: warmup compiles 3 programs of a 28-layer model instead of 18, minutes of a short lease.
     engine = JaxEngine(
         EngineConfig(
             model_path=str(path),
             dtype="bfloat16",
-            max_batch=args.prompts * args.n,
-            max_seq_len=args.prompt_len + args.new_tokens,
+            max_batch=rows,
+            max_seq_len=max_seq_len,
+            prefill_buckets=(max_seq_len - 1,),
+            decode_buckets=(rows,),
         )
     )
     t0 = time.perf_counter()
@@ -158,14 +164,16 @@ def bench_tiny(args, workdir: Path) -> dict:
 
     overrides = [f"run.dir={workdir / 'tiny'}", f"run.steps={args.tiny_steps}", "run.save_every=0"]
     overrides += ["run.eval_every=0", "tracking.progress=false"]
-    if args.quick:
-        overrides += ["cluster.use_ray=false"]
-    else:
-        overrides += ["cluster.device=gpu", "cluster.colocate=true"]
+    # Without Ray (a GPU image it is not installed on: rlloop/bench/device_requirements.txt) the example's engine and
+    # trainer run in this process, colocated all the same.
+    with_ray = not args.quick and importlib.util.find_spec("ray") is not None
+    overrides += ["cluster.colocate=true"] + ([] if with_ray else ["cluster.use_ray=false"])
+    overrides += [] if args.quick else ["cluster.device=gpu"]
     t0 = time.perf_counter()
     run_dir = train(load_config(str(TINY), overrides))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {
+        "ray": with_ray,
         "steps": len(rows),
         "wall_s": time.perf_counter() - t0,
         "reward_first": rows[0]["rollout/raw_reward"],

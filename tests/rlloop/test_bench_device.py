@@ -16,4 +16,5 @@ def test_device_check_runs_every_part_on_cpu(capsys, monkeypatch):
     assert 0 < report["engine"]["mbu"] < 1 and 0 < report["trainer"]["mfu"] < 1
     assert report["tiny"]["steps"] == 2 and report["tiny"]["compiles"] == 0
     assert report["tiny"]["logprob_abs_diff"] < 1e-4  # fp32 on CPU: engine and trainer agree
+    assert report["tiny"]["device_bytes_while_training"] == 0  # colocated: the engine let go of its cache and weights
     assert "needs 2 GPUs" in report["nccl"]["skipped"]
