@@ -10,7 +10,8 @@ Four parts, each reported even when another fails (its error is recorded instead
   trainer  one torch Trainer step in bf16 on the same shapes on cuda (cpu with --quick): seconds, tokens/s, MFU
            against a measured torch matmul peak, peak device memory
   tiny     the embedded example for a few steps with cluster.device=gpu and cluster.colocate=true (one GPU holds
-           both roles: the offload path runs for real); reward and compiles from its metrics.jsonl
+           both roles: the offload path runs for real), in this process where Ray is not installed; reward and
+           compiles from its metrics.jsonl
   nccl     two trainer ranks over nccl (fsdp) when the host has two GPUs: both ranks' loss, equal
 """
 
