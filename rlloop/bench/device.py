@@ -168,8 +168,11 @@ def bench_tiny(args, workdir: Path) -> dict:
     # Without Ray (a GPU image it is not installed on: rlloop/bench/device_requirements.txt) the example's engine and
     # trainer run in this process, colocated all the same.
     with_ray = not args.quick and importlib.util.find_spec("ray") is not None
-    overrides += ["cluster.colocate=true"] + ([] if with_ray else ["cluster.use_ray=false"])
-    overrides += [] if args.quick else ["cluster.device=gpu"]
+    overrides.append("cluster.colocate=true")
+    if not with_ray:
+        overrides.append("cluster.use_ray=false")
+    if not args.quick:
+        overrides.append("cluster.device=gpu")
     t0 = time.perf_counter()
     run_dir = train(load_config(str(TINY), overrides))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
