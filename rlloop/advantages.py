@@ -13,7 +13,8 @@ STD_EPS = 1e-4  # TRL's epsilon: A = (r - mean) / (std + 1e-4)
 def group_advantages(rewards: np.ndarray, group_size: int, std_scale: bool = True) -> np.ndarray:
     """A = r - mean(group), divided by (std(group) + 1e-4) unless `std_scale` is off (Dr.GRPO).
 
-    std uses Bessel's correction, as `torch.std` does.
+    std uses Bessel's correction, as `torch.std` does. A group whose rewards are all equal gets exactly 0 (r − mean can
+    be an ulp off), which is what lets the trainer skip it (`TrainerConfig.skip_zero_advantage`).
     """
     r = np.asarray(rewards, dtype=np.float64)
     if r.size % group_size:
@@ -22,6 +23,7 @@ def group_advantages(rewards: np.ndarray, group_size: int, std_scale: bool = Tru
     adv = groups - groups.mean(axis=1, keepdims=True)
     if std_scale:
         adv = adv / (groups.std(axis=1, ddof=1, keepdims=True) + STD_EPS)
+    adv[zero_std_groups(groups, group_size)] = 0.0
     return adv.reshape(-1).astype(np.float32)
 
 

@@ -77,6 +77,10 @@ class TrainerConfig:
     # per sample. Same log-probs; pays when prompts are long next to responses. Needs SDPA or eager attention and no
     # sliding-window layers.
     share_prompts: bool = False
+    # A sample whose advantage is 0 (its group's rewards all equal) adds exactly nothing to the gradient while kl_coef
+    # and entropy_coef are 0: its forward and backward are skipped. It still counts in the loss's normalisers, so the
+    # update is the whole batch's; the token-mean metrics (entropy, clip fraction, log-prob gap) cover trained samples.
+    skip_zero_advantage: bool = True
     temperature: Annotated[float, Field(gt=0)] = 1.0  # log-probs are of logits / temperature (the sampling one)
     max_response_len: PositiveInt | None = None  # dr_grpo's constant; None: the longest response in the minibatch
     loss: LossConfig = Field(default_factory=LossConfig)

@@ -41,6 +41,7 @@ from trainer.shared_prompts import check_shared_prompts, use_blocked_attention
 # Summed over micro-batches and ranks (they are aggregated losses); every other loss metric is a token mean.
 ADDITIVE_METRICS = ("loss", "pg_loss", "kl_loss")
 TOKEN_MEAN_METRICS = ("pg_clipfrac", "ppo_kl", "entropy", "logprob_abs_diff")
+COUNTS = ("tokens", "micro_batches", "skipped_samples")  # tokens trained; samples skipped for a zero advantage
 
 
 class NonFiniteTraining(RuntimeError):
@@ -88,6 +89,8 @@ class Trainer:
         self.model.train(cfg.gradient_checkpointing)
         if cfg.compile:
             compile_layers(self.model)  # before FSDP wraps the layers, as torchtitan orders it
+        # Exact only while a zero advantage zeroes a sample's whole loss: no KL term, no entropy bonus.
+        self.skip_zero_advantage = cfg.skip_zero_advantage and cfg.loss.kl_coef == 0.0 and cfg.loss.entropy_coef == 0.0
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
 
@@ -146,7 +149,9 @@ class Trainer:
             raise problem
         if int(rejected):
             raise ValueError("another rank rejected its share of this TrainBatch (see that rank's error)")
-        plans = [self._plan(batch, idx) for idx in minibatches]
+        norms = [self._normalisers(batch, idx) for idx in minibatches]
+        trained = [self._trained(batch, idx) for idx in minibatches]
+        plans = [self._plan(batch, idx) for idx in trained]
         # With one minibatch the weights that scored the batch are the ones being trained: πold = πθ.detach(),
         # as TRL does, which saves a forward pass. Otherwise every minibatch must see the pre-step policy.
         old = [self._score(self.scorer, mbs) for mbs in plans] if len(plans) > 1 else [None] * len(plans)
@@ -154,13 +159,14 @@ class Trainer:
 
         totals: dict[str, float] = {}
         grad_norms = []
-        for mbs, old_mb, ref_mb in zip(plans, old, ref):
+        for mbs, norms_mb, old_mb, ref_mb in zip(plans, norms, old, ref):
             self.optimizer.zero_grad(set_to_none=True)
-            for key, value in self._accumulate_gradients(mbs, old_mb, ref_mb).items():
+            for key, value in self._accumulate_gradients(mbs, norms_mb, old_mb, ref_mb).items():
                 # Losses are per optimizer step (averaged over minibatches); token sums simply add up.
                 totals[key] = totals.get(key, 0.0) + (value / len(plans) if key in ADDITIVE_METRICS else value)
             lr = self.optimizer.param_groups[0]["lr"]
             grad_norms.append(self._optimizer_step())
+        totals["skipped_samples"] = float(len(batch) - sum(map(len, trained)))
         metrics = self._finish_metrics(totals)
         metrics["train/grad_norm"] = float(np.mean(grad_norms))
         metrics["train/lr"] = lr
@@ -185,7 +191,9 @@ class Trainer:
         validate_batch(batch, self.vocab_size)
         if old_logprobs is not None:
             validate_batch(TrainBatch(batch.prompts, batch.responses, batch.advantages, old_logprobs), self.vocab_size)
-        mbs = self._plan(batch, list(range(len(batch))))
+        everything = list(range(len(batch)))
+        norms, trained = self._normalisers(batch, everything), self._trained(batch, everything)
+        mbs = self._plan(batch, trained)
         old = None
         if old_logprobs is not None:
             old = [
@@ -196,7 +204,8 @@ class Trainer:
             ]
         ref = self._score(self.ref_scorer, mbs) if self.ref_scorer is not None else None
         self.optimizer.zero_grad(set_to_none=True)
-        sums = self._accumulate_gradients(mbs, old, ref)
+        sums = self._accumulate_gradients(mbs, norms, old, ref)
+        sums["skipped_samples"] = float(len(batch) - len(trained))
         if self.parallel == "ddp":
             all_reduce_grads_(self.masters)
         grads = {n: whole(m.grad).clone() for n, m in zip(self.param_names, self.masters) if m.grad is not None}
@@ -215,6 +224,27 @@ class Trainer:
                 out[i] = logp[row, : len(responses[i])].cpu().numpy().astype(np.float32)
         return out
 
+    def _trained(self, batch: TrainBatch, indices: list[int]) -> list[int]:
+        """The samples of `indices` that need a forward and backward: all, or those whose advantage is not 0."""
+        if not self.skip_zero_advantage:
+            return indices
+        return [i for i in indices if batch.advantages[i] != 0.0]
+
+    def _normalisers(self, batch: TrainBatch, indices: list[int]) -> dict[str, float]:
+        """The loss aggregation's batch-level constants (trainer/loss.py) over the minibatch `indices` on all ranks,
+        skipped samples included: the summed micro-batch losses are then exactly the whole minibatch's."""
+        lengths = [len(batch.responses[i]) for i in indices]
+        counts = torch.tensor([len(lengths), sum(lengths)], dtype=torch.float64, device=self.reduce_device)
+        local_tokens = float(counts[1])
+        all_reduce_(counts)
+        longest = torch.tensor([max(lengths)], device=self.reduce_device)
+        all_reduce_(longest, op="max")
+        return dict(
+            total_sequences=float(counts[0]),
+            total_tokens=local_tokens if self.cfg.loss.loss_agg == "bnpo" else float(counts[1]),
+            max_completion_len=self.cfg.max_response_len or int(longest),
+        )
+
     def _plan(self, batch: TrainBatch, indices: list[int]) -> list[MicroBatch]:
         return plan_micro_batches(batch, indices, self.cfg.micro_batch_tokens, self.pad_id, self.cfg.share_prompts)
 
@@ -228,28 +258,17 @@ class Trainer:
         return [scorer(mb, self.cfg.temperature)[0] for mb in padded][:real]
 
     def _accumulate_gradients(
-        self, mbs: list[MicroBatch], old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None
+        self,
+        mbs: list[MicroBatch],
+        norms: dict[str, float],
+        old: list[torch.Tensor] | None,
+        ref: list[torch.Tensor] | None,
     ) -> dict[str, float]:
-        """Backward every micro-batch of one minibatch into the masters' .grad; return summed metrics."""
+        """Backward every micro-batch of one minibatch into the masters' .grad; return summed metrics. `norms`: the
+        minibatch's `_normalisers`."""
         cfg = self.cfg
-        # The batch-level constants of the aggregation, over this minibatch on all ranks.
-        counts = torch.tensor(
-            [sum(len(mb.indices) for mb in mbs), sum(mb.num_tokens for mb in mbs)],
-            dtype=torch.float64,
-            device=self.reduce_device,
-        )
-        local_tokens = float(counts[1])
-        all_reduce_(counts)
-        longest = torch.tensor([max(mb.response_mask.shape[1] for mb in mbs)], device=self.reduce_device)
-        all_reduce_(longest, op="max")
-        agg = cfg.loss.loss_agg
-        norms = dict(
-            total_sequences=float(counts[0]),
-            total_tokens=local_tokens if agg == "bnpo" else float(counts[1]),
-            max_completion_len=cfg.max_response_len or int(longest),
-        )
         # bnpo normalises by this rank's tokens; averaging over ranks (TRL/DDP semantics) rather than summing.
-        scale = 1.0 / self.world_size if agg == "bnpo" else 1.0
+        scale = 1.0 / self.world_size if cfg.loss.loss_agg == "bnpo" else 1.0
 
         sums = {k: 0.0 for k in ADDITIVE_METRICS + TOKEN_MEAN_METRICS}
         sums["tokens"], sums["micro_batches"] = 0.0, float(len(mbs))
@@ -284,6 +303,12 @@ class Trainer:
             for key in TOKEN_MEAN_METRICS:
                 if key in m:
                     sums[key] += float(m[key]) * tokens
+        if all(m.grad is None for m in self.masters):
+            # Every sample here was skipped for a zero advantage (under fsdp on every rank, or fillers would have run
+            # a backward): the gradient is exactly zero, and AdamW still takes its step (momentum, weight decay), as
+            # it would after computing it. DDP's all-reduce fills a missing gradient with zeros the same way.
+            for m in self.masters:
+                m.grad = torch.zeros_like(m)
         return sums
 
     def _finish_metrics(self, sums: dict[str, float]) -> dict[str, float]:
@@ -291,8 +316,9 @@ class Trainer:
         totals = all_reduce_(torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.reduce_device))
         totals = dict(zip(keys, totals.tolist()))
         out = {f"train/{k}": totals[k] for k in ADDITIVE_METRICS}
-        out.update({f"train/{k}": totals[k] / max(totals["tokens"], 1.0) for k in TOKEN_MEAN_METRICS})
-        out["train/tokens"], out["train/micro_batches"] = totals["tokens"], totals["micro_batches"]
+        if totals["tokens"]:  # absent when every sample was skipped: there is no token to average over
+            out.update({f"train/{k}": totals[k] / totals["tokens"] for k in TOKEN_MEAN_METRICS})
+        out.update({f"train/{k}": totals[k] for k in COUNTS})
         return out
 
     @torch.no_grad()

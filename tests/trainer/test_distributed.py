@@ -13,6 +13,7 @@ import transformers
 
 from tests.trainer.conftest import random_batch
 from tests.trainer.test_shared_prompts import grpo_batch
+from tests.trainer.test_skip_zero_advantage import with_zero_advantages
 from trainer import LossConfig, Trainer, TrainerConfig, shard_batch
 from weight_sync import make_receiver, make_sender
 
@@ -42,6 +43,10 @@ def make_config(model_dir, minibatches, agg, kl_coef, parallel="auto", share_pro
     )
 
 
+def odd_samples_zeroed():
+    return with_zero_advantages(random_batch(8, seed=3), list(range(1, 8, 2)))
+
+
 def train_on_rank(rank, world_size, model_dir, init_file, out_dir):
     """Module-level so that mp.spawn can pickle it; runs every case in one process group."""
     torch.set_num_threads(1)
@@ -61,6 +66,13 @@ def train_on_rank(rank, world_size, model_dir, init_file, out_dir):
         np.savez(f"{out_dir}/fsdp_shared_prompts_rank{rank}.npz", **shared.export_weights())
         with open(f"{out_dir}/fsdp_shared_prompts_rank{rank}.json", "w") as f:
             json.dump(metrics, f)
+        # Rank 1's share all zero advantages (shards are strided): it trains no micro-batch of its own.
+        for parallel in MODES:
+            idle = Trainer(make_config(model_dir, 1, "dapo", 0.0, parallel), rank, world_size)
+            metrics = idle.train_step(shard_batch(odd_samples_zeroed(), rank, world_size))
+            np.savez(f"{out_dir}/{parallel}_rank1_skips_all_rank{rank}.npz", **idle.export_weights())
+            with open(f"{out_dir}/{parallel}_rank1_skips_all_rank{rank}.json", "w") as f:
+                json.dump(metrics, f)
         # A sharded checkpoint written, loaded into a fresh trainer, exported again; and its HF directory.
         trainer.save(f"{out_dir}/checkpoint")
         resumed = Trainer(make_config(model_dir, 1, "bnpo", 0.0, "fsdp"), rank, world_size)
@@ -148,6 +160,18 @@ def test_two_fsdp_ranks_with_shared_prompts_equal_one_plain_rank(two_rank_result
     got, metrics = rank_results(two_rank_results, "fsdp", "shared_prompts")
     for key, value in single.export_weights().items():
         np.testing.assert_allclose(got[key], value, atol=1e-5, rtol=0, err_msg=key)
+    for key in METRICS:
+        assert metrics[key] == pytest.approx(single_metrics[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("parallel", MODES)
+def test_a_rank_whose_samples_are_all_skipped_still_agrees(two_rank_results, tiny_qwen3_dir, parallel):
+    single = Trainer(make_config(tiny_qwen3_dir, 1, "dapo", 0.0))
+    single_metrics = single.train_step(odd_samples_zeroed())
+    got, metrics = rank_results(two_rank_results, parallel, "rank1_skips_all")
+    for key, value in single.export_weights().items():
+        np.testing.assert_allclose(got[key], value, atol=1e-5, rtol=0, err_msg=key)
+    assert metrics["train/skipped_samples"] == single_metrics["train/skipped_samples"] == 4
     for key in METRICS:
         assert metrics[key] == pytest.approx(single_metrics[key], rel=1e-4, abs=1e-6), key
 
