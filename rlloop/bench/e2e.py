@@ -8,7 +8,8 @@ verifier, 16 prompts x 8 samples, lr, loss dapo with eps 0.2/0.28, beta 0, tempe
     tiny  the shipped rlloop/assets/tiny/model; responses end at EOS or 16 tokens
     30m   a random Qwen3 of ~28M parameters with the tiny tokenizer (`wide_model(768)` of rlloop/bench/loop.py); every
           response runs to 128 tokens (rollout.ignore_eos; TRL: min_new_tokens), so compute dominates. A random
-          policy never writes "Answer:": its reward stays at -1, the setting is for timing
+          policy never writes "Answer:": its reward stays at -1, the setting is for timing (and so trains with
+          train.skip_zero_advantage off, or every sample would be skipped)
 TRL runs in this process (rlloop/bench/trl_runner.py: as its docs say for CPU, on the same prompts in the same order,
 one optimizer step per 128 samples, rlloop's AdamW settings and constant lr). rlloop runs its real loop
 (`rlloop.loop.train`, Ray actors; engine and trainer on one core each) in each of --modes; `colocate` is sync with both
@@ -69,7 +70,9 @@ def setting_overrides(name: str, work: Path) -> list[str]:
 
         path = work / f"wide-{WIDE_HIDDEN}"
         model = path if path.exists() else wide_model(work, WIDE_HIDDEN)
-        return [f"model.path={model}", "rollout.max_response_len=128", "rollout.ignore_eos=true"]
+        overrides = [f"model.path={model}", "rollout.max_response_len=128", "rollout.ignore_eos=true"]
+        # Its constant reward gives every sample a zero advantage: the trainer would skip them all.
+        return [*overrides, "train.skip_zero_advantage=false"]
     raise SystemExit(f"unknown setting {name!r}; expected tiny or 30m")
 
 
@@ -125,7 +128,6 @@ def run_rlloop(cfg_overrides: list[str], mode: str, steps: int, skip: int, run_d
         "rewards": [r["rollout/raw_reward"] for r in rows],
         "response_len": [r["rollout/response_len/mean"] for r in rows],
         "response_len_max": [r["rollout/response_len/max"] for r in rows],
-        "train_tokens": [r.get("train/tokens", 0.0) for r in rows],
         "compiles": sum(r.get("perf/compiles", 0.0) for r in rows),
         "setup_s": wall - sum(step_s),  # Ray, actors, model loads, XLA warmup: outside the steps
     }
@@ -164,8 +166,9 @@ def step_work(cfg, batches, rl: dict, skip: int) -> dict:
         lens = [len(p.token_ids) for p in batch]
         resp_mean, resp_max = rl["response_len"][k], int(rl["response_len_max"][k])
         # The least training work: each prompt once per group (what shared-prompt rows, train.share_prompts, run;
-        # one row per sample runs it g times), every response token.
-        trained = sum(lens) + rl["train_tokens"][k]
+        # one row per sample runs it g times), every response token (the zero-advantage samples rlloop skips too:
+        # the bound is of the GRPO step as TRL computes it).
+        trained = sum(lens) + resp_mean * g * len(lens)
         train_flops = 6.0 * params * trained
         # Each prompt prefilled once (GRPO fan-out copies its KV), then every sample decoded.
         gen_flops = generate_flops(mc, sum(lens) - len(lens), [(lp, resp_mean) for lp in lens for _ in range(g)])
