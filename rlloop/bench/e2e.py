@@ -13,10 +13,11 @@ verifier, 16 prompts x 8 samples, lr, loss dapo with eps 0.2/0.28, beta 0, tempe
 TRL runs in this process (rlloop/bench/trl_runner.py: as its docs say for CPU, on the same prompts in the same order,
 one optimizer step per 128 samples, rlloop's AdamW settings and constant lr). rlloop runs its real loop
 (`rlloop.loop.train`, Ray actors; engine and trainer on one core each) in each of --modes; `colocate` is sync with both
-roles on all cores in turns (cluster.colocate), and a mode ending in `+compile` (`async+compile`) runs with
-`train.compile: true`. The runs go back to back (rlloop's first mode, TRL, then the other modes), --rounds times over:
-the machine is shared and noisy, so a ratio is taken within each round, from runs a minute apart, and the median
-round is reported (each run's s/step too; every round's figures are in the JSON).
+roles on all cores in turns (cluster.colocate); a mode may add options (`async+compile`, `async+no_skip`):
+`+compile` runs with `train.compile: true`, `+no_skip` with `train.skip_zero_advantage: false`. The runs go back to
+back (rlloop's first mode, TRL, then the other modes), --rounds times over: the machine is shared and noisy, so a
+ratio is taken within each round, from runs a minute apart, and the median round is reported (each run's s/step
+too; every round's figures are in the JSON).
 
 Per setting: s/step (mean after the warm-up steps), TRL/rlloop, rlloop's per-step breakdown from metrics.jsonl
 (rollout, train, sync, other = the rest of the step; in async, rollout is the wait for the batch), a roofline bound
@@ -49,6 +50,7 @@ TRL_VERSION = "1.16.0"  # the `bench` extra
 WIDE_HIDDEN = 768  # wide_model(768): 4 layers x 12 h^2 + a 99-token embedding, ~28.4M parameters
 DEFAULT_STEPS = {"tiny": 12, "30m": 4}
 DEFAULT_ROUNDS = {"tiny": 3, "30m": 1}  # a tiny round takes about a minute, a 30m one half an hour
+MODE_OPTIONS = {"compile": "train.compile=true", "no_skip": "train.skip_zero_advantage=false"}
 
 
 def trl_missing() -> str | None:
@@ -99,8 +101,11 @@ def run_rlloop(cfg_overrides: list[str], mode: str, steps: int, skip: int, run_d
 
     # No eval (TRL runs none: the steps compare the same work), no checkpoints.
     overrides = [*cfg_overrides, f"run.steps={steps}", "run.save_every=0", "run.eval_every=0"]
-    mode, compiled = mode.removesuffix("+compile"), mode.endswith("+compile")
-    overrides += [f"run.dir={run_dir}", "tracking.progress=false", f"train.compile={str(compiled).lower()}"]
+    mode, *options = mode.split("+")
+    unknown = set(options) - set(MODE_OPTIONS)
+    if unknown:
+        raise SystemExit(f"--modes: unknown option(s) {sorted(unknown)}; expected +{' +'.join(MODE_OPTIONS)}")
+    overrides += [f"run.dir={run_dir}", "tracking.progress=false", *(MODE_OPTIONS[o] for o in options)]
     if mode == "colocate":  # both roles on all `threads` cores, in turns (rlloop.placement.colocated_plan)
         overrides += ["loop.mode=sync", "cluster.colocate=true", f"cluster.cpus_per_actor={threads}"]
     else:
@@ -283,7 +288,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--rounds", type=int, default=0, help=f"runs of each, alternating (default {DEFAULT_ROUNDS})")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 steps, 1 round, tiny, sync only unless told")
     ap.add_argument("--threads", type=int, default=0, help="torch threads for TRL and cores for the peaks (0: all)")
-    ap.add_argument("--modes", default=None, help="of sync,async,colocate[+compile] (default sync,async; --quick sync)")
+    ap.add_argument("--modes", default=None, help="of sync,async,colocate, each [+compile][+no_skip]")
     ap.add_argument("--frameworks", default="trl,rlloop", help="trl,rlloop or one of them")
     args = ap.parse_args(argv)
     args.settings = args.settings or ("tiny" if args.quick else "tiny,30m")

@@ -90,3 +90,10 @@ def test_the_median_round_is_reported_with_every_round():
     assert median_run(runs[:3]) == {"s_per_step": 0.2, "round": 2, "s_per_step_rounds": [0.3, 0.1, 0.2]}
     assert median_run(runs)["round"] == 2  # an even count: the lower of the two middle runs
     assert median_run(runs[:1])["s_per_step_rounds"] == [0.3]
+
+
+def test_an_unknown_mode_option_is_named(tmp_path):
+    from rlloop.bench.e2e import run_rlloop
+
+    with pytest.raises(SystemExit, match="bogus"):
+        run_rlloop([], "async+compile+bogus", steps=1, skip=0, run_dir=tmp_path, threads=1)
