@@ -43,3 +43,11 @@ def test_overlong_penalty_linear_ramp():
     np.testing.assert_allclose(overlong_penalty([10, 80, 90, 100, 120], 100, 20), [0, 0, -0.5, -1, -1])
     np.testing.assert_allclose(overlong_penalty([90], 100, 20, penalty=2.0), [-1.0])
     assert overlong_penalty([100], 100, 0).tolist() == [0.0]
+
+
+@pytest.mark.parametrize("std_scale", [True, False])
+def test_a_group_of_equal_rewards_gets_exactly_zero(std_scale):
+    # 0.1 three times sums to 0.30000000000000004: r - mean is an ulp off zero, which would stop the trainer from
+    # skipping the group (TrainerConfig.skip_zero_advantage).
+    adv = group_advantages([0.1, 0.1, 0.1, 1.0, 0.0, 0.0], 3, std_scale=std_scale)
+    assert adv[:3].tolist() == [0.0, 0.0, 0.0] and np.all(adv[3:] != 0.0)
