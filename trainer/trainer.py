@@ -234,16 +234,12 @@ class Trainer:
         """The loss aggregation's batch-level constants (trainer/loss.py) over the minibatch `indices` on all ranks,
         skipped samples included: the summed micro-batch losses are then exactly the whole minibatch's."""
         lengths = [len(batch.responses[i]) for i in indices]
-        counts = torch.tensor([len(lengths), sum(lengths)], dtype=torch.float64, device=self.reduce_device)
-        local_tokens = float(counts[1])
-        all_reduce_(counts)
-        longest = torch.tensor([max(lengths)], device=self.reduce_device)
-        all_reduce_(longest, op="max")
-        return dict(
-            total_sequences=float(counts[0]),
-            total_tokens=local_tokens if self.cfg.loss.loss_agg == "bnpo" else float(counts[1]),
-            max_completion_len=self.cfg.max_response_len or int(longest),
-        )
+        local = torch.tensor([len(lengths), sum(lengths)], dtype=torch.float64, device=self.reduce_device)
+        total = all_reduce_(local.clone())
+        longest = all_reduce_(torch.tensor([max(lengths)], device=self.reduce_device), op="max")
+        tokens = local[1] if self.cfg.loss.loss_agg == "bnpo" else total[1]
+        longest = self.cfg.max_response_len or int(longest)
+        return dict(total_sequences=float(total[0]), total_tokens=float(tokens), max_completion_len=longest)
 
     def _plan(self, batch: TrainBatch, indices: list[int]) -> list[MicroBatch]:
         return plan_micro_batches(batch, indices, self.cfg.micro_batch_tokens, self.pad_id, self.cfg.share_prompts)
