@@ -234,12 +234,14 @@ class Trainer:
         """The loss aggregation's batch-level constants (trainer/loss.py) over the minibatch `indices` on all ranks,
         skipped samples included: the summed micro-batch losses are then exactly the whole minibatch's."""
         lengths = [len(batch.responses[i]) for i in indices]
-        local = torch.tensor([len(lengths), sum(lengths)], dtype=torch.float64, device=self.reduce_device)
-        total = all_reduce_(local.clone())
-        longest = all_reduce_(torch.tensor([max(lengths)], device=self.reduce_device), op="max")
-        tokens = local[1] if self.cfg.loss.loss_agg == "bnpo" else total[1]
-        longest = self.cfg.max_response_len or int(longest)
-        return dict(total_sequences=float(total[0]), total_tokens=float(tokens), max_completion_len=longest)
+        here = torch.tensor([len(lengths), sum(lengths)], dtype=torch.float64, device=self.reduce_device)
+        everywhere = all_reduce_(here.clone())
+        longest = int(all_reduce_(torch.tensor([max(lengths)], device=self.reduce_device), op="max"))
+        return dict(
+            total_sequences=float(everywhere[0]),
+            total_tokens=float(here[1] if self.cfg.loss.loss_agg == "bnpo" else everywhere[1]),
+            max_completion_len=self.cfg.max_response_len or longest,
+        )
 
     def _plan(self, batch: TrainBatch, indices: list[int]) -> list[MicroBatch]:
         return plan_micro_batches(batch, indices, self.cfg.micro_batch_tokens, self.pad_id, self.cfg.share_prompts)
