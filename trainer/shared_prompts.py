@@ -7,9 +7,11 @@ itself, as it would in a row of its own. A dense [L, L] mask makes attention cos
 responses most of it is masked: eight 128-token responses after a 100-token prompt leave 14% of it to compute. So an
 SDPA model attends in pieces instead (`shared_prompt_attention`):
 
-- where responses are long, in blocks: the row is cut into blocks of c >= the longest response, and each block's
-  queries attend to the prompt and to their block and the one before it (which hold all of a response that ends in
-  the block). That is the same softmax over the same keys, in SDPA calls over [P + 2c] keys instead of L;
+- on CPU where responses are long, split by keys (trainer/split_attention.py): the prompt's queries against the
+  prompt, the responses' against the prompt, each response against itself, merged by log-sum-exp;
+- elsewhere where responses are long, in blocks: the row is cut into blocks of c >= the longest response, and each
+  block's queries attend to the prompt and to their block and the one before it (which hold all of a response that
+  ends in the block). That is the same softmax over the same keys, in SDPA calls over [P + 2c] keys instead of L;
 - else with the mask's rows cut at the micro-batch's shortest prompt: the queries before that cut are prompt tokens
   that see the prompt causally, which SDPA computes without a mask and without the half above the diagonal; only the
   queries after it take the mask.
@@ -24,6 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from trainer.config import sliding_window_layers
+from trainer.split_attention import split_attention
 
 # The attention implementations that take a custom 4D mask as it is (flash attention takes none).
 SHARED_PROMPT_ATTENTION = ("sdpa", "eager")
@@ -34,6 +37,10 @@ BLOCKED_SDPA = "rlloop_shared_prompts"
 # ran 2.6x faster than dense, 0.65 (8 x 16) 1.45x slower.
 BLOCKED_BELOW = 0.4
 BLOCK_ALIGN = 8  # block sizes are rounded up to this many positions
+# On CPU, attention is split by keys from responses this long on: on 2 cores, one layer's forward and backward at 16
+# rows of a 101-token prompt and 8 responses ran 1.4x slower than the cut mask at 16 tokens, as fast at 32, 2.8x
+# faster at 128 (1.5x faster than blocks).
+SPLIT_FROM = 32
 
 
 def check_shared_prompts(config: transformers.PretrainedConfig) -> None:
@@ -66,12 +73,15 @@ def use_blocked_attention(model: transformers.PreTrainedModel) -> None:
 def shared_prompt_mask(segments: torch.Tensor, attention: str | None, dtype: torch.dtype) -> torch.Tensor:
     """The attention mask of shared-prompt rows (trainer/batching.py) from their segments: causal, and a response sees
     its prompt and itself, never the row's other responses. For `BLOCKED_SDPA` the blocks' mask where blocks pay
-    (`block_mask`), else the dense mask's rows from the shortest prompt on (`prompt_cut`). For SDPA the dense
+    (`block_mask`), else the dense mask's rows from the shortest prompt on (`prompt_cut`); on CPU from responses of
+    `SPLIT_FROM` tokens on, the segments as a [rows, 1, 1, L] integer tensor (`split_attention`). For SDPA the dense
     [rows, 1, L, L] mask, boolean (True: attend); additive in the model's dtype for the others (eager attention adds
     the mask to the scores). A padding query sees itself only, so that no row of the softmax is empty (that would be
     NaN, and NaN times a zero gradient is NaN)."""
     if attention not in (*SHARED_PROMPT_ATTENTION, BLOCKED_SDPA):
         raise ValueError(f"shared prompts need attn_implementation in {SHARED_PROMPT_ATTENTION}, not {attention!r}")
+    if attention == BLOCKED_SDPA and segments.device.type == "cpu" and longest_response(segments) >= SPLIT_FROM:
+        return segments[:, None, None]  # the segments themselves: `split_attention` plans from them
     if attention == BLOCKED_SDPA and (blocks := block_mask(segments)) is not None:
         return blocks
     cut = prompt_cut(segments) if attention == BLOCKED_SDPA else 0  # the mask's rows (queries) from `cut` on
@@ -93,6 +103,12 @@ def prompt_cut(segments: torch.Tensor) -> int:
     return int(prompts.min()) if prompts.numel() else 0
 
 
+def longest_response(segments: torch.Tensor) -> int:
+    """The micro-batch's longest response (1 if it has none)."""
+    ids = torch.arange(1, int(segments.max()) + 1, device=segments.device)
+    return int((segments[:, :, None] == ids).sum(1).max()) if ids.numel() else 1
+
+
 def block_mask(segments: torch.Tensor) -> torch.Tensor | None:
     """The [rows * blocks, 1, c, P + 2c] boolean mask of `shared_prompt_attention`'s blocks, or None where they would
     not save enough of the dense mask's scores (`BLOCKED_BELOW`; the mask cut at the shortest prompt serves then). P is
@@ -103,9 +119,7 @@ def block_mask(segments: torch.Tensor) -> torch.Tensor | None:
     rows, length = segments.shape
     device = segments.device
     prompt = max(1, int((segments == 0).sum(1).max()))  # a filler micro-batch of padding rows has none
-    ids = torch.arange(1, int(segments.max()) + 1, device=device)
-    longest = int((segments[:, :, None] == ids).sum(1).max()) if ids.numel() else 1
-    c = -(-longest // BLOCK_ALIGN) * BLOCK_ALIGN
+    c = -(-longest_response(segments) // BLOCK_ALIGN) * BLOCK_ALIGN
     blocks = -(-length // c)
     if blocks * c * (prompt + 2 * c) > BLOCKED_BELOW * length * length:
         return None
@@ -122,9 +136,13 @@ def block_mask(segments: torch.Tensor) -> torch.Tensor | None:
 
 def shared_prompt_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """HF attention function of `BLOCKED_SDPA`: the same attention as HF's SDPA under the dense mask, from the mask
-    `shared_prompt_mask` made for it, whose shape says how: the dense mask's last rows (a [rows, 1, L - cut, L] mask)
-    or `block_mask`'s blocks. query [rows, H, L, D], key/value [rows, KV, L, D]; returns [rows, L, H, D] and no
-    weights, as HF's SDPA does."""
+    `shared_prompt_mask` made for it, which says how: the segments (an integer tensor) split by keys, the dense mask's
+    last rows (a [rows, 1, L - cut, L] mask) or `block_mask`'s blocks. query [rows, H, L, D], key/value
+    [rows, KV, L, D]; returns [rows, L, H, D] and no weights, as HF's SDPA does."""
+    if attention_mask is not None and not attention_mask.is_floating_point() and attention_mask.dtype != torch.bool:
+        if dropout:  # its backward would need each part's dropout mask; the trainer keeps the model in eval mode
+            raise ValueError("shared-prompt attention split by keys computes no attention dropout")
+        return split_attention(query, key, value, attention_mask[:, 0, 0], scaling), None
     if attention_mask is None or attention_mask.shape[-2] == query.shape[-2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if attention_mask.shape[-1] == query.shape[-2]:  # blocks have P + 2c > L keys

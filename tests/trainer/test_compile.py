@@ -4,6 +4,7 @@ batches of new lengths compile nothing more (dynamic shapes): a run compiles onc
 import pytest
 from torch._dynamo.utils import counters
 
+from tests.trainer.test_shared_prompts import is_split
 from trainer import TrainBatch, Trainer, TrainerConfig
 
 
@@ -13,10 +14,13 @@ def grouped(batch: TrainBatch, group: int = 4) -> TrainBatch:
     return TrainBatch(prompts, batch.responses, batch.advantages, batch.rollout_logprobs)
 
 
-def test_compiled_layers_train_like_eager_and_compile_once(tiny_qwen3_dir, make_batch):
+@pytest.mark.parametrize("response", [12, 36])  # 36: attention split by keys (trainer/split_attention.py), eager
+def test_compiled_layers_train_like_eager_and_compile_once(tiny_qwen3_dir, make_batch, response):
     eager = Trainer(TrainerConfig(tiny_qwen3_dir, lr=1e-3, share_prompts=True))
     compiled = Trainer(TrainerConfig(tiny_qwen3_dir, lr=1e-3, share_prompts=True, compile=True))
-    batches = [grouped(make_batch(12, seed=s, max_prompt=9 + 3 * s, max_response=12 + 4 * s)) for s in range(3)]
+    batches = [grouped(make_batch(12, seed=s, max_prompt=9 + 3 * s, max_response=response + 4 * s)) for s in range(3)]
+    mbs = [mb for b in batches for mb in compiled._plan(b, list(range(len(b))))]
+    assert any(mb.segments is not None and is_split(mb.segments) for mb in mbs) == (response == 36)
     initial = {name: p.detach().clone() for name, p in eager.model.named_parameters()}
     before = counters["stats"]["unique_graphs"]  # the counters are the process's
     for step, batch in enumerate(batches):

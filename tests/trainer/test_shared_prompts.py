@@ -35,7 +35,7 @@ def grpo_batch(seed: int, group_sizes=(4, 3, 1, 2), max_response: int = 12) -> T
 
 
 def long_batch(seed: int) -> TrainBatch:
-    """Responses up to 40 tokens after prompts of 3 to 13, up to 8 to a row: attention in blocks pays."""
+    """Responses up to 40 tokens after prompts of 3 to 13, up to 8 to a row: attention is split by keys on CPU."""
     return grpo_batch(seed, group_sizes=(8, 7, 1, 3), max_response=40)
 
 
@@ -54,11 +54,11 @@ def test_rows_group_samples_by_prompt_within_the_budget():
 
 
 @pytest.mark.parametrize(
-    "family,attention,blocks",
+    "family,attention,split",
     [("qwen3", "sdpa", False), ("qwen3", "eager", False), ("llama", "sdpa", False), ("qwen3", BLOCKED_SDPA, True)]
     + [("qwen3", BLOCKED_SDPA, False), ("llama", BLOCKED_SDPA, True)],
 )
-def test_shared_rows_give_each_sample_its_own_hf_logprobs(tmp_path, family, attention, blocks):
+def test_shared_rows_give_each_sample_its_own_hf_logprobs(tmp_path, family, attention, split):
     path = make_tiny_hf_model(tmp_path / family, family, tie=family == "qwen3", seed=4)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     if attention == BLOCKED_SDPA:
@@ -67,25 +67,25 @@ def test_shared_rows_give_each_sample_its_own_hf_logprobs(tmp_path, family, atte
         model.set_attn_implementation(attention)
     assert model.config._attn_implementation == attention
     model.eval()
-    batch = long_batch(1) if blocks else grpo_batch(1)
+    batch = long_batch(1) if split else grpo_batch(1)
     rows = shared_prompt_rows(batch, list(range(len(batch))), 10_000)
     mb = collate_rows(batch, rows)
     assert mb.segments is not None and mb.input_ids.shape[0] == len(rows) < len(batch)
-    assert (block_mask(mb.segments) is not None) == blocks
+    assert is_split(mb.segments) == split
     with torch.no_grad():
         logp, entropy = response_logprobs(model, mb, temperature=0.9, with_entropy=True)
     assert_per_sample_hf_logprobs(model, batch, mb, logp, entropy, 0.9)
 
 
 @pytest.mark.parametrize(
-    "budget, checkpointing, blocks",
-    [(10_000, False, False), (24, False, False), (24, True, False), (10_000, True, True)],
+    "budget, checkpointing, split",
+    [(10_000, False, False), (24, False, False), (24, True, False), (10_000, True, True), (10_000, False, True)],
 )
-def test_shared_rows_give_the_gradient_of_plain_rows(tiny_qwen3_dir, budget, checkpointing, blocks):
+def test_shared_rows_give_the_gradient_of_plain_rows(tiny_qwen3_dir, budget, checkpointing, split):
     """Whole-minibatch gradients and metrics agree, with one row per prompt and with groups split across rows and
     micro-batches (budget 24), padding rows included, with activation checkpointing recomputing the layers, and with
-    attention in blocks."""
-    batch = long_batch(3) if blocks else grpo_batch(2)
+    attention split by keys."""
+    batch = long_batch(3) if split else grpo_batch(2)
     plain = Trainer(TrainerConfig(str(tiny_qwen3_dir), micro_batch_tokens=budget))
     shared = Trainer(
         TrainerConfig(
@@ -94,7 +94,7 @@ def test_shared_rows_give_the_gradient_of_plain_rows(tiny_qwen3_dir, budget, che
     )
     mbs = shared._plan(batch, list(range(len(batch))))
     assert len(mbs) < len(batch)
-    assert any(mb.segments is not None and block_mask(mb.segments) is not None for mb in mbs) == blocks
+    assert any(mb.segments is not None and is_split(mb.segments) for mb in mbs) == split
     want, want_metrics = plain.compute_gradients(batch)
     got, got_metrics = shared.compute_gradients(batch)
     assert want.keys() == got.keys()
@@ -127,6 +127,11 @@ def test_models_that_cannot_take_a_custom_mask_are_refused(tiny_qwen3_dir):
     config._attn_implementation = "flex_attention"
     with pytest.raises(ValueError, match="train.share_prompts needs the model's attention"):
         check_shared_prompts(config)
+
+
+def is_split(segments: torch.Tensor) -> bool:
+    """Whether the trainer's attention on CPU splits these rows by keys (the mask is the segments themselves)."""
+    return shared_prompt_mask(segments, BLOCKED_SDPA, torch.float32).dtype == torch.long
 
 
 def segments_of(rows: list[tuple[int, list[int]]]) -> torch.Tensor:
@@ -172,9 +177,25 @@ def test_attention_in_blocks_equals_the_dense_mask():
     segments = segments_of(
         [(3, [40, 40, 17, 40, 1, 40, 40, 33]), (11, [40, 2, 40, 40, 39, 40, 40, 40]), (7, [5]), (0, [])]
     )
-    blocks = shared_prompt_mask(segments, BLOCKED_SDPA, torch.float32)
+    blocks = block_mask(segments)  # what a CUDA micro-batch gets (on CPU attention is split by keys)
     assert blocks.shape[-2] == 40  # one block per response length
     assert_same_attention(segments, blocks)
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [(3, [40, 40, 17, 40, 1, 40, 40, 33]), (11, [40, 2, 40, 40, 39, 40, 40, 40]), (7, [5]), (0, [])],
+        [(30, [1, 32]), (4, [2, 1, 3]), (0, []), (17, [33, 9])],  # a long prompt over other rows' responses
+        [(9, [32, 32, 32]), (9, [32, 7])],  # prompts of one length: no key mask
+    ],
+)
+def test_attention_split_by_keys_equals_the_dense_mask(rows):
+    """On CPU, from responses of `SPLIT_FROM` tokens on: over prompts of different lengths, padding rows, one-token
+    responses and a prompt longer than another row's prompt and responses together."""
+    segments = segments_of(rows)
+    assert is_split(segments)
+    assert_same_attention(segments, shared_prompt_mask(segments, BLOCKED_SDPA, torch.float32))
 
 
 def test_attention_cut_at_the_shortest_prompt_equals_the_dense_mask():
