@@ -120,48 +120,26 @@ class _SplitAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        merged, total, *lses = ctx.saved_tensors
-        lses, tensors = lses[:3], lses[3:]
-        plan = ctx.plan
+        merged, total, *rest = ctx.saved_tensors
+        plan, lses, tensors = ctx.plan, rest[:3], rest[3:]
         rows, length, heads, dim = merged.shape
         a, b = slice(None, plan.p_max), slice(plan.p_min, None)
         flat = lambda t: t.reshape(rows * length, *t.shape[2:])  # noqa: E731
-        gather, within = plan.gather, plan.within[..., None]
-        # Per part: the gradient at its places, zero elsewhere; the merged output; the merged log-sum-exp, or its own
-        # where it gives no output (no gradient there; its own log-sum-exp keeps the kernel's P finite).
-        inputs = (
-            (
-                grad[:, a] * plan.in_a[..., None, None],
-                merged[:, a],
-                torch.where(plan.in_a[..., None], total[:, a], lses[0]),
-            ),
-            (
-                grad[:, b] * plan.in_b[..., None, None],
-                merged[:, b],
-                torch.where(plan.in_b[..., None], total[:, b], lses[1]),
-            ),
-            (
-                flat(grad)[gather] * within[..., None],
-                flat(merged)[gather],
-                torch.where(within, flat(total)[gather], lses[2]),
-            ),
+        # Each part's places (`at`) and which of them it gives the output of. The kernel gets the gradient there (zero
+        # where it gives none), the merged output, and the merged log-sum-exp, or its own where it gives none: there is
+        # no gradient there, and its own keeps the kernel's P finite.
+        parts = (
+            (plan.in_a, lambda t: t[:, a], True, None),
+            (plan.in_b, lambda t: t[:, b], False, plan.key_mask),
+            (plan.within, lambda t: flat(t)[plan.gather], True, None),
         )
         grads = []
-        for i, ((g, out, lse), causal, mask) in enumerate(
-            zip(inputs, (True, False, True), (None, plan.key_mask, None))
-        ):
+        for i, (gives, at, causal, mask) in enumerate(parts):
+            g = (at(grad) * gives[..., None, None]).transpose(1, 2)
+            lse = torch.where(gives[..., None], at(total), lses[i]).transpose(1, 2).contiguous()
             q, k, v = tensors[3 * i : 3 * i + 3]
             dq, dk, dv = _flash_backward(
-                g.transpose(1, 2),
-                q,
-                k,
-                v,
-                out.transpose(1, 2),
-                lse.transpose(1, 2).contiguous(),
-                0.0,
-                causal,
-                attn_mask=mask,
-                scale=ctx.scale,
+                g, q, k, v, at(merged).transpose(1, 2), lse, 0.0, causal, attn_mask=mask, scale=ctx.scale
             )
             grads.append([t.transpose(1, 2) for t in (dq, dk, dv)])  # [B, T, h, D]
 
@@ -169,7 +147,7 @@ class _SplitAttention(torch.autograd.Function):
             total_grad = grad.new_zeros(shape)
             total_grad[:, a] += grads[0][j]
             total_grad[:, b if j == 0 else a] += grads[1][j]  # B's queries are columns p_min on, its keys A's
-            flat(total_grad).index_add_(0, gather.view(-1), grads[2][j].reshape(-1, *shape[2:]))
+            flat(total_grad).index_add_(0, plan.gather.view(-1), grads[2][j].reshape(-1, *shape[2:]))
             return total_grad.transpose(1, 2)
 
         kv_shape = (rows, length, tensors[1].shape[1], dim)
