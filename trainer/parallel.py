@@ -83,10 +83,11 @@ def shard_fsdp(scorer: LogprobModel, device: torch.device, compute_dtype: torch.
 
 
 def full_tensors(model: torch.nn.Module, dtype: torch.dtype, keep: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full CPU tensor in `dtype`) for every saved tensor of a sharded model, one all-gather at a time.
+    """(HF name, full CPU tensor in `dtype`) for every saved tensor of a model, one all-gather at a time if it is
+    sharded; a replica's CPU tensors of that dtype come as they are (no copy).
 
-    A collective: every rank must iterate to the end. Ranks with `keep` False get nothing (the gathered tensor is
-    dropped at once). A tied LM head is left out, as save_pretrained leaves it out."""
+    Sharded, a collective: every rank must iterate to the end. Ranks with `keep` False get nothing (the gathered
+    tensor is dropped at once). A tied LM head is left out, as save_pretrained leaves it out."""
     seen: set[int] = set()
     for name, tensor in model.state_dict(keep_vars=True).items():
         if id(tensor) in seen:

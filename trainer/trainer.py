@@ -381,16 +381,8 @@ class Trainer:
         copy or encode them before the next train_step changes them under you.
         fsdp: a collective, gathered one tensor at a time (trainer/parallel.py); every rank must call it, rank 0
         gets the (fresh) arrays and the other ranks an empty dict."""
-        if self.parallel == "fsdp":
-            return {n: to_numpy(t) for n, t in full_tensors(self.model, self.export_dtype, keep=self.rank == 0)}
-        out: dict[str, np.ndarray] = {}
-        seen: set[int] = set()
-        for name, tensor in self.model.state_dict(keep_vars=True).items():
-            if id(tensor) in seen:  # tied weights: the first name (the embedding) is HF's saved name
-                continue
-            seen.add(id(tensor))
-            out[name] = to_numpy(tensor)
-        return out
+        keep = self.parallel != "fsdp" or self.rank == 0
+        return {n: to_numpy(t) for n, t in full_tensors(self.model, self.export_dtype, keep=keep)}
 
     def state_nbytes(self) -> dict[str, int]:
         """Bytes this rank holds for parameters (and fp32 masters), gradients and AdamW state: what fsdp shards."""
