@@ -97,8 +97,8 @@ def plan_memory(cfg: Config) -> MemoryPlan | None:
     plan = MemoryPlan(engine, trainer, device, source, {})
     if device is None:
         return plan
-    if c.device == "cpu":  # one host: every engine and rank together
-        need = c.rollout_engines * engine["total"] + c.train_chips * trainer["total"]
+    if c.device == "cpu":  # one host: every engine (all of its devices) and rank together
+        need = c.rollout_engines * engine_cfg.tp * engine["total"] + c.train_chips * trainer["total"]
         if need > device:
             plan.fixes["host"] = (
                 f"all actors together need {need / GB:.1f} GB of the host's {device / GB:.1f} GB: lower "

@@ -87,8 +87,8 @@ def plan_placement(cluster: ClusterSection, same_host: bool) -> Placement:
     engines = cluster.rollout_engines
     if cluster.colocate:
         return colocated_plan(cluster, accel, cpus, same_host)
-    if accel is None:
-        engine = {"CPU": cpus}
+    if accel is None:  # a chip is cpus_per_actor cores
+        engine = {"CPU": cpus * (cluster.rollout_chips // engines)}
         rank = {"CPU": cpus}
     else:
         engine = {"CPU": cpus, accel: float(cluster.rollout_chips // engines)}
@@ -146,12 +146,13 @@ def actor_options(plan: Placement, bundle: int, pg, env: dict[str, str] | None =
     }
 
 
-def cpu_engine_xla_flags(devices: int, threads: int) -> str:
-    """XLA flags of a rollout engine on CPU cores: a host device per engine "chip", so tensor parallel decode works
-    on CPU hosts too, and Eigen's thread pool only when the engine has more than one thread."""
+def cpu_engine_xla_flags(devices: int, cores: int) -> str:
+    """XLA flags of a rollout engine on `cores` CPU cores: `devices` host devices (its tensor-parallel mesh,
+    `Config.engine_tp`: one per core where the model splits that way), and Eigen's thread pool only when a device
+    has more than one core to itself."""
     return (
         f"--xla_force_host_platform_device_count={devices} "
-        f"--xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'}"
+        f"--xla_cpu_multi_thread_eigen={'true' if cores > devices else 'false'}"
     )
 
 
@@ -164,7 +165,7 @@ def actor_env(cfg: Config, threads: int, rollout: bool, cores: range) -> dict[st
         env[CPU_AFFINITY_ENV] = ",".join(map(str, cores))
         env["JAX_PLATFORMS"] = "cpu"
         if rollout:
-            env["XLA_FLAGS"] = cpu_engine_xla_flags(cfg.cluster.rollout_chips // cfg.cluster.rollout_engines, threads)
+            env["XLA_FLAGS"] = cpu_engine_xla_flags(cfg.engine_tp(), len(cores))
     if cfg.cluster.device == "gpu" and rollout and cfg.cluster.colocate:
         # JAX would grab 75% of the GPU at start and its pooling allocator never hands freed memory back: the
         # engine's release() must return its cache and weights to CUDA for the trainer sharing the GPU to use.

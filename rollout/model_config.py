@@ -65,6 +65,17 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def tp_sizes(self) -> dict[str, int]:
+        """The dimensions tensor parallelism splits (rollout.sharding): each must divide by the tp size."""
+        return {
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "intermediate_size": self.intermediate_size,
+        }
+
+    def splits_over(self, tp: int) -> bool:
+        return all(size % tp == 0 for size in self.tp_sizes().values())
+
     @classmethod
     def from_hf_dict(cls, hf: dict, generation_config: dict | None = None) -> "ModelConfig":
         model_type = hf.get("model_type", "")

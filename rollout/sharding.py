@@ -29,11 +29,7 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
     available = len(jax.devices())
     if tp > available:
         raise ValueError(f"tp={tp} needs {tp} devices, only {available} available")
-    for name, size in (
-        ("num_attention_heads", cfg.num_heads),
-        ("num_key_value_heads", cfg.num_kv_heads),
-        ("intermediate_size", cfg.intermediate_size),
-    ):
+    for name, size in cfg.tp_sizes().items():
         if size % tp:
             raise ValueError(f"{name}={size} is not divisible by tp={tp}")
 

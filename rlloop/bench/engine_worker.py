@@ -3,10 +3,11 @@ the bench's side (`engines_runner`) and the engine's (`main`).
 
     python -m rlloop.bench.engine_worker MODEL_DIR DTYPE MAX_BATCH MAX_SEQ_LEN CORES < requests
 
-This is how several engines share a CPU host in a run (`cluster.rollout_engines`, docs/design.md §9): each owns some
-cores, and its XLA runs single-threaded on one. Pinned before JAX starts, it loads the model, prints "ready", then
-for each stdin line (JSON: prompts as token ids, samples per prompt, new tokens, seed) generates (T=1, ignore_eos)
-and answers one JSON line {"tokens": generated tokens, "compiles": compiles during the call}.
+This is how engines share a CPU host in a run (`cluster.rollout_engines`, docs/design.md §9): each owns some cores, with
+an XLA host device per core where the model splits over them (tensor parallel), else one device. Pinned before JAX
+starts, it loads the model, prints "ready", then for each stdin line (JSON: prompts as token ids, samples per prompt,
+new tokens, seed) generates (T=1, ignore_eos) and answers one JSON line {"tokens": generated tokens, "compiles":
+compiles during the call}.
 """
 
 import json
@@ -67,15 +68,19 @@ def main() -> None:
     model, dtype, max_batch, max_seq_len, cores = sys.argv[1:6]
     cores = [int(c) for c in cores.split(",")]
     os.sched_setaffinity(0, cores)
+    from rlloop.config import cpu_engine_tp
     from rlloop.placement import cpu_engine_xla_flags
+    from rollout.model_config import ModelConfig
 
-    os.environ["XLA_FLAGS"] = cpu_engine_xla_flags(1, len(cores))  # as a run sets up an engine actor on these cores
+    # as a run sets up an engine actor of one chip on these cores
+    tp = cpu_engine_tp(ModelConfig.from_dir(model), 1, len(cores))
+    os.environ["XLA_FLAGS"] = cpu_engine_xla_flags(tp, len(cores))
     from rollout.engine import JaxEngine
     from rollout.engine_config import EngineConfig
     from rollout.types import SamplingParams
 
     engine = JaxEngine(
-        EngineConfig(model_path=model, dtype=dtype, max_batch=int(max_batch), max_seq_len=int(max_seq_len))
+        EngineConfig(model_path=model, dtype=dtype, max_batch=int(max_batch), max_seq_len=int(max_seq_len), tp=tp)
     )
     print("ready", flush=True)  # no warmup(): the caller's untimed first request compiles what its shapes need
     for line in sys.stdin:

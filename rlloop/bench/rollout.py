@@ -3,15 +3,17 @@
     python -m rlloop.bench rollout [--quick] [--models tiny,30m] [--prompts 8] [--n 8] [--new-tokens 128]
                                    [--repeats 3] [--threads 1] [--engines 2] [--vllm-python PATH]
 
-Both engines load one saved HF checkpoint, get the same prompts, the same sampling settings (T=1, no top-k/top-p)
-and no stop ids; the benchmark checkpoints carry no EOS id and requests set ignore_eos, so every row generates
-exactly --new-tokens tokens. Models: "tiny" (the embedded example model) and "30m", a random Qwen3 of ~31M
-parameters (vocab 32000, hidden 384, 12 layers, 6 heads / 2 KV heads of 64, MLP 1024, tied head). MFU / MBU divide
-the run's FLOPs / bytes, as the JAX engine counts them with `rollout.cost`, by the peaks that `rlloop.bench.peaks`
-measures on the same device. `--engines N` adds N JAX engines side by side, each in its own process on 1/N of the
-cores with 1/N of the prompts (`engine_worker.py`), as `cluster.rollout_engines` runs them; the same requests, so
-the same tokens and FLOPs. Timings are best-of---repeats (default 3), the engines taking turns within each round so
-that load from other processes on a shared machine hits all alike. The last line is one JSON object.
+Both engines load one saved HF checkpoint, get the same prompts, the same sampling settings (T=1, no top-k/top-p) and no
+stop ids; the benchmark checkpoints carry no EOS id and requests set ignore_eos, so every row generates exactly
+--new-tokens tokens. Models: "tiny" (the embedded example model) and "30m", a random Qwen3 of ~31M parameters (vocab
+32000, hidden 384, 12 layers, 6 heads / 2 KV heads of 64, MLP 1024, tied head). MFU / MBU divide the run's FLOPs /
+bytes, as the JAX engine counts them with `rollout.cost`, by the peaks that `rlloop.bench.peaks` measures on the same
+device. The "jax" column is one engine in this process, one XLA device on all its cores; "jax_tp" one engine in a
+process of its own as a run starts it on several cores, a single-threaded device per core, tensor-parallel
+(rlloop.config.cpu_engine_tp); `--engines N` adds N JAX engines side by side, each in its own process on 1/N of the
+cores with 1/N of the prompts (`engine_worker.py`), as `cluster.rollout_engines` runs them; the same requests, so the
+same tokens and FLOPs. Timings are best-of---repeats (default 3), the engines taking turns within each round so that
+load from other processes on a shared machine hits all alike. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -202,15 +204,17 @@ def bench_model(name: str, args, workdir: Path, peaks: dict) -> dict:
             "error": f"rollout.engine: {e}",
         }
     runners = {"jax": jax_run, **hf_runners(path, prompts, args.n, sampling, args.dtype)}
-    closers, preload, engines_compiles = [], [], None
+    closers, preload, worker_compiles = [], [], {}
     try:
-        if args.engines > 1:
-            from rlloop.bench.engine_worker import engines_runner
+        from rlloop.bench.engine_worker import engines_runner
 
-            runners["jax_engines"], close, engines_compiles = engines_runner(
-                path, prompts, args.n, sampling, args.dtype, args.engines
-            )
-            closers.append(close)
+        # An engine process as a run starts one (a device per core, rlloop.config.cpu_engine_tp), then N of them.
+        for key, engines in (("jax_tp", 1), ("jax_engines", args.engines)):
+            if engines > 1 or (key == "jax_tp" and len(os.sched_getaffinity(0)) > 1):
+                runners[key], close, worker_compiles[key] = engines_runner(
+                    path, prompts, args.n, sampling, args.dtype, engines
+                )
+                closers.append(close)
         if not args.vllm_missing:
             runners["vllm"], close, preload = vllm_runner(path, prompts, args.n, sampling, args.dtype, args.vllm_python)
             closers.append(close)
@@ -255,21 +259,24 @@ def bench_model(name: str, args, workdir: Path, peaks: dict) -> dict:
         "flops": flops,
         "bytes": nbytes,
     }
-    if "jax_engines" in best:  # the same requests split over the engines: the same tokens, the same FLOPs
-        result |= {
-            "engines": args.engines,
-            "jax_engines_tok_s": expected_tokens / best["jax_engines"],
-            "jax_engines_over_jax": best["jax"] / best["jax_engines"],
-            "jax_engines_mfu": flops / best["jax_engines"] / peaks["matmul_flops"],
-            "jax_engines_over_vllm": best["vllm"] / best["jax_engines"] if "vllm" in best else None,
-            "jax_engines_compiles_after_warmup": engines_compiles["after_warmup"],
-        }
     columns = f"vllm {result['vllm_tok_s']:.0f} tok/s ({result['speedup_vs_vllm']:.2f}x), " if "vllm" in best else ""
-    if "jax_engines" in best:
+    # The same requests, split over devices or engines: the same tokens, the same FLOPs.
+    for key, label in (("jax_tp", "1 engine, a device per core"), ("jax_engines", f"{args.engines} engines")):
+        if key not in best:
+            continue
+        result |= {
+            f"{key}_tok_s": expected_tokens / best[key],
+            f"{key}_over_jax": best["jax"] / best[key],
+            f"{key}_mfu": flops / best[key] / peaks["matmul_flops"],
+            f"{key}_over_vllm": best["vllm"] / best[key] if "vllm" in best else None,
+            f"{key}_compiles_after_warmup": worker_compiles[key]["after_warmup"],
+        }
         columns += (
-            f"{args.engines} engines {result['jax_engines_tok_s']:.0f} tok/s ({result['jax_engines_over_jax']:.2f}x "
-            f"one, MFU {result['jax_engines_mfu']:.1%}), "
+            f"{label} {result[f'{key}_tok_s']:.0f} tok/s ({result[f'{key}_over_jax']:.2f}x one device, "
+            f"MFU {result[f'{key}_mfu']:.1%}), "
         )
+    if "jax_engines" in best:
+        result["engines"] = args.engines
     print(
         f"[{name}] params {params / 1e6:.1f}M rows {result['rows']} x {args.new_tokens} tokens: "
         f"jax {jx['tok_s']:.0f} tok/s, hf {hf['tok_s']:.0f} tok/s (plain generate {hf['plain_tok_s']:.0f}), "

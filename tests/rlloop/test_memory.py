@@ -55,3 +55,21 @@ def test_a_trainer_that_does_not_fit_names_its_keys(capsys):
     assert main([REAL, "cluster.device_memory_gb=40", "rollout.max_batch=16", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert "trainer:" in err and "train.micro_batch_tokens" in err and "train.parallel: fsdp" in err
+
+
+def test_a_cpu_host_counts_every_device_of_an_engine(capsys):
+    """Recipe shapes on one CPU host: the engine needs the same memory split over 2 chips, or over 2 cores each a
+    device of its own, as on 1 device; the host's check counts all of its devices."""
+    host = ["cluster.device=cpu", "cluster.device_memory_gb=4", "cluster.train_chips=1", "rollout.max_batch=16"]
+    layouts = [
+        ["cluster.rollout_chips=1"],
+        ["cluster.rollout_chips=2"],
+        ["cluster.rollout_chips=1", "cluster.cpus_per_actor=2"],
+    ]
+    needs = []
+    for layout in layouts:
+        cfg = load_config(REAL, [*host, *layout])
+        plan = plan_memory(cfg)
+        needs.append(plan.fixes["host"].split(" GB of")[0])
+    assert [load_config(REAL, [*host, *layout]).engine_tp() for layout in layouts] == [1, 2, 2]
+    assert needs[0] == needs[1] == needs[2], needs

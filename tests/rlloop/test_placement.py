@@ -86,3 +86,52 @@ def test_colocated_cpu_plan_gives_both_roles_all_the_cores_of_a_host_the_split_p
         assert len(ready) == 2
     finally:
         remove_placement_group(pg)
+
+
+def qwen3_dir(tmp_path: Path, hidden: int, heads: int, kv_heads: int) -> str:
+    import transformers
+
+    transformers.Qwen3Config(
+        vocab_size=128,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=32,
+    ).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "shape, cores, devices",
+    [
+        ((256, 4, 2), 2, 2),  # wide enough, splits over 2: a single-threaded device per core
+        ((256, 4, 2), 3, 1),  # 4 heads do not split over 3 cores: one device on all of them
+        ((64, 4, 2), 2, 1),  # the tiny model's width: too little work per step to split
+    ],
+)
+def test_a_cpu_engine_runs_a_device_per_core_where_the_model_splits(tmp_path, shape, cores, devices):
+    from rlloop.placement import actor_env
+
+    over = [f"model.path={qwen3_dir(tmp_path, *shape)}", "cluster.device=cpu", f"cluster.cpus_per_actor={cores}"]
+    for layout in (["cluster.colocate=true"], []):
+        cfg = load_config(REAL, [*over, *layout, "cluster.rollout_chips=1", "cluster.train_chips=1"])
+        plan = plan_placement(cfg.cluster, same_host=True)
+        assert plan.bundles[plan.rollout_bundle] == {"CPU": float(cores)}
+        assert cfg.engine_config().tp == devices
+        flags = actor_env(cfg, cores, rollout=True, cores=range(cores))["XLA_FLAGS"].split()
+        eigen_threads = "true" if cores > devices else "false"  # a device with cores to itself uses them all
+        assert flags == [
+            f"--xla_force_host_platform_device_count={devices}",
+            f"--xla_cpu_multi_thread_eigen={eigen_threads}",
+        ]
+    # on accelerators the mesh is the chips, whatever the host cores
+    assert load_config(REAL, [*over, "cluster.device=gpu"]).engine_config().tp == 2
+
+
+def test_a_cpu_engine_of_two_chips_gets_the_cores_of_both():
+    cfg = load_config(REAL, ["cluster.device=cpu", "cluster.cpus_per_actor=2", "cluster.rollout_chips=2"])
+    plan = plan_placement(cfg.cluster, same_host=True)
+    assert [plan.bundles[b] for b in plan.rollout_bundles] == [{"CPU": 4.0}]
+    assert [plan.bundles[b] for b in plan.trainer_bundles] == [{"CPU": 2.0}, {"CPU": 2.0}]
