@@ -24,7 +24,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from rlloop.config_errors import ConfigError, describe
 from rollout import EngineConfig
 from rollout.buckets import validate_buckets
-from rollout.model_config import ModelConfig
 from rollout.types import DType
 from trainer import LossConfig, TrainerConfig
 
@@ -192,19 +191,6 @@ class TrackingSection(Section):
     sample_every: NonNegInt = 10  # W&B: a table of the step's completions every N steps (0: never)
 
 
-# Narrower models decode too little per step to split it: the embedded tiny model (hidden 64) ran 0.67x at 16 rows
-# and 1.06x at 64 with a device per core of 2, widths 128 to 768 ran 1.16-1.42x (docs/benchmarks.md, rollout).
-CPU_TP_MIN_HIDDEN = 128
-
-
-def cpu_engine_tp(shape: ModelConfig | None, chips: int, cores: int) -> int:
-    """A CPU engine's mesh size (Config.engine_tp): a device per core when the model (None: unknown) is wide enough
-    and splits over them, else a device per chip."""
-    if shape is None or shape.hidden_size < CPU_TP_MIN_HIDDEN or not shape.splits_over(cores):
-        return chips
-    return cores
-
-
 class Config(Section):
     run: RunSection = RunSection()
     model: ModelSection
@@ -309,28 +295,17 @@ class Config(Section):
 
     # -- the components' configs, built here and nowhere else ------------------------------------------------------
     def engine_config(self) -> EngineConfig:
+        from rlloop.placement import engine_tp  # rlloop.placement builds on this module
+
         return EngineConfig(
             **component_kwargs(self.rollout, EngineConfig),
             model_path=self.model.path,
             trust_remote_code=self.model.trust_remote_code,
             dtype=self.model.dtype,
             max_seq_len=self.data.max_prompt_len + self.rollout.max_response_len,
-            tp=self.engine_tp(),
+            tp=engine_tp(self),
             seed=self.run.seed,
         )
-
-    def engine_tp(self) -> int:
-        """Devices in one engine's mesh, its tensor-parallel size: its chips. On CPU, one XLA host device per core
-        when the model's heads and MLP split that many ways: XLA:CPU runs most of a decode step's ops (attention
-        over the cache, norms, cache writes, small dots) on one thread each, so one device leaves the other cores
-        idle for much of the step, where a single-threaded device per core splits every op (docs/design.md §5.10)."""
-        c = self.cluster
-        chips = c.rollout_chips // c.rollout_engines
-        if c.device != "cpu" or c.cpus_per_actor == 1:
-            return chips
-        from rlloop.memory import model_shape  # rlloop.memory builds on this module
-
-        return cpu_engine_tp(model_shape(self.model.path), chips, chips * c.cpus_per_actor)
 
     def trainer_config(self) -> TrainerConfig:
         return TrainerConfig(

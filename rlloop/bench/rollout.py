@@ -10,7 +10,7 @@ stop ids; the benchmark checkpoints carry no EOS id and requests set ignore_eos,
 bytes, as the JAX engine counts them with `rollout.cost`, by the peaks that `rlloop.bench.peaks` measures on the same
 device. The "jax" column is one engine in this process, one XLA device on all its cores; "jax_tp" one engine in a
 process of its own as a run starts it on several cores, a single-threaded device per core, tensor-parallel
-(rlloop.config.cpu_engine_tp); `--engines N` adds N JAX engines side by side, each in its own process on 1/N of the
+(rlloop.placement.cpu_engine_tp); `--engines N` adds N JAX engines side by side, each in its own process on 1/N of the
 cores with 1/N of the prompts (`engine_worker.py`), as `cluster.rollout_engines` runs them; the same requests, so the
 same tokens and FLOPs. Timings are best-of---repeats (default 3), the engines taking turns within each round so that
 load from other processes on a shared machine hits all alike. The last line is one JSON object.
@@ -208,7 +208,7 @@ def bench_model(name: str, args, workdir: Path, peaks: dict) -> dict:
     try:
         from rlloop.bench.engine_worker import engines_runner
 
-        # An engine process as a run starts one (a device per core, rlloop.config.cpu_engine_tp), then N of them.
+        # An engine process as a run starts one (a device per core, rlloop.placement.cpu_engine_tp), then N of them.
         for key, engines in (("jax_tp", 1), ("jax_engines", args.engines)):
             if engines > 1 or (key == "jax_tp" and len(os.sched_getaffinity(0)) > 1):
                 runners[key], close, worker_compiles[key] = engines_runner(

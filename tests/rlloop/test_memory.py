@@ -71,5 +71,5 @@ def test_a_cpu_host_counts_every_device_of_an_engine(capsys):
         cfg = load_config(REAL, [*host, *layout])
         plan = plan_memory(cfg)
         needs.append(plan.fixes["host"].split(" GB of")[0])
-    assert [load_config(REAL, [*host, *layout]).engine_tp() for layout in layouts] == [1, 2, 2]
+    assert [load_config(REAL, [*host, *layout]).engine_config().tp for layout in layouts] == [1, 2, 2]
     assert needs[0] == needs[1] == needs[2], needs
