@@ -208,13 +208,16 @@ def bench_model(name: str, args, workdir: Path, peaks: dict) -> dict:
     try:
         from rlloop.bench.engine_worker import engines_runner
 
-        # An engine process as a run starts one (a device per core, rlloop.placement.cpu_engine_tp), then N of them.
-        for key, engines in (("jax_tp", 1), ("jax_engines", args.engines)):
-            if engines > 1 or (key == "jax_tp" and len(os.sched_getaffinity(0)) > 1):
-                runners[key], close, worker_compiles[key] = engines_runner(
-                    path, prompts, args.n, sampling, args.dtype, engines
-                )
-                closers.append(close)
+        # Engine processes: one as a run starts it on all the cores (a device per core, rlloop.placement.cpu_engine_tp)
+        # where there are several, and --engines N of them side by side.
+        workers = {"jax_tp": 1} if len(os.sched_getaffinity(0)) > 1 else {}
+        if args.engines > 1:
+            workers["jax_engines"] = args.engines
+        for key, engines in workers.items():
+            runners[key], close, worker_compiles[key] = engines_runner(
+                path, prompts, args.n, sampling, args.dtype, engines
+            )
+            closers.append(close)
         if not args.vllm_missing:
             runners["vllm"], close, preload = vllm_runner(path, prompts, args.n, sampling, args.dtype, args.vllm_python)
             closers.append(close)
@@ -261,7 +264,7 @@ def bench_model(name: str, args, workdir: Path, peaks: dict) -> dict:
     }
     columns = f"vllm {result['vllm_tok_s']:.0f} tok/s ({result['speedup_vs_vllm']:.2f}x), " if "vllm" in best else ""
     # The same requests, split over devices or engines: the same tokens, the same FLOPs.
-    for key, label in (("jax_tp", "1 engine, a device per core"), ("jax_engines", f"{args.engines} engines")):
+    for key, label in (("jax_tp", "1 engine as a run starts it"), ("jax_engines", f"{args.engines} engines")):
         if key not in best:
             continue
         result |= {
