@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import ml_dtypes
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -97,6 +99,14 @@ def full_tensors(model: torch.nn.Module, dtype: torch.dtype, keep: bool) -> Iter
         if keep:
             yield name, full.to(device="cpu", dtype=dtype)
         del full
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """CPU tensor → numpy without a copy where possible; bfloat16 becomes ml_dtypes.bfloat16 via its bits."""
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

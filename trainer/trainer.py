@@ -16,7 +16,6 @@ how, and why the two give the same numbers.
 
 import copy
 
-import ml_dtypes
 import numpy as np
 import torch
 import transformers
@@ -34,6 +33,7 @@ from trainer.parallel import (
     local,
     resolve_parallel,
     shard_fsdp,
+    to_numpy,
     whole,
 )
 from trainer.shared_prompts import check_shared_prompts, use_blocked_attention
@@ -46,14 +46,6 @@ COUNTS = ("tokens", "micro_batches", "skipped_samples")  # tokens trained; sampl
 
 class NonFiniteTraining(RuntimeError):
     """`train.max_bad_steps` optimizer steps in a row had a non-finite loss or gradient."""
-
-
-def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """CPU tensor → numpy without a copy where possible; bfloat16 becomes ml_dtypes.bfloat16 via its bits."""
-    t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
 
 
 class Trainer:

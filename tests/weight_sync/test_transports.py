@@ -6,7 +6,7 @@ import pytest
 import torch
 from wsync_values import special_tensor
 
-from trainer.trainer import to_numpy
+from trainer.parallel import to_numpy
 from weight_sync import TRANSPORTS, make_receiver, make_sender
 from weight_sync.manifest import check_named_arrays
 
@@ -72,7 +72,7 @@ def test_round_trip_bit_exact_all_dtypes(transport, delta, run_id, tmp_path):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_hf_state_dict_in_bf16_and_fp32(transport, run_id, tmp_path, tiny_qwen3_dir):
-    """A real HF state dict in bf16, turned into numpy as Trainer.export_weights does (trainer.trainer.to_numpy),
+    """A real HF state dict in bf16, turned into numpy as Trainer.export_weights does (trainer.parallel.to_numpy),
     comes out as the same bits in ml_dtypes bf16."""
     import transformers
 
