@@ -17,7 +17,8 @@ Two things differ from DDP and shape the trainer's code:
   `set_force_sum_reduction_for_comms`.
 
 Weights leave a sharded model one tensor at a time (`full_tensors`): each is all-gathered, copied to host on rank 0
-and dropped, so the accelerator never holds more than one extra unsharded tensor (the embedding, at most).
+and dropped, so the accelerator never holds more than one extra unsharded tensor (the embedding, at most); `to_numpy`
+hands each out as numpy without a copy (bf16 as ml_dtypes bits).
 
 `compile_layers` (`TrainerConfig.compile`) works on the same decoder layers; the trainer calls it before sharding.
 """
