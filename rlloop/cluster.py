@@ -2,8 +2,9 @@
 
 This is the only place that knows about Ray actors and placement groups: the loop calls `Cluster` methods and gets
 plain results back. A local Ray starts when neither `cluster.address` nor `RAY_ADDRESS` names one (and is stopped at
-the end); inside `ray job submit` the job's cluster is used. Actors are thin `ray.remote` wrappers around
-`rlloop.workers`; with `cluster.use_ray: false` the same workers run in the driver.
+the end: `ray_session`, held by the loop across its clusters, or by a `Cluster` that started it); inside `ray job
+submit` the job's cluster is used. Actors are thin `ray.remote` wrappers around `rlloop.workers`; with
+`cluster.use_ray: false` the same workers run in the driver.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import re
 import signal
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 from rlloop.config import Config
@@ -44,6 +46,40 @@ def sync_spec(cfg: Config, run_dir: Path) -> SyncSpec:
         keyframe_every=s.keyframe_every,
         keep=s.keep,
     )
+
+
+def start_ray(cfg: Config) -> bool:
+    """Connect to `cluster.address` (or RAY_ADDRESS), or start a local Ray, first ending the agents a killed earlier
+    run left (rlloop/ray_agents.py); returns whether this process started it (and so must stop it)."""
+    import ray
+
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    if address is None:
+        reap_orphaned_agents()
+    on_sigterm = signal.getsignal(signal.SIGTERM)
+    ray.init(address=address, namespace="rlloop", include_dashboard=False, log_to_driver=True, configure_logging=False)
+    if callable(on_sigterm) and threading.current_thread() is threading.main_thread():
+        # ray.init installs a handler that aborts the driver on SIGTERM; keep the caller's (rlloop.run's: unwind and
+        # clean up like Ctrl-C)
+        signal.signal(signal.SIGTERM, on_sigterm)
+    return address is None
+
+
+@contextmanager
+def ray_session(cfg: Config):
+    """Ray for every `Cluster` built inside (none without `cluster.use_ray`, or if Ray is up already), stopped at the
+    end if this started it: a cluster rebuilt after a trainer rank's death reuses it instead of restarting Ray."""
+    if not cfg.cluster.use_ray:
+        yield
+        return
+    import ray
+
+    owns = not ray.is_initialized() and start_ray(cfg)
+    try:
+        yield
+    finally:
+        if owns and ray.is_initialized():
+            ray.shutdown()
 
 
 class Cluster:
@@ -95,22 +131,7 @@ class Cluster:
         from ray.util.placement_group import placement_group
 
         if not ray.is_initialized():
-            address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
-            self.owns_ray = address is None
-            if self.owns_ray:
-                reap_orphaned_agents()
-            on_sigterm = signal.getsignal(signal.SIGTERM)
-            ray.init(
-                address=address,
-                namespace="rlloop",
-                include_dashboard=False,
-                log_to_driver=True,
-                configure_logging=False,
-            )
-            if callable(on_sigterm) and threading.current_thread() is threading.main_thread():
-                # ray.init installs a handler that aborts the driver on SIGTERM; keep the caller's (rlloop.run's:
-                # unwind and clean up like Ctrl-C)
-                signal.signal(signal.SIGTERM, on_sigterm)
+            self.owns_ray = start_ray(cfg)
         plan = plan_placement(cfg.cluster, same_host=cfg.sync.transport == "shm")
         if cfg.sync.transport == "shm":
             check_one_node_fits(plan)

@@ -15,7 +15,7 @@ from contextlib import ExitStack, closing
 from pathlib import Path
 
 from rlloop.checkpoint import latest_checkpoint, load_state, save_checkpoint
-from rlloop.cluster import Cluster
+from rlloop.cluster import Cluster, ray_session
 from rlloop.config import Config, to_yaml
 from rlloop.data import Inputs, load_inputs
 from rlloop.errors import TrainerDied
@@ -31,13 +31,14 @@ def train(cfg: Config, resume: bool = False, inputs: Inputs | None = None) -> Pa
     A trainer rank that dies costs a rebuild of the cluster from the last checkpoint, with the same data order, up
     to `run.max_restarts` times (engines heal in place)."""
     inputs = inputs or load_inputs(cfg)
-    for restarts in range(cfg.run.max_restarts + 1):
-        try:
-            return run_recipe(cfg, inputs, resume=resume or restarts > 0, trainer_restarts=restarts)
-        except TrainerDied as e:
-            if restarts == cfg.run.max_restarts:
-                raise
-            log.warning("%s\nrestarting from the last checkpoint (%d/%d)", e, restarts + 1, cfg.run.max_restarts)
+    with ray_session(cfg):  # a rebuilt cluster's actors start in the same Ray
+        for restarts in range(cfg.run.max_restarts + 1):
+            try:
+                return run_recipe(cfg, inputs, resume=resume or restarts > 0, trainer_restarts=restarts)
+            except TrainerDied as e:
+                if restarts == cfg.run.max_restarts:
+                    raise
+                log.warning("%s\nrestarting from the last checkpoint (%d/%d)", e, restarts + 1, cfg.run.max_restarts)
     raise AssertionError("unreachable")
 
 
