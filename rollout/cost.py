@@ -82,6 +82,22 @@ def generate_flops(cfg: ModelConfig, prefill_tokens: int, sequences: Iterable[tu
     return flops
 
 
+def train_flops(cfg: ModelConfig, groups: Iterable[tuple[int, Iterable[float]]]) -> float:
+    """FLOPs of one training pass, forward and backward (twice the forward), over GRPO groups, each (prompt length
+    lp, its samples' response lengths): the prompt once, causal (shared-prompt rows; a row per sample repeats it), and
+    each response attending to its prompt and causally to itself, through every matmul and the LM head (log-probs are
+    of response tokens only)."""
+    body = cfg.num_layers * _layer_matmul_params(cfg)
+    head = cfg.vocab_size * cfg.hidden_size
+    attn = 4 * cfg.num_layers * cfg.q_size
+    forward = 0.0
+    for lp, responses in groups:
+        forward += 2.0 * body * lp + attn * lp * (lp + 1) / 2
+        for k in responses:
+            forward += 2.0 * (body + head) * k + attn * (k * lp + k * (k + 1) / 2)
+    return 3 * forward
+
+
 def prefill_bytes(cfg: ModelConfig, itemsize: int, bucket_tokens: int) -> int:
     """One packed prefill call: the weights read once, the bucket's K/V written."""
     return weight_bytes(cfg, itemsize) + bucket_tokens * kv_bytes_per_token(cfg, itemsize)

@@ -21,8 +21,8 @@ too; every round's figures are in the JSON).
 
 Per setting: s/step (mean after the warm-up steps), TRL/rlloop, rlloop's per-step breakdown from metrics.jsonl
 (rollout, train, sync, other = the rest of the step; in async, rollout is the wait for the batch), a roofline bound
-(6 x params x trained tokens, each prompt counted once per group, plus generation FLOPs as rollout.cost counts them,
-over the matmul peak; generation is bounded by decode bytes over the memory bandwidth where that is slower; peaks
+(training FLOPs, each prompt once per group, with causal attention and the LM head on responses only, plus generation
+FLOPs, both as rollout.cost counts them, over the matmul peak; generation is bounded by decode bytes over the memory bandwidth where that is slower; peaks
 measured by rlloop.bench.peaks on --threads cores, best of several) and every run's step over it, and the per-step
 reward curves.
 Ends with one JSON line.
@@ -160,7 +160,7 @@ def measure_peaks(threads: int) -> dict:
 def step_work(cfg, batches, rl: dict, skip: int) -> dict:
     """FLOPs and bytes of one step (mean over the timed steps), as the trainer and the engine must do them; token
     counts are rlloop's (TRL's are the same prompts and, in distribution, the same lengths)."""
-    from rollout.cost import decode_bytes, generate_flops, param_count
+    from rollout.cost import decode_bytes, generate_flops, param_count, train_flops
     from rollout.model_config import ModelConfig
 
     mc = ModelConfig.from_dir(cfg.model.path)
@@ -172,19 +172,19 @@ def step_work(cfg, batches, rl: dict, skip: int) -> dict:
         resp_mean, resp_max = rl["response_len"][k], int(rl["response_len_max"][k])
         # The least training work: each prompt once per group (what shared-prompt rows, train.share_prompts, run;
         # one row per sample runs it g times), every response token (the zero-advantage samples rlloop skips too:
-        # the bound is of the GRPO step as TRL computes it).
+        # the bound is of the GRPO step as TRL computes it), causal attention, the LM head on responses only.
         trained = sum(lens) + resp_mean * g * len(lens)
-        train_flops = 6.0 * params * trained
+        train = train_flops(mc, [(lp, [resp_mean] * g) for lp in lens])
         # Each prompt prefilled once (GRPO fan-out copies its KV), then every sample decoded.
         gen_flops = generate_flops(mc, sum(lens) - len(lens), [(lp, resp_mean) for lp in lens for _ in range(g)])
         # All rows decode together: one pass over the weights per decode step, each row's KV as the engine reads it.
         gen_bytes = decode_bytes(mc, 4, resp_max, g * len(lens), max_len, max(lens) + resp_max)
-        per_step.append((trained, train_flops, gen_flops, gen_bytes))
-    trained, train_flops, gen_flops, gen_bytes = (float(np.mean(c)) for c in zip(*per_step[skip:]))
+        per_step.append((trained, train, gen_flops, gen_bytes))
+    trained, train, gen_flops, gen_bytes = (float(np.mean(c)) for c in zip(*per_step[skip:]))
     return {
         "params": params,
         "trained_tokens": trained,
-        "train_flops": train_flops,
+        "train_flops": train,
         "gen_flops": gen_flops,
         "decode_bytes": gen_bytes,
     }

@@ -1,5 +1,5 @@
 """The small shared pieces: EngineConfig's validation (and that it loads without jax), the seed arithmetic, the EOS
-rule both backends use, and the cost model against the weights the decoder actually holds."""
+rule both backends use, and the cost model against the weights the decoder actually holds and the FLOPs torch counts."""
 
 import pickle
 import subprocess
@@ -75,3 +75,28 @@ def test_cost_model_counts_the_decoders_weights_and_chunks(tmp_path):
     assert cost.decode_kv_positions(1024, 129) == 256
     assert cost.decode_kv_positions(320, 300) == 320  # capped at the cache
     assert int(cost.decode_chunks(np.int32(257))) == 3
+
+
+def test_train_flops_are_the_matmuls_of_a_training_pass(tmp_path):
+    """`train_flops` against torch's FLOP counter on an HF model's forward and backward with the LM head on the
+    response positions, as the trainer takes log-probs. Eager attention, whose q.k and p.v the counter sees as matmuls
+    over the whole [L, L] square: the bound counts the causal half (with the diagonal) only."""
+    import torch
+    import transformers
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from rollout import cost
+
+    for family, tie in [("qwen3", True), ("llama", False)]:
+        path = make_tiny_hf_model(tmp_path / family, family, tie=tie)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+        cfg = ModelConfig.from_dir(str(path))
+        prompt, response = 11, 7
+        length = prompt + response
+        with FlopCounterMode(display=False) as counter:
+            hidden = model.model(torch.randint(3, cfg.vocab_size, (1, length))).last_hidden_state
+            model.lm_head(hidden[:, prompt - 1 : length - 1]).logsumexp(-1).sum().backward()
+        counted = sum(counter.get_flop_counts()["Global"].values())
+        per_pair = 3 * 4 * cfg.num_layers * cfg.q_size  # q.k and p.v, forward and backward
+        causal = counted - per_pair * length * length + per_pair * length * (length + 1) / 2
+        assert cost.train_flops(cfg, [(prompt, [response])]) == causal
