@@ -4,8 +4,9 @@ One place for the arithmetic that the engine's stats (flops, bytes, hence MFU / 
 for the decode-chunk rule, which rollout.model executes and the byte count has to follow.
 
 FLOPs: 2 per matmul weight per token (the LM head in decode only), plus 4 per query-head dim per attended position
-(q.k and p.v). Bytes: a prefill or decode step reads every weight once; decode reads each row's KV up to the chunks
-in use, prefill writes the KV of its bucket, a fan-out copy reads and writes its rows.
+(q.k and p.v); a training pass (the e2e benchmark's bound) is three times its forward's. Bytes: a prefill or decode
+step reads every weight once; decode reads each row's KV up to the chunks in use, prefill writes the KV of its
+bucket, a fan-out copy reads and writes its rows.
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ too; every round's figures are in the JSON).
 Per setting: s/step (mean after the warm-up steps), TRL/rlloop, rlloop's per-step breakdown from metrics.jsonl
 (rollout, train, sync, other = the rest of the step; in async, rollout is the wait for the batch), a roofline bound
 (training FLOPs, each prompt once per group, with causal attention and the LM head on responses only, plus generation
-FLOPs, both as rollout.cost counts them, over the matmul peak; generation is bounded by decode bytes over the memory bandwidth where that is slower; peaks
-measured by rlloop.bench.peaks on --threads cores, best of several) and every run's step over it, and the per-step
-reward curves.
+FLOPs, both as rollout.cost counts them, over the matmul peak; generation is bounded by decode bytes over the memory
+bandwidth where that is slower; peaks measured by rlloop.bench.peaks on --threads cores, best of several) and every
+run's step over it, and the per-step reward curves.
 Ends with one JSON line.
 """
 
