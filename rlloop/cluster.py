@@ -57,7 +57,14 @@ def start_ray(cfg: Config) -> bool:
     if address is None:
         reap_orphaned_agents()
     on_sigterm = signal.getsignal(signal.SIGTERM)
-    ray.init(address=address, namespace="rlloop", include_dashboard=False, log_to_driver=True, configure_logging=False)
+    try:
+        ray.init(
+            address=address, namespace="rlloop", include_dashboard=False, log_to_driver=True, configure_logging=False
+        )
+    except BaseException:  # Ctrl-C midway: a local Ray half started must not outlive the driver
+        if address is None and ray.is_initialized():
+            ray.shutdown()
+        raise
     if callable(on_sigterm) and threading.current_thread() is threading.main_thread():
         # ray.init installs a handler that aborts the driver on SIGTERM; keep the caller's (rlloop.run's: unwind and
         # clean up like Ctrl-C)
