@@ -2,8 +2,8 @@
 
 This is the only place that knows about Ray actors and placement groups: the loop calls `Cluster` methods and gets
 plain results back. A local Ray starts when neither `cluster.address` nor `RAY_ADDRESS` names one (and is stopped at
-the end: `ray_session`, held by the loop across its clusters, or by a `Cluster` that started it); inside `ray job
-submit` the job's cluster is used. Actors are thin `ray.remote` wrappers around `rlloop.workers`; with
+the end: rlloop/ray_session.py, held by the loop across its clusters, or by a `Cluster` that started it); inside
+`ray job submit` the job's cluster is used. Actors are thin `ray.remote` wrappers around `rlloop.workers`; with
 `cluster.use_ray: false` the same workers run in the driver.
 """
 
@@ -12,17 +12,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import os
 import re
-import signal
 import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 from rlloop.config import Config
 from rlloop.errors import ClusterError, TrainerDied
 from rlloop.placement import actor_env, actor_options, plan_placement
-from rlloop.ray_agents import reap_orphaned_agents
+from rlloop.ray_session import start_ray
 from rlloop.workers import RolloutWorker, SyncSpec, TrainerWorker, freeze_heap
 from rollout import mix_seed
 
@@ -48,51 +45,11 @@ def sync_spec(cfg: Config, run_dir: Path) -> SyncSpec:
     )
 
 
-def start_ray(cfg: Config) -> bool:
-    """Connect to `cluster.address` (or RAY_ADDRESS), or start a local Ray, first ending the agents a killed earlier
-    run left (rlloop/ray_agents.py); returns whether this process started it (and so must stop it)."""
-    import ray
-
-    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
-    if address is None:
-        reap_orphaned_agents()
-    on_sigterm = signal.getsignal(signal.SIGTERM)
-    try:
-        ray.init(
-            address=address, namespace="rlloop", include_dashboard=False, log_to_driver=True, configure_logging=False
-        )
-    except BaseException:  # Ctrl-C midway: a local Ray half started must not outlive the driver
-        if address is None and ray.is_initialized():
-            ray.shutdown()
-        raise
-    if callable(on_sigterm) and threading.current_thread() is threading.main_thread():
-        # ray.init installs a handler that aborts the driver on SIGTERM; keep the caller's (rlloop.run's: unwind and
-        # clean up like Ctrl-C)
-        signal.signal(signal.SIGTERM, on_sigterm)
-    return address is None
-
-
-@contextmanager
-def ray_session(cfg: Config):
-    """Ray for every `Cluster` built inside (none without `cluster.use_ray`, or if Ray is up already), stopped at the
-    end if this started it: a cluster rebuilt after a trainer rank's death reuses it instead of restarting Ray."""
-    if not cfg.cluster.use_ray:
-        yield
-        return
-    import ray
-
-    owns = not ray.is_initialized() and start_ray(cfg)
-    try:
-        yield
-    finally:
-        if owns and ray.is_initialized():
-            ray.shutdown()
-
-
 class Cluster:
     def __init__(self, cfg: Config, run_dir: Path):
         self.cfg, self.remote, self.owns_ray = cfg, cfg.cluster.use_ray, False
         self.pg = None
+        self._warming: list = []  # the engines' warmup() calls in flight
         self.engines: list = []
         self.trainers: list = []
         sync, threads = sync_spec(cfg, run_dir), cfg.cluster.cpus_per_actor
@@ -161,6 +118,8 @@ class Cluster:
         # Kept to rebuild an engine that dies (run.max_restarts): the same bundle, environment and config.
         self._engine_spec = [(options(b, True), engine) for b in plan.rollout_bundles if self.with_engines]
         self.engines = [ray.remote(RolloutWorker).options(**opts).remote(**kw) for opts, kw in self._engine_spec]
+        if not cfg.cluster.colocate:  # engines on chips of their own compile while the ranks load; `warmup` waits
+            self._warming = [engine.warmup.remote() for engine in self.engines]
         self.trainers = [
             ray.remote(TrainerWorker).options(**options(b, False)).remote(**kwargs)
             for b, kwargs in zip(plan.trainer_bundles, ranks)
@@ -177,10 +136,13 @@ class Cluster:
         cluster.actor_timeout_s (actor_start_timeout_s for a `start` call), is a ClusterError, or TrainerDied."""
         if not self.remote:
             return [getattr(w, method)(*a) for w, a in zip(workers, args)]
+        return self._gather(workers, method, [getattr(w, method).remote(*a) for w, a in zip(workers, args)], start)
+
+    def _gather(self, workers: list, method: str, refs: list, start: bool = False) -> list:
+        """The results of `refs`, one `method` call on each worker, with `_call_all`'s errors."""
         import ray
 
         timeout = self.cfg.cluster.actor_start_timeout_s if start else self.cfg.cluster.actor_timeout_s
-        refs = [getattr(w, method).remote(*a) for w, a in zip(workers, args)]
         try:
             return ray.get(refs, timeout=timeout)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
@@ -199,7 +161,11 @@ class Cluster:
 
     # ------------------------------------------------------------------ what the loop calls
     def warmup(self) -> dict[str, float]:
-        warm = self._call_all(self.engines, "warmup", [()] * len(self.engines), start=True)
+        """The engines' warm-up compiles (under way since they started, where they have chips of their own)."""
+        if self._warming:
+            warm, self._warming = self._gather(self.engines, "warmup", self._warming, start=True), []
+        else:
+            warm = self._call_all(self.engines, "warmup", [()] * len(self.engines), start=True)
         if self.remote:  # the workers froze theirs; the driver's long-lived state (tokenizer, data, Ray) is built too
             freeze_heap()
         return warm[0] if warm else {}  # the same programs everywhere

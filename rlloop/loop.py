@@ -15,10 +15,11 @@ from contextlib import ExitStack, closing
 from pathlib import Path
 
 from rlloop.checkpoint import latest_checkpoint, load_state, save_checkpoint
-from rlloop.cluster import Cluster, ray_session
+from rlloop.cluster import Cluster
 from rlloop.config import Config, to_yaml
 from rlloop.data import Inputs, load_inputs
 from rlloop.errors import TrainerDied
+from rlloop.ray_session import ray_session
 from rlloop.rollout_manager import RolloutManager
 from rlloop.schedules import rollout_schedule
 from rlloop.tracking import Tracker
@@ -54,12 +55,12 @@ def run_recipe(cfg: Config, inputs: Inputs, resume: bool = False, trainer_restar
         cluster = stack.enter_context(closing(Cluster(cfg, run_dir)))
         rollout = stack.enter_context(closing(RolloutManager(cfg, cluster, tokenizer, data, eval_data)))
         tracker = stack.enter_context(closing(Tracker(cfg, run_dir, start)))
+        (run_dir / "cluster.json").write_text(json.dumps(cluster.placement, indent=1))  # role -> Ray node id
+        (run_dir / "warmup.json").write_text(json.dumps(cluster.warmup(), indent=1))
         if ckpt:  # model, optimizer and RNG from the checkpoint; the engine gets those weights; same data order
             cluster.load(str(ckpt / "trainer"))
             data.load_state_dict(load_state(ckpt)["data"])
             cluster.sync_weights(version=start)
-        (run_dir / "cluster.json").write_text(json.dumps(cluster.placement, indent=1))  # role -> Ray node id
-        (run_dir / "warmup.json").write_text(json.dumps(cluster.warmup(), indent=1))
         evaluating = eval_data is not None and cfg.run.eval_every > 0 and bool(cluster.engines)
         if evaluating and start == 0:
             tracker.log(0, rollout.evaluate())

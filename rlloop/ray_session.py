@@ -1,0 +1,96 @@
+"""A local Ray's lifetime in a run: started once, kept while the loop rebuilds its cluster (a trainer rank's death
+rebuilds the actors, not Ray), stopped at the end; and what a killed earlier run left behind, ended at that start.
+
+When the driver that started a local Ray dies without `ray.shutdown()`, its GCS and raylet exit with it, but each
+node's `ray::DashboardAgent` and `ray::RuntimeEnvAgent` first try to report the raylet's death to the GCS, which is
+gone, and wait out that report's hard-coded 60 s timeout (ray/_private/utils.py `publish_error_to_driver`). By
+Ray's own rule (process_watcher.py: an agent whose parent is no longer its raylet kills itself) they are already
+doomed; the driver that starts the next local Ray ends them at once instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from contextlib import contextmanager
+
+import psutil
+
+from rlloop.config import Config
+
+log = logging.getLogger(__name__)
+
+AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
+
+
+def orphaned_agents() -> list[psutil.Process]:
+    """This user's Ray agents whose parent is not a raylet any more (re-parented to init or a subreaper)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "uids"]):
+        try:
+            title = (proc.info["cmdline"] or [""])[0]
+            if title not in AGENTS or proc.info["uids"].real != os.getuid():
+                continue
+            parent = proc.parent()
+            if parent is None or "raylet" not in parent.name():
+                found.append(proc)
+        except psutil.Error:  # gone, or not ours to inspect
+            continue
+    return found
+
+
+def reap_orphaned_agents(timeout: float = 5.0) -> int:
+    """SIGKILL the orphaned agents and wait for them; returns how many there were."""
+    procs = orphaned_agents()
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=timeout)
+    if procs:
+        log.info("ended %d Ray agent(s) left by a killed earlier run", len(procs))
+    return len(procs)
+
+
+def start_ray(cfg: Config) -> bool:
+    """Connect to `cluster.address` (or RAY_ADDRESS), or start a local Ray, first ending the agents a killed earlier
+    run left (`reap_orphaned_agents`); returns whether this process started it (and so must stop it)."""
+    import ray
+
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    if address is None:
+        reap_orphaned_agents()
+    on_sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        ray.init(
+            address=address, namespace="rlloop", include_dashboard=False, log_to_driver=True, configure_logging=False
+        )
+    except BaseException:  # Ctrl-C midway: a local Ray half started must not outlive the driver
+        if address is None and ray.is_initialized():
+            ray.shutdown()
+        raise
+    if callable(on_sigterm) and threading.current_thread() is threading.main_thread():
+        # ray.init installs a handler that aborts the driver on SIGTERM; keep the caller's (rlloop.run's: unwind and
+        # clean up like Ctrl-C)
+        signal.signal(signal.SIGTERM, on_sigterm)
+    return address is None
+
+
+@contextmanager
+def ray_session(cfg: Config):
+    """Ray for every `Cluster` built inside (none without `cluster.use_ray`, or if Ray is up already), stopped at the
+    end if this started it: a cluster rebuilt after a trainer rank's death reuses it instead of restarting Ray."""
+    if not cfg.cluster.use_ray:
+        yield
+        return
+    import ray
+
+    owns = not ray.is_initialized() and start_ray(cfg)
+    try:
+        yield
+    finally:
+        if owns and ray.is_initialized():
+            ray.shutdown()
