@@ -50,6 +50,7 @@ class Cluster:
         self.cfg, self.remote, self.owns_ray = cfg, cfg.cluster.use_ray, False
         self.pg = None
         self._warming: list = []  # the engines' warmup() calls in flight
+        self._stepped = False  # whether the trainer ranks have taken a step
         self.engines: list = []
         self.trainers: list = []
         sync, threads = sync_spec(cfg, run_dir), cfg.cluster.cpus_per_actor
@@ -212,30 +213,35 @@ class Cluster:
                 ref = getattr(self.engines[e], method).remote(*args)
 
     def _restart_engine(self, e: int, why: str) -> None:
+        """Rebuild engine e, which died or hung during `why`, and load the trainer's current weights into it. A
+        rebuild that dies or hangs too is one more restart, up to run.max_restarts."""
         import ray
 
-        if self.restarts >= self.cfg.run.max_restarts:
-            raise ClusterError(
-                f"rollout engine {e}: its actor died during {why} after {self.restarts} restart(s) (run.max_restarts="
-                f"{self.cfg.run.max_restarts}); the last checkpoint is intact: rerun with --resume."
-            )
-        self.restarts += 1
-        log.warning(
-            "rollout engine %d died during %s; restarting it (%d/%d)", e, why, self.restarts, self.cfg.run.max_restarts
-        )
-        ray.kill(self.engines[e])
-        opts, kwargs = self._engine_spec[e]
-        self.engines[e] = ray.remote(RolloutWorker).options(**opts).remote(**kwargs)
-        try:
-            # The new engine has the checkpoint's weights: give it the trainer's current ones directly (an object
-            # ref, never through the driver), and make the next push a keyframe, since it has no base for deltas.
-            ray.get(self.engines[e].warmup.remote(), timeout=self.cfg.cluster.actor_start_timeout_s)
-            current = [t.current_weights.remote() for t in self.trainers]  # every rank joins an fsdp gather
-            ray.get(self.engines[e].load_weights.remote(current[0]))
-            ray.get(current[1:])
-            ray.get(self.trainers[0].force_keyframe.remote())
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
-            raise ClusterError(f"restarting rollout engine {e} failed; rerun with --resume.\n{err}") from None
+        most = self.cfg.run.max_restarts
+        while True:
+            if self.restarts >= most:
+                raise ClusterError(
+                    f"rollout engine {e}: its actor died during {why} after {self.restarts} restart(s) "
+                    f"(run.max_restarts={most}); the last checkpoint is intact: rerun with --resume."
+                )
+            self.restarts += 1
+            log.warning("rollout engine %d died during %s; restarting it (%d/%d)", e, why, self.restarts, most)
+            ray.kill(self.engines[e])
+            opts, kwargs = self._engine_spec[e]
+            self.engines[e] = engine = ray.remote(RolloutWorker).options(**opts).remote(**kwargs)
+            try:
+                ray.get(engine.warmup.remote(), timeout=self.cfg.cluster.actor_start_timeout_s)
+                # It has the checkpoint's weights: give it the trainer's current ones directly (an object ref, never
+                # through the driver), and make the next push a keyframe, since it has no base for deltas.
+                current = [t.current_weights.remote() for t in self.trainers]  # every rank joins an fsdp gather
+                ray.get(engine.load_weights.remote(current[0]), timeout=self.cfg.cluster.actor_timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+                why = f"its restart: {type(err).__name__}"
+                continue
+            self._gather(self.trainers[1:], "current_weights", current[1:])  # a dead rank: TrainerDied
+            self._call_all(self.trainers[:1], "force_keyframe", [()])
+            log.warning("rollout engine %d is back (%d/%d)", e, self.restarts, most)
+            return
 
     def _assign(self, prompts: list[list[int]], n: int, max_new: int) -> list[list[int]]:
         shares = [[] for _ in self.engines]
@@ -259,7 +265,9 @@ class Cluster:
                 "rollout/device_bytes_while_training": float(sum(s["after"] for s in slept)),
             }
             self._call_all(self.trainers, "wake", [()] * world)
-        metrics = self._call_all(self.trainers, "train_step", shards)[0]  # all-reduced: equal on all ranks
+        # The first step builds the optimizer state and, with train.compile, compiles: a start, timed as one.
+        metrics = self._call_all(self.trainers, "train_step", shards, start=not self._stepped)[0]  # equal on all ranks
+        self._stepped = True
         if self.cfg.cluster.colocate:
             self._call_all(self.trainers, "sleep", [()] * world)
         return metrics | freed

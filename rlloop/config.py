@@ -164,8 +164,9 @@ class ClusterSection(Section):
     # unchecked on accelerators. E.g. 141 for an H200, 192 for a TPU v7x chip.
     device_memory_gb: Annotated[float, Field(gt=0)] | None = None
     actor_timeout_s: Annotated[float, Field(gt=0)] | None = 1800.0  # an actor call taking longer counts as dead
-    # The same for an actor's start: process, imports, model load (setup), checkpoint load, warmup compiles. Kept
-    # apart so that a short actor_timeout_s (a hang noticed fast) does not take a slow start for a hang.
+    # The same for an actor's start: process, imports, model load (setup), checkpoint load, warmup compiles, the
+    # first train step (optimizer state; train.compile's compile). Kept apart so that a short actor_timeout_s (a hang
+    # noticed fast) does not take a slow start for a hang.
     actor_start_timeout_s: Annotated[float, Field(gt=0)] | None = 3600.0
     # Extra Ray resources each engine / trainer-rank bundle asks for: node labels that pin the roles to nodes, e.g.
     # {node_a: 0.01} with `ray start --resources='{"node_a": 1}'` on that node.
