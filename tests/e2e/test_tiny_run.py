@@ -281,10 +281,10 @@ def untouched_run(tmp_path_factory) -> list[dict]:
 
 
 def faults_mid_run(tmp_path, temp: Path, clean: list[dict], actor: str, healed: str) -> tuple[str, list[dict]]:
-    """The untouched run again, with `ray::<actor>` sent each of FAULTS in turn, each once a checkpoint exists that is
-    newer than the last heal (the driver printing `healed` followed by the count); checks that the run heals into the
-    same numbers, step by step, and leaves nothing behind (`temp`: its $TMPDIR, and its Ray's); returns its output
-    and metrics."""
+    """The untouched run again, with `ray::<actor>` sent each of FAULTS in turn, each once the last heal is done (the
+    driver printing `healed` followed by the count) and a checkpoint newer than it exists; checks that the run heals
+    into the same numbers, step by step, and leaves nothing behind (`temp`: its $TMPDIR, and its Ray's); returns its
+    output and metrics."""
     proc = run_cli(f"run.dir={tmp_path}", *KILL_ARGS, *HANG, env={"TMPDIR": str(temp)})
     lines: list[str] = []
 
@@ -295,19 +295,37 @@ def faults_mid_run(tmp_path, temp: Path, clean: list[dict], actor: str, healed: 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
 
+    sent: list[str] = []  # what this test did and when, for a failure's message
+
     def wait_for(done, what: str) -> None:
         deadline = time.monotonic() + 300
         while not done():
-            assert proc.poll() is None and time.monotonic() < deadline, f"never saw {what}:\n{''.join(lines)[-3000:]}"
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                f"never saw {what}:\n" + "".join(sent + lines)[-6000:]
+            )
             time.sleep(0.2)
 
     healed_at = 0  # the newest checkpoint when the last fault was healed
-    for n, sig in enumerate(FAULTS, 1):
-        wait_for(lambda after=healed_at: latest_step(tmp_path) > after, f"a checkpoint after {healed_at}")
-        subprocess.run(["pkill", f"-{sig.name.removeprefix('SIG')}", "-f", f"ray::{actor}"], check=True)
-        wait_for(lambda mark=f"{healed} ({n}/": mark in "".join(lines), f"{sig.name} healed")
-        healed_at = latest_step(tmp_path)
-    assert proc.wait(timeout=600) == 0, "".join(lines)[-3000:]
+    try:
+        for n, sig in enumerate(FAULTS, 1):
+            wait_for(lambda after=healed_at: latest_step(tmp_path) > after, f"a checkpoint after {healed_at}")
+            pids = subprocess.run(["pgrep", "-f", f"ray::{actor}"], capture_output=True, text=True).stdout.split()
+            assert pids, f"no ray::{actor} process to send {sig.name}"
+            for pid in pids:
+                os.kill(int(pid), sig)
+            sent.append(f"{sig.name} to pids {pids} at checkpoint {latest_step(tmp_path)}, output line {len(lines)}\n")
+            wait_for(lambda mark=f"{healed} ({n}/": mark in "".join(lines), f"{sig.name} healed")
+            healed_at = latest_step(tmp_path)
+        if proc.wait(timeout=600) != 0:
+            events = [line for line in lines if any(w in line for w in ("restart", "died", "Error", "back"))]
+            pytest.fail("".join(sent + events)[-6000:] + "\n...\n" + "".join(lines)[-3000:])
+    finally:
+        if proc.poll() is None:  # a failed check: stop the run as Ctrl-C does, so that its Ray goes too
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     reader.join()
     out, healed_metrics = "".join(lines), metrics(tmp_path)
     assert [m["step"] for m in healed_metrics] == [m["step"] for m in clean]  # a replayed step is logged once
@@ -325,7 +343,7 @@ def test_a_rollout_engine_that_dies_in_any_way_is_restarted_and_the_run_ends_as_
 ):
     """Each time, the engine is rebuilt with the trainer's weights, its requests are generated again, and every
     step's samples and losses equal those of a run nobody touched."""
-    out, healed = faults_mid_run(tmp_path, short_tmp, untouched_run, "RolloutWorker", "restarting it")
+    out, healed = faults_mid_run(tmp_path, short_tmp, untouched_run, "RolloutWorker", "is back")
     assert "GetTimeoutError" in out  # the hang, noticed by the timeout alone
     assert healed[-1]["rollout/engine_restarts"] == 3 and untouched_run[-1]["rollout/engine_restarts"] == 0
 
