@@ -280,12 +280,20 @@ def untouched_run(tmp_path_factory) -> list[dict]:
     return metrics(run_dir)
 
 
-def faults_mid_run(tmp_path, temp: Path, clean: list[dict], actor: str, healed: str) -> tuple[str, list[dict]]:
+def actor_pids(actor: str) -> set[str]:
+    return set(subprocess.run(["pgrep", "-f", f"ray::{actor}"], capture_output=True, text=True).stdout.split())
+
+
+def faults_mid_run(
+    tmp_path, temp: Path, clean: list[dict], actor: str, healed: str, kill_mid_heal: bool = False
+) -> tuple[str, list[dict]]:
     """The untouched run again, with `ray::<actor>` sent each of FAULTS in turn, each once the last heal is done (the
-    driver printing `healed` followed by the count) and a checkpoint newer than it exists; checks that the run heals
-    into the same numbers, step by step, and leaves nothing behind (`temp`: its $TMPDIR, and its Ray's); returns its
-    output and metrics."""
-    proc = run_cli(f"run.dir={tmp_path}", *KILL_ARGS, *HANG, env={"TMPDIR": str(temp)})
+    driver printing `healed` followed by the restart count) and a checkpoint newer than it exists; with
+    `kill_mid_heal`, the actor rebuilt after the first fault is SIGKILLed as soon as it exists, while it is being
+    healed. Checks that the run heals into the same numbers, step by step, and leaves nothing behind (`temp`: its
+    $TMPDIR, and its Ray's); returns its output and metrics."""
+    restarts = [f"run.max_restarts={len(FAULTS) + kill_mid_heal}"]
+    proc = run_cli(f"run.dir={tmp_path}", *KILL_ARGS, *HANG, *restarts, env={"TMPDIR": str(temp)})
     lines: list[str] = []
 
     def read() -> None:  # as it comes: a pipe nobody reads fills up and blocks the driver
@@ -305,16 +313,23 @@ def faults_mid_run(tmp_path, temp: Path, clean: list[dict], actor: str, healed: 
             )
             time.sleep(0.2)
 
-    healed_at = 0  # the newest checkpoint when the last fault was healed
+    def send(sig: signal.Signals, pids: set[str]) -> None:
+        assert pids, f"no ray::{actor} process to send {sig.name}"
+        for pid in pids:
+            os.kill(int(pid), sig)
+        sent.append(f"{sig.name} to pids {pids} at checkpoint {latest_step(tmp_path)}, output line {len(lines)}\n")
+
+    healed_at, count = 0, 0  # the newest checkpoint when the last fault was healed; restarts so far
     try:
-        for n, sig in enumerate(FAULTS, 1):
+        for sig in FAULTS:
             wait_for(lambda after=healed_at: latest_step(tmp_path) > after, f"a checkpoint after {healed_at}")
-            pids = subprocess.run(["pgrep", "-f", f"ray::{actor}"], capture_output=True, text=True).stdout.split()
-            assert pids, f"no ray::{actor} process to send {sig.name}"
-            for pid in pids:
-                os.kill(int(pid), sig)
-            sent.append(f"{sig.name} to pids {pids} at checkpoint {latest_step(tmp_path)}, output line {len(lines)}\n")
-            wait_for(lambda mark=f"{healed} ({n}/": mark in "".join(lines), f"{sig.name} healed")
+            send(sig, old := actor_pids(actor))
+            count += 1
+            if kill_mid_heal and count == 1:
+                wait_for(lambda: actor_pids(actor) - old, f"the actor rebuilt after {sig.name}")
+                send(signal.SIGKILL, actor_pids(actor) - old)
+                count += 1
+            wait_for(lambda mark=f"{healed} ({count}/": mark in "".join(lines), f"{sig.name} healed")
             healed_at = latest_step(tmp_path)
         if proc.wait(timeout=600) != 0:
             events = [line for line in lines if any(w in line for w in ("restart", "died", "Error", "back"))]
@@ -342,10 +357,12 @@ def test_a_rollout_engine_that_dies_in_any_way_is_restarted_and_the_run_ends_as_
     tmp_path, short_tmp, untouched_run
 ):
     """Each time, the engine is rebuilt with the trainer's weights, its requests are generated again, and every
-    step's samples and losses equal those of a run nobody touched."""
-    out, healed = faults_mid_run(tmp_path, short_tmp, untouched_run, "RolloutWorker", "is back")
+    step's samples and losses equal those of a run nobody touched; an engine that dies while it is being rebuilt
+    costs one more restart."""
+    out, healed = faults_mid_run(tmp_path, short_tmp, untouched_run, "RolloutWorker", "is back", kill_mid_heal=True)
     assert "GetTimeoutError" in out  # the hang, noticed by the timeout alone
-    assert healed[-1]["rollout/engine_restarts"] == 3 and untouched_run[-1]["rollout/engine_restarts"] == 0
+    assert "died during its restart" in out
+    assert healed[-1]["rollout/engine_restarts"] == 4 and untouched_run[-1]["rollout/engine_restarts"] == 0
 
 
 def test_a_trainer_rank_that_dies_in_any_way_rebuilds_from_the_checkpoint_and_the_run_matches(
