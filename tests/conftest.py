@@ -18,8 +18,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-# Ray starts its workers at nice 15: next to the other xdist worker's tests (nice 0) an actor then gets a few percent
-# of a core, and a call that takes 1 s takes half a minute. At 0 they share the cores fairly, as the driver does.
+# Ray starts its workers at nice 15: next to the other xdist worker's busy tests (nice 0) an actor then gets ~1/28 of
+# its share of a core, and a call the fault tests time out at 6 s can take longer. At 0 they share the cores fairly.
 os.environ.setdefault("RAY_worker_niceness", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
