@@ -303,7 +303,7 @@ def faults_mid_run(
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
 
-    sent: list[str] = []  # what this test did and when, for a failure's message
+    sent: list[str] = []  # the signals this test sent, for a failure's message
 
     def wait_for(done, what: str) -> None:
         deadline = time.monotonic() + 300
@@ -323,11 +323,11 @@ def faults_mid_run(
     try:
         for sig in FAULTS:
             wait_for(lambda after=healed_at: latest_step(tmp_path) > after, f"a checkpoint after {healed_at}")
-            send(sig, old := actor_pids(actor))
+            send(sig, before := actor_pids(actor))
             count += 1
             if kill_mid_heal and count == 1:
-                wait_for(lambda: actor_pids(actor) - old, f"the actor rebuilt after {sig.name}")
-                send(signal.SIGKILL, actor_pids(actor) - old)
+                wait_for(lambda: actor_pids(actor) - before, f"the actor rebuilt after {sig.name}")
+                send(signal.SIGKILL, actor_pids(actor) - before)
                 count += 1
             wait_for(lambda mark=f"{healed} ({count}/": mark in "".join(lines), f"{sig.name} healed")
             healed_at = latest_step(tmp_path)
