@@ -21,7 +21,7 @@ ARGS += ["tracking.progress=false", "rollout.prompts_per_step=8"]
 
 def next_checkpoint(proc, run_dir, after: int) -> int:
     """Wait for the running driver to save a checkpoint newer than `after`; its step."""
-    while proc.poll() is None and (not run_dir.exists() or latest_step(run_dir) <= after):
+    while proc.poll() is None and latest_step(run_dir) <= after:
         time.sleep(0.01)
     assert proc.poll() is None, f"the run ended at step {latest_step(run_dir)}"
     return latest_step(run_dir)
@@ -38,7 +38,7 @@ def test_a_driver_killed_at_ten_random_points_resumes_into_the_untouched_run(tmp
         proc = run_cli(f"run.dir={run_dir}", *ARGS, *(["--resume"] if kills else []))
         if len(kills) == KILLS:
             break  # this one runs to the end
-        first = next_checkpoint(proc, run_dir, latest_step(run_dir) if run_dir.exists() else 0)
+        first = next_checkpoint(proc, run_dir, latest_step(run_dir))
         t0 = time.monotonic()
         next_checkpoint(proc, run_dir, first)
         step_s = time.monotonic() - t0  # a steady step of this driver, at the host's load now
