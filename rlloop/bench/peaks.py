@@ -1,11 +1,11 @@
 """Measured peaks of the default JAX device, the denominators of MFU and MBU.
 
 Datasheet peaks do not exist for "2 shared CPU cores" and are optimistic elsewhere, so we measure: a large jitted
-matmul for FLOP/s and a large jitted elementwise pass (read once, write once) for bytes/s. Best of a few timed runs
-after a compile+warmup run, repeated for at least a second: on a shared host a neighbour (or the hypervisor) takes
-the cores in bursts, and five runs of ~10 ms can all land in one (the same 2 cores read 110 and 193 GFLOP/s in
-back-to-back processes with five). Cached per process and dtype, because benchmarks ask repeatedly and a
-measurement costs seconds. `python -m rlloop.bench peaks` prints the numbers.
+matmul for FLOP/s (in the dtype, accumulating in fp32) and a large jitted fp32 elementwise pass (read once, write
+once) for bytes/s. Best of a few timed runs after a compile+warmup run, repeated for at least a second: on a shared
+host a neighbour (or the hypervisor) takes the cores in bursts, and five runs of ~10 ms can all land in one (the same
+2 cores read 110 and 193 GFLOP/s in back-to-back processes with five). Cached per process and dtype, because
+benchmarks ask repeatedly and a measurement costs seconds. `python -m rlloop.bench peaks` prints the numbers.
 """
 
 from __future__ import annotations
@@ -46,13 +46,15 @@ def measure_peaks(dtype: str = "float32") -> dict[str, float]:
     n = _MATMUL_N.get(platform, 4096)
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(jdtype)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(jdtype)
-    matmul = jax.jit(lambda x, y: x @ y)
+    # fp32 accumulation, as the engine's matmuls: XLA:CPU runs a bf16 dot with a bf16 output 5x slower on AMX.
+    matmul = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
     matmul_s = _best_seconds(lambda: matmul(a, b).block_until_ready())
 
-    elems = _COPY_BYTES.get(platform, 1 << 30) // jdtype.itemsize
-    # Donating the input lets the output reuse its buffer: fresh output pages would measure page faults instead.
-    scale = jax.jit(lambda v: v * jnp.asarray(0.5, jdtype) + jnp.asarray(1, jdtype), donate_argnums=0)
-    x = jnp.ones((elems,), jdtype)
+    # Bytes in fp32 whatever the dtype: XLA:CPU's bf16 elementwise ops convert each value, and run at a tenth of the
+    # bandwidth. Donating the input lets the output reuse its buffer: fresh pages would measure page faults instead.
+    elems = _COPY_BYTES.get(platform, 1 << 30) // 4
+    scale = jax.jit(lambda v: v * 0.5 + 1.0, donate_argnums=0)
+    x = jnp.ones((elems,), jnp.float32)
 
     def copy() -> None:
         nonlocal x
@@ -61,12 +63,12 @@ def measure_peaks(dtype: str = "float32") -> dict[str, float]:
     copy_s = _best_seconds(copy)
     return {
         "matmul_flops": 2.0 * n**3 / matmul_s,
-        "mem_bytes_per_s": 2.0 * elems * jdtype.itemsize / copy_s,
+        "mem_bytes_per_s": 2.0 * elems * 4 / copy_s,
         "platform": platform,
         "device_kind": getattr(device, "device_kind", platform),
         "dtype": dtype,
         "matmul_n": n,
-        "copy_bytes": int(elems * jdtype.itemsize),
+        "copy_bytes": int(elems * 4),
     }
 
 
