@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlloop.config import Config, ConfigError
-from rollout.cost import engine_memory, kv_bytes_per_token, param_count
+from rollout.cost import cache_dtype, engine_memory, kv_bytes_per_token, param_count
 from rollout.model_config import ModelConfig
 from rollout.weight_table import copies_tied_head
 from trainer.memory import ITEMSIZE, trainer_memory
@@ -83,7 +83,8 @@ def plan_memory(cfg: Config) -> MemoryPlan | None:
     c, engine_cfg, trainer_cfg = cfg.cluster, cfg.engine_config(), cfg.trainer_config()
     item = ITEMSIZE[cfg.model.dtype]
     head_copy = copies_tied_head(shape, c.device)
-    engine = engine_memory(shape, item, engine_cfg.max_batch, engine_cfg.max_seq_len, engine_cfg.tp, head_copy)
+    kv_item = ITEMSIZE[cache_dtype(cfg.model.dtype, c.device)]
+    engine = engine_memory(shape, item, engine_cfg.max_batch, engine_cfg.max_seq_len, engine_cfg.tp, head_copy, kv_item)
     trainer = trainer_memory(
         trainer_cfg,
         param_count(shape),
@@ -106,7 +107,7 @@ def plan_memory(cfg: Config) -> MemoryPlan | None:
             )
         return plan
     if engine["total"] > device:
-        per_row = engine_cfg.max_seq_len * kv_bytes_per_token(shape, item) // engine_cfg.tp
+        per_row = engine_cfg.max_seq_len * kv_bytes_per_token(shape, kv_item) // engine_cfg.tp
         rows = (device - engine["weights"]) // per_row
         plan.fixes["rollout"] = (
             f"rollout: {engine['total'] / GB:.1f} GB per chip exceeds {device / GB:.1f} GB by "

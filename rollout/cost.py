@@ -6,7 +6,8 @@ for the decode-chunk rule, which rollout.model executes and the byte count has t
 FLOPs: 2 per matmul weight per token (the LM head in decode only), plus 4 per query-head dim per attended position
 (q.k and p.v); a training pass (the e2e benchmark's bound) is three times its forward's. Bytes: a prefill or decode
 step reads every weight once; decode reads each row's KV up to the chunks in use, prefill writes the KV of its
-bucket, a fan-out copy reads and writes its rows.
+bucket, a fan-out copy reads and writes its rows. `itemsize` is the weights' bytes per value, `kv_itemsize` the KV
+cache's (`cache_dtype`; None: the weights' own).
 """
 
 from __future__ import annotations
@@ -59,6 +60,16 @@ def weight_bytes(cfg: ModelConfig, itemsize: int) -> int:
     return param_count(cfg) * itemsize
 
 
+def cache_dtype(dtype: str, platform: str) -> str:
+    """The KV cache's dtype for an engine computing in `dtype` on `platform` (a JAX platform: cpu, gpu, tpu).
+
+    fp32 on CPU: XLA:CPU runs a low-precision batched dot, decode attention over the cache, by converting its operands
+    to fp32 first, which converted every layer's whole K and V on every step (two-thirds of a bf16 decode step of the
+    rollout bench's 31M model at 64 rows; docs/benchmarks.md, rollout). The values are the same: K/V are rounded to
+    the activation dtype before they are stored, and fp32 holds them exactly. Accelerators keep the model's dtype."""
+    return "float32" if platform == "cpu" else dtype
+
+
 def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
     """K and V of one position over all layers."""
     return 2 * cfg.num_layers * cfg.kv_size * itemsize
@@ -99,30 +110,38 @@ def train_flops(cfg: ModelConfig, groups: Iterable[tuple[int, Iterable[float]]])
     return 3 * forward
 
 
-def prefill_bytes(cfg: ModelConfig, itemsize: int, bucket_tokens: int) -> int:
+def prefill_bytes(cfg: ModelConfig, itemsize: int, bucket_tokens: int, kv_itemsize: int | None = None) -> int:
     """One packed prefill call: the weights read once, the bucket's K/V written."""
-    return weight_bytes(cfg, itemsize) + bucket_tokens * kv_bytes_per_token(cfg, itemsize)
+    return weight_bytes(cfg, itemsize) + bucket_tokens * kv_bytes_per_token(cfg, kv_itemsize or itemsize)
 
 
-def copy_bytes(cfg: ModelConfig, itemsize: int, rows: int, length: int) -> int:
+def copy_bytes(cfg: ModelConfig, kv_itemsize: int, rows: int, length: int) -> int:
     """A fan-out copy of `rows` slot rows, `length` positions each: read and written."""
-    return 2 * rows * length * kv_bytes_per_token(cfg, itemsize)
+    return 2 * rows * length * kv_bytes_per_token(cfg, kv_itemsize)
 
 
-def decode_bytes(cfg: ModelConfig, itemsize: int, steps: int, rows: int, max_len: int, kv_len: int) -> int:
+def decode_bytes(
+    cfg: ModelConfig, itemsize: int, steps: int, rows: int, max_len: int, kv_len: int, kv_itemsize: int | None = None
+) -> int:
     """`steps` decode steps over `rows` rows: per step the weights once and each row's KV in use (counted at the
     dispatch's largest `kv_len`)."""
-    per_row = decode_kv_positions(max_len, kv_len) * kv_bytes_per_token(cfg, itemsize)
+    per_row = decode_kv_positions(max_len, kv_len) * kv_bytes_per_token(cfg, kv_itemsize or itemsize)
     return steps * (weight_bytes(cfg, itemsize) + rows * per_row)
 
 
 def engine_memory(
-    cfg: ModelConfig, itemsize: int, max_batch: int, max_seq_len: int, tp: int = 1, head_copy: bool = False
+    cfg: ModelConfig,
+    itemsize: int,
+    max_batch: int,
+    max_seq_len: int,
+    tp: int = 1,
+    head_copy: bool = False,
+    kv_itemsize: int | None = None,
 ) -> dict[str, int]:
     """Bytes per device that an engine allocates up front: its weights (with `head_copy`, a tied model's LM head
     copy too: rollout.weight_table.copies_tied_head) and its static KV cache (max_batch rows of max_seq_len positions,
     heads split over the tp devices), before any activation or compiled-program workspace."""
     copy = cfg.vocab_size * cfg.hidden_size * itemsize if head_copy else 0
     weights = (weight_bytes(cfg, itemsize) + copy) // tp
-    kv_cache = max_batch * max_seq_len * kv_bytes_per_token(cfg, itemsize) // tp
+    kv_cache = max_batch * max_seq_len * kv_bytes_per_token(cfg, kv_itemsize or itemsize) // tp
     return {"weights": weights, "kv_cache": kv_cache, "total": weights + kv_cache}

@@ -62,6 +62,7 @@ class JaxEngine:
             raise ValueError(f"decode_buckets must end at max_batch={cfg.max_batch}, got {self.decode_buckets}")
         self.mesh = make_mesh(cfg.tp)
         self._itemsize = jnp.dtype(cfg.dtype).itemsize
+        self._cache_dtype = jnp.dtype(cost.cache_dtype(cfg.dtype, self.mesh.devices.flat[0].platform))
 
         # Weights: the safetensors in model_path when there are any, else zeros until load_weights() (the RL loop
         # pushes the trainer's weights); generate() refuses to run on the zeros.
@@ -91,7 +92,7 @@ class JaxEngine:
             mc.num_kv_heads,
             cfg.max_seq_len,
             mc.head_dim,
-            jnp.dtype(cfg.dtype),
+            self._cache_dtype,
             cache_sharding(self.mesh),
         )
 
@@ -270,7 +271,13 @@ class JaxEngine:
             live = state.pos[:b][state.finish[:b] == RUNNING]
             kv_len = int(live.max()) + self.cfg.steps_per_dispatch if live.size else 1
             st["bytes"] += cost.decode_bytes(
-                self.model_cfg, self._itemsize, self.cfg.steps_per_dispatch, b, self.cfg.max_seq_len, kv_len
+                self.model_cfg,
+                self._itemsize,
+                self.cfg.steps_per_dispatch,
+                b,
+                self.cfg.max_seq_len,
+                kv_len,
+                self._cache_dtype.itemsize,
             )
 
             # scatter this dispatch's tokens into the per-slot output buffers (vectorised: no per-token Python)
@@ -305,11 +312,13 @@ class JaxEngine:
             self._run_prefill(batch)
             st["prefill_tokens"] += batch.real_tokens
             st["prefill_padded"] += batch.tokens.size
-            st["bytes"] += cost.prefill_bytes(self.model_cfg, self._itemsize, batch.tokens.size)
+            st["bytes"] += cost.prefill_bytes(
+                self.model_cfg, self._itemsize, batch.tokens.size, self._cache_dtype.itemsize
+            )
         if adm.copies:
             rows = self._run_copies(adm.copies)
             st["copy_rows"] += rows
-            st["bytes"] += cost.copy_bytes(self.model_cfg, self._itemsize, rows, self._copy_len)
+            st["bytes"] += cost.copy_bytes(self.model_cfg, self._cache_dtype.itemsize, rows, self._copy_len)
         for slot, req in zip(adm.slots, adm.requests):
             # The last prompt token is fed to the first decode step, which samples the first new token.
             state.arm(slot, req.prompt[-1], len(req.prompt) - 1, max_new, req.request_id)

@@ -87,17 +87,18 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, subscript
     normalised probabilities instead (eager attention's order) moved ~40% of bf16 attention outputs by an ulp. In
     fp32 the two orders agree to rounding. The exp itself is rollout.numerics.attention_exp.
     """
+    dtype = q.dtype  # the activations'; a CPU engine's cache k/v is fp32 (rollout.cost.cache_dtype)
     scale = q.shape[-1] ** -0.5
     scores = jnp.einsum(subscripts[0], q, k, precision=HIGHEST, preferred_element_type=F32) * scale
     # A large finite negative rather than -inf: a fully masked row (padding) then softmaxes to finite junk instead
     # of NaN, which would otherwise leak into valid rows through 0 * NaN in the next layer.
     scores = jnp.where(mask, scores, -1e30)
-    weights = attention_exp(scores - jnp.max(scores, axis=-1, keepdims=True), v.dtype)
+    weights = attention_exp(scores - jnp.max(scores, axis=-1, keepdims=True), dtype)
     # P·V in the scores' own layout (the key axis, last, contracted), so that the row sums broadcast over head_dim.
     score_sub, out_sub = subscripts[1].split("->")
     pv_sub = score_sub.split(",")[0][:-1] + "d"
-    pv = jnp.einsum(f"{score_sub}->{pv_sub}", weights.astype(v.dtype), v, precision=HIGHEST, preferred_element_type=F32)
-    out = (pv * (1.0 / jnp.sum(weights, axis=-1))[..., None]).astype(v.dtype)
+    pv = jnp.einsum(f"{score_sub}->{pv_sub}", weights.astype(dtype), v, precision=HIGHEST, preferred_element_type=F32)
+    out = (pv * (1.0 / jnp.sum(weights, axis=-1))[..., None]).astype(dtype)
     return jnp.einsum(f"{pv_sub}->{out_sub}", out)
 
 
@@ -166,6 +167,7 @@ def _decode_attention(
     read whole instead (the chunk rule is rollout.cost's, which the engine's byte count follows).
     """
     b, n_kv, g, hd = q.shape
+    dtype = q.dtype  # the activations'; the cache may hold them in fp32 (rollout.cost.cache_dtype)
     max_len = v_cache.shape[2]
     if reads_whole_cache(max_len):
         mask = (jnp.arange(max_len)[None, :] <= positions[:, None])[:, None, None, :]
@@ -184,15 +186,15 @@ def _decode_attention(
         s = jnp.einsum("bkgd,bkdt->bkgt", q, k, precision=HIGHEST, preferred_element_type=F32)
         s = jnp.where(mask, s, -1e30)
         m_new = jnp.maximum(m, s.max(axis=-1))
-        p = attention_exp(s - m_new[..., None], v.dtype)
+        p = attention_exp(s - m_new[..., None], dtype)
         corr = jnp.exp(m - m_new)
-        pv = jnp.einsum("bkgt,bktd->bkgd", p.astype(v.dtype), v, precision=HIGHEST, preferred_element_type=F32)
+        pv = jnp.einsum("bkgt,bktd->bkgd", p.astype(dtype), v, precision=HIGHEST, preferred_element_type=F32)
         return m_new, denom * corr + p.sum(axis=-1), acc * corr[..., None] + pv
 
     init = (jnp.full((b, n_kv, g), -1e30, F32), jnp.zeros((b, n_kv, g), F32), jnp.zeros((b, n_kv, g, hd), F32))
     n_chunks = decode_chunks(jnp.clip(kv_len, 1, max_len))
     _, denom, acc = jax.lax.fori_loop(0, n_chunks, body, init)
-    return (acc / denom[..., None]).astype(v_cache.dtype)
+    return (acc / denom[..., None]).astype(dtype)
 
 
 def decode_step(

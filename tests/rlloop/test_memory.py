@@ -14,10 +14,12 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 REAL, TINY = str(EXAMPLES / "grpo_dapo.yaml"), str(EXAMPLES / "grpo_dapo_tiny.yaml")
 
 
-def test_the_engine_allocates_what_the_plan_says():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_engine_allocates_what_the_plan_says(dtype):
+    """On CPU a bf16 engine holds its KV cache in fp32 (rollout.cost.cache_dtype): the plan counts it so."""
     from rollout.engine import JaxEngine
 
-    cfg = load_config(TINY)
+    cfg = load_config(TINY, [f"model.dtype={dtype}"])
     engine = JaxEngine(cfg.engine_config())
     engine.warmup()
     assert engine.device_bytes() == plan_memory(cfg).engine["total"]  # JAX's live arrays: weights + KV cache
