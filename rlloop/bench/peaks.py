@@ -46,11 +46,11 @@ def measure_peaks(dtype: str = "float32") -> dict[str, float]:
     n = _MATMUL_N.get(platform, 4096)
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(jdtype)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(jdtype)
-    # fp32 accumulation, as the engine's matmuls: XLA:CPU runs a bf16 dot with a bf16 output 5x slower on AMX.
+    # fp32 accumulation, as the engine's matmuls: XLA:CPU runs a bf16 dot with a bf16 output 6x slower on AMX.
     matmul = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
     matmul_s = _best_seconds(lambda: matmul(a, b).block_until_ready())
 
-    # Bytes in fp32 whatever the dtype: XLA:CPU's bf16 elementwise ops convert each value, and run at a tenth of the
+    # Bytes in fp32 whatever the dtype: XLA:CPU's bf16 elementwise ops convert each value, and run at a seventh of the
     # bandwidth. Donating the input lets the output reuse its buffer: fresh pages would measure page faults instead.
     elems = _COPY_BYTES.get(platform, 1 << 30) // 4
     scale = jax.jit(lambda v: v * 0.5 + 1.0, donate_argnums=0)
