@@ -146,19 +146,25 @@ def segments_of(rows: list[tuple[int, list[int]]]) -> torch.Tensor:
     return segments
 
 
-def attention_and_input_grads(segments: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """`shared_prompt_attention` under `mask` with grouped-query heads, on random inputs fixed by a seed: its output at
-    the real positions and the gradients of queries, keys and values."""
+def attention_and_input_grads(
+    segments: torch.Tensor, mask: torch.Tensor, dtype=torch.float32, rounded_to: torch.dtype | None = None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`shared_prompt_attention` under `mask` with grouped-query heads, on random inputs fixed by a seed (in `dtype`,
+    first rounded to `rounded_to` if given): its output at the real positions and the gradients of queries, keys and
+    values."""
     rows, length = segments.shape
     real = (segments >= 0)[:, :, None, None]
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(rows, 4, length, 8, generator=gen, requires_grad=True)
-    k, v = (torch.randn(rows, 2, length, 8, generator=gen, requires_grad=True) for _ in range(2))
+    q, k, v = (
+        torch.randn(rows, heads, length, 8, generator=gen).to(rounded_to or dtype).to(dtype).requires_grad_()
+        for heads in (4, 2, 2)
+    )
     module = torch.nn.Module()
     module.config = transformers.Qwen3Config(num_attention_heads=4, num_key_value_heads=2)
     module.is_causal, module.num_key_value_groups = False, 2
     out, _ = shared_prompt_attention(module, q, k, v, mask, scaling=0.3)  # [rows, L, heads, dim]
-    (out * real).square().sum().backward()
+    # The output's gradient: random, exact in bf16, so that every dtype backpropagates the same one.
+    (out.float() * real * torch.randn(out.shape, generator=gen).to(torch.bfloat16).float()).sum().backward()
     return (out * real).detach(), [t.grad for t in (q, k, v)]
 
 
@@ -196,6 +202,23 @@ def test_attention_split_by_keys_equals_the_dense_mask(rows):
     segments = segments_of(rows)
     assert is_split(segments)
     assert_same_attention(segments, shared_prompt_mask(segments, BLOCKED_SDPA, torch.float32))
+
+
+def test_attention_split_by_keys_in_bf16_backpropagates_in_fp32():
+    """bf16 inputs: the output is the bf16 kernels' (dense SDPA's to a bf16 rounding), the input gradients are those of
+    fp32 attention on the same inputs, rounded: within 1.5x of one rounding's error on average, where the bf16
+    kernel's own backward (dense SDPA's) is 1.8-2.3x away."""
+    segments = segments_of([(9, [32, 32, 32]), (30, [1, 32]), (0, [])])
+    split = shared_prompt_mask(segments, BLOCKED_SDPA, torch.bfloat16)
+    dense = shared_prompt_mask(segments, "sdpa", torch.bfloat16)
+    want, want_grads = attention_and_input_grads(segments, dense, torch.float32, rounded_to=torch.bfloat16)
+    dense_out, _ = attention_and_input_grads(segments, dense, torch.bfloat16)
+    got, got_grads = attention_and_input_grads(segments, split, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in got_grads)
+    torch.testing.assert_close(got.float(), dense_out.float(), atol=2**-7 * float(want.abs().max()), rtol=0)
+    for got_grad, want_grad in zip(got_grads, want_grads):
+        rounding = (want_grad.to(torch.bfloat16).float() - want_grad).abs().mean()
+        assert (got_grad.float() - want_grad).abs().mean() <= 1.5 * rounding
 
 
 def test_attention_cut_at_the_shortest_prompt_equals_the_dense_mask():
