@@ -1,7 +1,7 @@
 """`python -m rlloop.bench e2e`: TRL's GRPOTrainer vs rlloop on the same GRPO work, end to end, seconds per step.
 
     python -m rlloop.bench e2e [--settings tiny,30m] [--steps N] [--rounds R] [--quick] [--threads T]
-                               [--modes sync,async[,colocate]] [--frameworks trl,rlloop]
+                               [--modes sync,async[,colocate]] [--frameworks trl,rlloop] [--dtype float32|bfloat16]
 
 Both settings are examples/grpo_dapo_tiny.yaml (its tokenizer, the prompts rlloop's loader draws, rlloop's DAPO
 verifier, 16 prompts x 8 samples, lr, loss dapo with eps 0.2/0.28, beta 0, temperature 1) on one of two models:
@@ -14,17 +14,19 @@ TRL runs in this process (rlloop/bench/trl_runner.py: as its docs say for CPU, o
 one optimizer step per 128 samples, rlloop's AdamW settings and constant lr). rlloop runs its real loop
 (`rlloop.loop.train`, Ray actors; engine and trainer on one core each) in each of --modes; `colocate` is sync with both
 roles on all cores in turns (cluster.colocate); a mode may add options (`async+compile`, `async+no_skip`):
-`+compile` runs with `train.compile: true`, `+no_skip` with `train.skip_zero_advantage: false`. The runs go back to
-back (rlloop's first mode, TRL, then the other modes), --rounds times over: the machine is shared and noisy, so a
-ratio is taken within each round, from runs a minute apart, and the median round is reported (each run's s/step
-too; every round's figures are in the JSON).
+`+compile` runs with `train.compile: true`, `+no_skip` with `train.skip_zero_advantage: false`. --dtype is both
+sides' precision: float32 (the default), or bfloat16, where rlloop runs `model.dtype: bfloat16` (bf16 weights and
+compute, fp32 AdamW masters) and TRL the mixed precision the transformers docs give for CPU training (`bf16=True`:
+fp32 weights, bf16 autocast). The runs go back to back (rlloop's first mode, TRL, then the other modes), --rounds
+times over: the machine is shared and noisy, so a ratio is taken within each round, from runs a minute apart, and the
+median round is reported (each run's s/step too; every round's figures are in the JSON).
 
 Per setting: s/step (mean after the warm-up steps), TRL/rlloop, rlloop's per-step breakdown from metrics.jsonl
 (rollout, train, sync, other = the rest of the step; in async, rollout is the wait for the batch), a roofline bound
 (training FLOPs, each prompt once per group, with causal attention and the LM head on responses only, plus generation
 FLOPs, both as rollout.cost counts them, over the matmul peak; generation is bounded by decode bytes over the memory
-bandwidth where that is slower; peaks measured by rlloop.bench.peaks on --threads cores, best of several) and every
-run's step over it, and the per-step reward curves.
+bandwidth where that is slower; peaks measured by rlloop.bench.peaks in --dtype on --threads cores, best of several)
+and every run's step over it, and the per-step reward curves.
 Ends with one JSON line.
 """
 
@@ -139,14 +141,14 @@ def run_rlloop(cfg_overrides: list[str], mode: str, steps: int, skip: int, run_d
 
 
 # -------------------------------------------------------------------------------------------------------- roofline
-def measure_peaks(threads: int) -> dict:
+def measure_peaks(threads: int, dtype: str) -> dict:
     """rlloop.bench.peaks in a child pinned to `threads` cores: pinning this process would pin the Ray cluster it
     starts later (raylet inherits the affinity), and the child keeps jax out of this process."""
     cores = sorted(os.sched_getaffinity(0))[:threads]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     out = subprocess.run(
-        [sys.executable, "-m", "rlloop.bench", "peaks", "float32"],
+        [sys.executable, "-m", "rlloop.bench", "peaks", dtype],
         capture_output=True,
         text=True,
         env=env,
@@ -160,12 +162,14 @@ def measure_peaks(threads: int) -> dict:
 def step_work(cfg, batches, rl: dict, skip: int) -> dict:
     """FLOPs and bytes of one step (mean over the timed steps), as the trainer and the engine must do them; token
     counts are rlloop's (TRL's are the same prompts and, in distribution, the same lengths)."""
-    from rollout.cost import decode_bytes, generate_flops, param_count, train_flops
+    from rollout.cost import cache_dtype, decode_bytes, generate_flops, param_count, train_flops
     from rollout.model_config import ModelConfig
+    from trainer.memory import ITEMSIZE
 
     mc = ModelConfig.from_dir(cfg.model.path)
     params, g = param_count(mc), cfg.rollout.group_size
     max_len = cfg.data.max_prompt_len + cfg.rollout.max_response_len  # the engine's cache row
+    itemsize, kv_itemsize = ITEMSIZE[cfg.model.dtype], ITEMSIZE[cache_dtype(cfg.model.dtype, "cpu")]
     per_step = []
     for k, batch in enumerate(batches):
         lens = [len(p.token_ids) for p in batch]
@@ -178,7 +182,7 @@ def step_work(cfg, batches, rl: dict, skip: int) -> dict:
         # Each prompt prefilled once (GRPO fan-out copies its KV), then every sample decoded.
         gen_flops = generate_flops(mc, sum(lens) - len(lens), [(lp, resp_mean) for lp in lens for _ in range(g)])
         # All rows decode together: one pass over the weights per decode step, each row's KV as the engine reads it.
-        gen_bytes = decode_bytes(mc, 4, resp_max, g * len(lens), max_len, max(lens) + resp_max)
+        gen_bytes = decode_bytes(mc, itemsize, resp_max, g * len(lens), max_len, max(lens) + resp_max, kv_itemsize)
         per_step.append((trained, train, gen_flops, gen_bytes))
     trained, train, gen_flops, gen_bytes = (float(np.mean(c)) for c in zip(*per_step[skip:]))
     return {
@@ -210,7 +214,7 @@ def bench_setting(name: str, args, work: Path, trl_reason: str | None) -> dict:
 
     steps = args.steps or (2 if args.quick else DEFAULT_STEPS[name])
     skip = 2 if steps >= 6 else 1 if steps >= 2 else 0  # warm-up steps left out of the means
-    overrides = setting_overrides(name, work)
+    overrides = [*setting_overrides(name, work), f"model.dtype={args.dtype}"]
     cfg = load_config(TINY, overrides)
     batches, tokenizer = draw_prompts(cfg, steps)
     r = cfg.rollout
@@ -290,6 +294,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads for TRL and cores for the peaks (0: all)")
     ap.add_argument("--modes", default=None, help="of sync,async,colocate, each [+compile][+no_skip]")
     ap.add_argument("--frameworks", default="trl,rlloop", help="trl,rlloop or one of them")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both sides' precision")
     args = ap.parse_args(argv)
     args.settings = args.settings or ("tiny" if args.quick else "tiny,30m")
     args.modes = args.modes or ("sync" if args.quick else "sync,async")
@@ -301,17 +306,19 @@ def main(argv: list[str]) -> None:
     if trl_reason:
         print(f"TRL column missing: {trl_reason}", flush=True)
     trl_version = None if trl_reason or "trl" not in args.frameworks else __import__("trl").__version__
-    result: dict = dict(bench="e2e", **machine(), threads=args.threads)
+    result: dict = dict(bench="e2e", **machine(), threads=args.threads, dtype=args.dtype)
     result |= dict(trl_version=trl_version, trl_missing=trl_reason, load_avg_start=os.getloadavg()[0])
     names = args.settings.split(",")
-    peaks = [measure_peaks(args.threads)]
+    peaks = [measure_peaks(args.threads, args.dtype)]
     with tempfile.TemporaryDirectory(prefix="rlloop_bench_e2e_") as tmp:
         for name in names:
             result[name] = bench_setting(name, args, Path(tmp), trl_reason)
-            peaks.append(measure_peaks(args.threads))  # between and after the runs: the best one is the peak
+            # Between and after the runs: the best one is the peak.
+            peaks.append(measure_peaks(args.threads, args.dtype))
     best = {key: max(p[key] for p in peaks) for key in ("matmul_flops", "mem_bytes_per_s")}
     print(
-        f"peaks on {args.threads} core(s), best of {len(peaks)}: matmul {best['matmul_flops'] / 1e9:.1f} GFLOP/s "
+        f"{args.dtype} peaks on {args.threads} core(s), best of {len(peaks)}: "
+        f"matmul {best['matmul_flops'] / 1e9:.1f} GFLOP/s "
         f"(lowest {min(p['matmul_flops'] for p in peaks) / 1e9:.1f}), memory {best['mem_bytes_per_s'] / 1e9:.1f} GB/s",
         flush=True,
     )

@@ -1,8 +1,9 @@
 """The TRL column of `python -m rlloop.bench e2e`: TRL's `GRPOTrainer` on rlloop's own work, timed step by step.
 
-TRL runs in the bench's process as its docs say for CPU (use_cpu; fp32 like rlloop here, so no bf16; torch on the
-bench's threads; defaults otherwise), on the prompts rlloop's loader draws in the same order, one optimizer step per
-generation batch, with rlloop's AdamW settings, constant lr and loss, and rlloop's DAPO verifier as its reward.
+TRL runs in the bench's process as its docs say for CPU (use_cpu; in fp32, or with `bf16=True`, the transformers
+docs' mixed precision for CPU training, where rlloop runs in bfloat16; torch on the bench's threads; defaults
+otherwise), on the prompts rlloop's loader draws in the same order, one optimizer step per generation batch, with
+rlloop's AdamW settings, constant lr and loss, and rlloop's DAPO verifier as its reward.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ def run_trl(cfg, batches, tokenizer, threads: int, out_dir: Path, skip: int) -> 
     longest = max(len(p.token_ids) for b in batches for p in b) + r.max_response_len
     per_device = micro_rows(rows, longest, t.micro_batch_tokens)
     dataset = Dataset.from_list([{"prompt": p.messages, "answer": p.answer} for b in batches for p in b])
-    # As TRL's docs say for CPU (use_cpu; no bf16: both sides fp32 here), quiet, one log line (the reward) per step.
-    cpu = dict(use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True)
+    # As the docs say for CPU (use_cpu; bf16 AMP where rlloop runs bf16: fp32 weights and masters, bf16 matmuls),
+    # quiet, one log line (the reward) per step.
+    cpu = dict(use_cpu=True, bf16=cfg.model.dtype == "bfloat16", report_to="none", save_strategy="no")
+    cpu |= dict(logging_steps=1, disable_tqdm=True)
     # One generation of 128 rows per optimizer step, in micro-batches through gradient accumulation; the loader's
     # order (no shuffle): TRL's step k trains on the very prompts rlloop's step k draws.
     batching = dict(per_device_train_batch_size=per_device, gradient_accumulation_steps=rows // per_device)
@@ -93,6 +96,7 @@ def run_trl(cfg, batches, tokenizer, threads: int, out_dir: Path, skip: int) -> 
     trainer.train()
     wall = time.perf_counter() - t0
     logs = [e for e in trainer.state.log_history if "reward" in e]
+    precision = trainer.accelerator.mixed_precision  # "bf16" where asked for: what accelerate's autocast ran
     step_s = list(np.diff(marks))
     del trainer
     gc.collect()
@@ -103,5 +107,6 @@ def run_trl(cfg, batches, tokenizer, threads: int, out_dir: Path, skip: int) -> 
         "rewards": [e["reward"] for e in logs],
         "response_len": [e.get("completions/mean_length") for e in logs],
         "micro_batch_rows": per_device,
+        "mixed_precision": precision,
         "setup_s": wall - sum(step_s),
     }

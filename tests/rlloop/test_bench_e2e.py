@@ -52,6 +52,7 @@ def check_top(result: dict) -> None:
 def test_rlloop_half():
     result = run_bench("--frameworks", "rlloop")
     check_top(result)
+    assert result["dtype"] == "float32"
     tiny = result["tiny"]
     rl = tiny["rlloop_sync"]
     assert positive(rl["s_per_step"]) and positive(rl["setup_s"])
@@ -74,8 +75,10 @@ def test_rlloop_half():
 
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed (the bench extra)")
 def test_trl_half():
-    result = run_bench("--frameworks", "trl")
+    """In bf16 (TRL's mixed precision), the dtype the rlloop half does not run."""
+    result = run_bench("--frameworks", "trl", "--dtype", "bfloat16")
     check_top(result)
+    assert result["dtype"] == "bfloat16"
     trl = result["tiny"]["trl"]
     assert result["trl_version"] and result["trl_missing"] is None
     assert positive(trl["s_per_step"]) and positive(trl["generate_s"])
@@ -83,6 +86,7 @@ def test_trl_half():
     assert all(-1.0 <= r <= 1.0 for r in trl["rewards"])
     assert all(0 < n <= 16 for n in trl["response_len"])
     assert 128 % trl["micro_batch_rows"] == 0
+    assert trl["mixed_precision"] == "bf16"
 
 
 def test_the_median_round_is_reported_with_every_round():
