@@ -26,6 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from trainer.config import sliding_window_layers
+from trainer.cpu_flash import cpu_flash_attention, runs_here
 from trainer.split_attention import split_attention
 
 # The attention implementations that take a custom 4D mask as it is (flash attention takes none).
@@ -176,18 +177,24 @@ def cut_attention(module, query, key, value, rest_mask, dropout=0.0, scaling=Non
     queries before the cut attend causally to the keys before it, which SDPA computes without a mask and without the
     half above the diagonal; the others take their mask."""
     cut = query.shape[-2] - rest_mask.shape[-2]
-    causal = {**kwargs, "is_causal": True}  # whatever the module says: these are a decoder's prompt tokens
-    first, _ = sdpa_attention_forward(
-        module, query[:, :, :cut], key[:, :, :cut], value[:, :, :cut], None, dropout, scaling, **causal
-    )
+    if runs_here(query, dropout):
+        first = cpu_flash_attention(query[:, :, :cut], key[:, :, :cut], value[:, :, :cut], True, None, scaling)
+        first = first.transpose(1, 2)
+    else:
+        causal = {**kwargs, "is_causal": True}  # whatever the module says: these are a decoder's prompt tokens
+        first, _ = sdpa_attention_forward(
+            module, query[:, :, :cut], key[:, :, :cut], value[:, :, :cut], None, dropout, scaling, **causal
+        )
     rest = masked_sdpa(query[:, :, cut:], key, value, rest_mask, dropout, scaling)
     return torch.cat([first, rest.transpose(1, 2)], 1), None
 
 
 def masked_sdpa(query, key, value, mask, dropout=0.0, scaling=None) -> torch.Tensor:
     """SDPA under a mask with grouped-query heads (query [B, H, T, D], key/value [B, KV, S, D]): CPU's flash kernel
-    takes the mask and GQA at once; CUDA's kernels take one or the other, so there the keys are copied for every query
-    head, as HF does."""
+    takes the mask and GQA at once (trainer/cpu_flash.py: with its backward in fp32); CUDA's kernels take one or the
+    other, so there the keys are copied for every query head, as HF does."""
+    if runs_here(query, dropout) and mask.is_floating_point():
+        return cpu_flash_attention(query, key, value, False, mask, scaling)
     on_cpu = query.device.type == "cpu"
     if not on_cpu and (groups := query.shape[1] // key.shape[1]) > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)

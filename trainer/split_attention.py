@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+from trainer.cpu_flash import flash, flash_backward
 
 
 @dataclass(frozen=True)
@@ -97,7 +96,7 @@ class _SplitAttention(torch.autograd.Function):
         )
         outs, lses = [], []
         for q, k, v, causal, mask in calls:
-            out, lse = _flash(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+            out, lse = flash(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
             outs.append(out.transpose(1, 2))  # [B, T, H, D]
             lses.append(lse.transpose(1, 2))  # [B, T, H], fp32
 
@@ -142,7 +141,7 @@ class _SplitAttention(torch.autograd.Function):
             lse = torch.where(gives[..., None], at(total), lses[i]).transpose(1, 2).contiguous()
             q, k, v = (t.float() for t in tensors[3 * i : 3 * i + 3])
             out = at(merged).transpose(1, 2).float()
-            dq, dk, dv = _flash_backward(g, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=ctx.scale)
+            dq, dk, dv = flash_backward(g, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=ctx.scale)
             grads.append([t.transpose(1, 2) for t in (dq, dk, dv)])  # [B, T, h, D], fp32
 
         def assemble(j: int, shape) -> torch.Tensor:  # the j-th of q, k, v: A's and B's slices, C's places
