@@ -4,8 +4,8 @@ The kernel (`_scaled_dot_product_flash_attention_for_cpu`, what SDPA runs on CPU
 additive mask as they are. Its backward is ~2.8x slower in bf16 than in fp32: half of the tiny model's bf16 train step
 and a third of a 30M model's. So the forward runs in the inputs' dtype (the log-probs are the kernel's, which the
 engine reproduces: docs/design.md §3) and the backward upcasts the saved inputs, the output and its gradient, and
-rounds the input gradients once: fp32 attention's gradients of the same forward, the more exact ones. In fp32 this is
-the kernel and its own backward, as SDPA runs them.
+rounds the input gradients once: fp32 attention's gradients of the same forward, the more exact ones. fp32 models
+keep SDPA's own calls (`takes_fp32_backward`): the same kernel and backward, and no graph break in a compiled layer.
 """
 
 import torch
@@ -14,9 +14,8 @@ flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def runs_here(query: torch.Tensor, dropout: float) -> bool:
-    """Whether attention on `query` should go through `cpu_flash_attention`: on CPU, below fp32 (in fp32 it is SDPA's
-    own kernel and backward, and a graph break in a compiled layer that SDPA does not need), without dropout."""
+def takes_fp32_backward(query: torch.Tensor, dropout: float) -> bool:
+    """Whether attention on `query` goes through `cpu_flash_attention`: on CPU, below fp32, without dropout."""
     return query.device.type == "cpu" and query.dtype != torch.float32 and not dropout
 
 

@@ -26,7 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from trainer.config import sliding_window_layers
-from trainer.cpu_flash import cpu_flash_attention, runs_here
+from trainer.cpu_flash import cpu_flash_attention, takes_fp32_backward
 from trainer.split_attention import split_attention
 
 # The attention implementations that take a custom 4D mask as it is (flash attention takes none).
@@ -177,7 +177,7 @@ def cut_attention(module, query, key, value, rest_mask, dropout=0.0, scaling=Non
     queries before the cut attend causally to the keys before it, which SDPA computes without a mask and without the
     half above the diagonal; the others take their mask."""
     cut = query.shape[-2] - rest_mask.shape[-2]
-    if runs_here(query, dropout):
+    if takes_fp32_backward(query, dropout):
         first = cpu_flash_attention(query[:, :, :cut], key[:, :, :cut], value[:, :, :cut], True, None, scaling)
         first = first.transpose(1, 2)
     else:
@@ -193,7 +193,7 @@ def masked_sdpa(query, key, value, mask, dropout=0.0, scaling=None) -> torch.Ten
     """SDPA under a mask with grouped-query heads (query [B, H, T, D], key/value [B, KV, S, D]): CPU's flash kernel
     takes the mask and GQA at once (trainer/cpu_flash.py: with its backward in fp32); CUDA's kernels take one or the
     other, so there the keys are copied for every query head, as HF does."""
-    if runs_here(query, dropout) and mask.is_floating_point():
+    if takes_fp32_backward(query, dropout) and mask.is_floating_point():
         return cpu_flash_attention(query, key, value, False, mask, scaling)
     on_cpu = query.device.type == "cpu"
     if not on_cpu and (groups := query.shape[1] // key.shape[1]) > 1:
