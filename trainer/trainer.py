@@ -23,6 +23,7 @@ import transformers
 from trainer import checkpoint
 from trainer.batching import MicroBatch, TrainBatch, collate, plan_micro_batches, split_minibatches, validate_batch
 from trainer.config import TrainerConfig
+from trainer.cpu_flash import use_cpu_sdpa
 from trainer.distributed import all_reduce_, all_reduce_grads_, broadcast_params_, init_distributed, resolve_device
 from trainer.loss import policy_loss
 from trainer.parallel import (
@@ -71,6 +72,8 @@ class Trainer:
         if cfg.share_prompts:
             check_shared_prompts(self.model.config)
             use_blocked_attention(self.model)
+        elif self.device.type == "cpu" and cfg.dtype != "float32":
+            use_cpu_sdpa(self.model)  # attention's backward in fp32 (trainer/cpu_flash.py)
         if cfg.gradient_checkpointing:
             # transformers >= 5.x renamed it; non-reentrant checkpointing works with inputs that need no grad.
             if hasattr(self.model, "activation_checkpointing_enable"):
