@@ -63,8 +63,8 @@ def cpu_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     """HF attention function of `CPU_SDPA`: what `sdpa_attention_forward` computes, through `cpu_flash_attention` for
     the training case (several queries, no position bias, below fp32 on CPU) with SDPA's own choices: causal without a
     mask, a boolean mask made additive as SDPA makes it. Anything else goes to HF's SDPA."""
-    plain = query.shape[2] == 1 or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
-    if plain or not takes_fp32_backward(query, dropout):
+    decoding_or_biased = query.shape[2] == 1 or kwargs.get("position_bias") is not None or kwargs.get("softcap")
+    if decoding_or_biased or not takes_fp32_backward(query, dropout):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     causal = attention_mask is None and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
     if attention_mask is not None and attention_mask.dtype == torch.bool:
