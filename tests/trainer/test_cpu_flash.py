@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from tests.trainer.conftest import assert_fp32_backward
 from trainer import Trainer, TrainerConfig
 from trainer.cpu_flash import CPU_SDPA, cpu_sdpa_attention
 
@@ -44,12 +45,7 @@ def test_plain_rows_in_bf16_equal_sdpa_and_backpropagate_in_fp32(mask):
     sdpa, sdpa_grads = output_and_grads(sdpa_attention_forward, mask, torch.bfloat16)
     _, want_grads = output_and_grads(sdpa_attention_forward, mask, torch.float32, rounded_to=torch.bfloat16)
     assert torch.equal(got, sdpa)  # the same kernel forward: the log-probs do not move
-    ours_err, bf16_err = [], []
-    for got_grad, sdpa_grad, want_grad in zip(got_grads, sdpa_grads, want_grads):
-        rounding = float((want_grad.to(torch.bfloat16).float() - want_grad).abs().mean())
-        ours_err.append(float((got_grad.float() - want_grad).abs().mean()) / rounding)
-        bf16_err.append(float((sdpa_grad.float() - want_grad).abs().mean()) / rounding)
-    assert max(ours_err) <= 2.0 and sum(ours_err) <= 0.85 * sum(bf16_err), (ours_err, bf16_err)
+    assert_fp32_backward(got_grads, sdpa_grads, want_grads)
 
 
 def test_fp32_rows_are_sdpa_itself():

@@ -7,6 +7,7 @@ import torch
 import transformers
 
 from tests.conftest import make_tiny_hf_model
+from tests.trainer.conftest import assert_fp32_backward
 from tests.trainer.test_logprobs import assert_per_sample_hf_logprobs
 from trainer import Trainer, TrainerConfig
 from trainer.batching import TrainBatch, collate_rows, row_length, shared_prompt_rows
@@ -225,12 +226,7 @@ def test_attention_on_cpu_in_bf16_backpropagates_in_fp32(rows, split):
     got, got_grads = attention_and_input_grads(segments, ours, torch.bfloat16)
     assert got.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in got_grads)
     torch.testing.assert_close(got.float(), dense_out.float(), atol=2**-7 * float(want.abs().max()), rtol=0)
-    ours_err, bf16_err = [], []
-    for got_grad, dense_grad, want_grad in zip(got_grads, dense_grads, want_grads):
-        rounding = float((want_grad.to(torch.bfloat16).float() - want_grad).abs().mean())
-        ours_err.append(float((got_grad.float() - want_grad).abs().mean()) / rounding)
-        bf16_err.append(float((dense_grad.float() - want_grad).abs().mean()) / rounding)
-    assert max(ours_err) <= 2.0 and sum(ours_err) <= 0.85 * sum(bf16_err), (ours_err, bf16_err)
+    assert_fp32_backward(got_grads, dense_grads, want_grads)
 
 
 def test_attention_cut_at_the_shortest_prompt_equals_the_dense_mask():
