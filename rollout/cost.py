@@ -19,14 +19,20 @@ from rollout.model_config import ModelConfig
 from rollout.weight_table import LAYER_PARAMS, TOP_PARAMS
 
 # Decode reads a long cache in chunks of this many positions, and only as many chunks as the longest running row
-# needs: a step costs the context actually in use, not the cache's full max_len. A short cache (up to 2 chunks) is
-# read whole in one pass instead: on CPU the loop's sliced copies cost more than the positions they skip.
+# needs: a step costs the context actually in use, not the cache's full max_len. A short cache is read whole in one
+# pass instead, up to a length that depends on the platform (a JAX platform: cpu, gpu, tpu). On CPU, up to 2 chunks the
+# loop's sliced copies cost more than the positions they would skip. On a GPU, XLA drives the loop from the host (its
+# condition copied back per chunk, per layer, per step) and copies every chunk it slices, so the whole row wins far
+# longer: on an H200 (Qwen3-0.6B shapes, bf16, 256 rows, ~380 positions in use) 2.33x faster decode with a 384-position
+# cache, 0.85x with a 2048-position one (docs/benchmarks.md, device).
 DECODE_CHUNK = 128
+WHOLE_CACHE_CHUNKS = {"gpu": 8}  # other platforms: 2
 
 
-def reads_whole_cache(max_len: int) -> bool:
-    """Whether decode attention reads the whole cache row in one pass (a short cache) rather than chunk by chunk."""
-    return max_len <= 2 * DECODE_CHUNK
+def reads_whole_cache(max_len: int, platform: str = "cpu") -> bool:
+    """Whether decode attention on `platform` reads the whole cache row in one pass (a short cache) rather than
+    chunk by chunk."""
+    return max_len <= WHOLE_CACHE_CHUNKS.get(platform, 2) * DECODE_CHUNK
 
 
 def decode_chunks(kv_len):
@@ -34,10 +40,10 @@ def decode_chunks(kv_len):
     return (kv_len + DECODE_CHUNK - 1) // DECODE_CHUNK
 
 
-def decode_kv_positions(max_len: int, kv_len: int) -> int:
+def decode_kv_positions(max_len: int, kv_len: int, platform: str = "cpu") -> int:
     """Cache positions a decode step reads per row when the longest live row needs `kv_len` (its position + 1):
     all of a short cache, else whole chunks up to kv_len, at most max_len."""
-    if reads_whole_cache(max_len):
+    if reads_whole_cache(max_len, platform):
         return max_len
     return min(max_len, decode_chunks(kv_len) * DECODE_CHUNK)
 
@@ -121,11 +127,18 @@ def copy_bytes(cfg: ModelConfig, kv_itemsize: int, rows: int, length: int) -> in
 
 
 def decode_bytes(
-    cfg: ModelConfig, itemsize: int, steps: int, rows: int, max_len: int, kv_len: int, kv_itemsize: int | None = None
+    cfg: ModelConfig,
+    itemsize: int,
+    steps: int,
+    rows: int,
+    max_len: int,
+    kv_len: int,
+    kv_itemsize: int | None = None,
+    platform: str = "cpu",
 ) -> int:
-    """`steps` decode steps over `rows` rows: per step the weights once and each row's KV in use (counted at the
-    dispatch's largest `kv_len`)."""
-    per_row = decode_kv_positions(max_len, kv_len) * kv_bytes_per_token(cfg, kv_itemsize or itemsize)
+    """`steps` decode steps over `rows` rows on `platform`: per step the weights once and each row's KV in use
+    (counted at the dispatch's largest `kv_len`)."""
+    per_row = decode_kv_positions(max_len, kv_len, platform) * kv_bytes_per_token(cfg, kv_itemsize or itemsize)
     return steps * (weight_bytes(cfg, itemsize) + rows * per_row)
 
 

@@ -62,11 +62,12 @@ class JaxEngine:
             raise ValueError(f"decode_buckets must end at max_batch={cfg.max_batch}, got {self.decode_buckets}")
         self.mesh = make_mesh(cfg.tp)
         self._itemsize = jnp.dtype(cfg.dtype).itemsize
-        self._cache_dtype = jnp.dtype(cost.cache_dtype(cfg.dtype, self.mesh.devices.flat[0].platform))
+        self.platform = self.mesh.devices.flat[0].platform  # cpu, gpu or tpu: picks the cache dtype and its reads
+        self._cache_dtype = jnp.dtype(cost.cache_dtype(cfg.dtype, self.platform))
 
         # Weights: the safetensors in model_path when there are any, else zeros until load_weights() (the RL loop
         # pushes the trainer's weights); generate() refuses to run on the zeros.
-        self._head_copy = copies_tied_head(mc, self.mesh.devices.flat[0].platform)
+        self._head_copy = copies_tied_head(mc, self.platform)
         self._shardings = param_shardings(mc, self.mesh, self._head_copy)
         self.weight_version: int | None = None
         try:
@@ -126,6 +127,7 @@ class JaxEngine:
             **self._static,
             steps=self.cfg.steps_per_dispatch,
             max_len=self.cfg.max_seq_len,
+            platform=self.platform,
         )
         return new, toks, logps, emitted
 
@@ -278,6 +280,7 @@ class JaxEngine:
                 self.cfg.max_seq_len,
                 kv_len,
                 self._cache_dtype.itemsize,
+                self.platform,
             )
 
             # scatter this dispatch's tokens into the per-slot output buffers (vectorised: no per-token Python)

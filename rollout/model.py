@@ -157,19 +157,20 @@ def prefill(
 
 
 def _decode_attention(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, kv_len: jax.Array
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, kv_len: jax.Array, platform: str
 ) -> jax.Array:
     """Flash-decoding style attention: q [B, KV, G, hd] over cache rows (K [B, KV, hd, T], V [B, KV, T, hd]),
     positions <= positions[b].
 
     A while loop walks ceil(kv_len / chunk) chunks with an online softmax (running max, normaliser, accumulator),
     so the trip count is data (no recompile) and the bytes read follow the longest live sequence. A short cache is
-    read whole instead (the chunk rule is rollout.cost's, which the engine's byte count follows).
+    read whole instead, how short depending on `platform` (the chunk rule is rollout.cost's, which the engine's byte
+    count follows).
     """
     b, n_kv, g, hd = q.shape
     dtype = q.dtype  # the activations'; the cache may hold them in fp32 (rollout.cost.cache_dtype)
     max_len = v_cache.shape[2]
-    if reads_whole_cache(max_len):
+    if reads_whole_cache(max_len, platform):
         mask = (jnp.arange(max_len)[None, :] <= positions[:, None])[:, None, None, :]
         return _attend(q, k_cache, v_cache, mask, ("bkgd,bkdt->bkgt", "bkgt,bktd->bkgd"))
     chunk = DECODE_CHUNK
@@ -204,6 +205,7 @@ def decode_step(
     tokens: jax.Array,
     positions: jax.Array,
     kv_len: jax.Array | None = None,
+    platform: str = "cpu",
 ) -> tuple[KVCache, jax.Array]:
     """One token per row for rows 0..B-1 (row i is KV slot i): write its K/V at `positions[i]`, attend over the
     slot's first positions[i] + 1 entries, return the cache and fp32 logits [B, V].
@@ -211,6 +213,7 @@ def decode_step(
     kv_len: cache positions any row that matters needs (max position + 1 over live rows); attention reads only
     that far. Rows beyond it get junk (the engine passes it over its running rows). None => max(positions) + 1.
     Only the first B slots are read (a static slice), so a small decode bucket costs a small fraction of the cache.
+    platform: the JAX platform the step runs on, which picks how attention reads the cache (rollout.cost).
     """
     b = tokens.shape[0]
     rows = jnp.arange(b)
@@ -221,7 +224,7 @@ def decode_step(
     def attend(i, q, k, v):
         written.append(write_layer(cache, i, rows, positions, k, v))
         k_buf, v_buf = written[-1]
-        return _decode_attention(q, k_buf[:b], v_buf[:b], positions, kv_len)
+        return _decode_attention(q, k_buf[:b], v_buf[:b], positions, kv_len, platform)
 
     h = _forward(cfg, params, tokens, positions, attend)
     return KVCache(*map(tuple, zip(*written))), logits_from_hidden(params, h)
