@@ -23,12 +23,24 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from trainer.batching import MicroBatch
-from trainer.config import CHUNK_ELEMENTS
+from trainer.config import chunk_elements
 from trainer.shared_prompts import shared_prompt_mask
 
 
-def default_chunk_size(vocab_size: int) -> int:
-    return max(1, CHUNK_ELEMENTS // vocab_size)
+def default_chunk_size(vocab_size: int, device: str = "cpu") -> int:
+    return max(1, chunk_elements(device) // vocab_size)
+
+
+def lm_head_on_tensor_cores(device: torch.device, dtype: str) -> None:
+    """Let CUDA run the LM head's fp32 matmuls in TF32 when the model computes in bf16 (`dtype`).
+
+    Those matmuls' inputs are then bf16 values upcast, which TF32 holds exactly: the forward's products stay exact
+    and only the accumulation order moves (on an H200, log-probs moved by at most 7e-6, against 2e-6 from re-chunking
+    alone), while the backward rounds the fp32 logit gradient to TF32's 10-bit mantissa, finer than the bf16 it meets
+    next. 1.38x on an H200 train step of Qwen3-0.6B shapes. torch's switch is process-wide, and the LM head's are
+    the only fp32 matmuls of a bf16 model; an fp32 model (or CPU) keeps full fp32."""
+    if device.type == "cuda" and dtype != "float32":
+        torch.backends.cuda.matmul.allow_tf32 = True
 
 
 def _chunk_logprobs(
@@ -78,7 +90,7 @@ def response_logprobs(
             raise NotImplementedError(f"response_logprobs does not apply the model's {knob}")
     head = model.get_output_embeddings()
     weight, bias = head.weight, getattr(head, "bias", None)
-    chunk_size = chunk_size or default_chunk_size(weight.shape[0])
+    chunk_size = chunk_size or default_chunk_size(weight.shape[0], weight.device.type)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     device = weight.device

@@ -15,7 +15,7 @@ unsharded layer in flight. The plan's `margin` covers those.
 
 from __future__ import annotations
 
-from trainer.config import CHUNK_ELEMENTS, TrainerConfig
+from trainer.config import TrainerConfig, chunk_elements
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
 
@@ -42,7 +42,7 @@ def trainer_memory(
         activations = layers * tokens * hidden * item + per_layer
     else:
         activations = layers * per_layer
-    logits = 5 * min(CHUNK_ELEMENTS, tokens * vocab) * 4
+    logits = 5 * min(chunk_elements(cfg.device), tokens * vocab) * 4
     if cfg.dtype != "float32":
         logits += 2 * vocab * hidden * 4
     return {"state": state, "activations": activations, "logits": logits, "total": state + activations + logits}

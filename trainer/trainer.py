@@ -25,6 +25,7 @@ from trainer.batching import MicroBatch, TrainBatch, collate, plan_micro_batches
 from trainer.config import TrainerConfig
 from trainer.cpu_flash import use_cpu_sdpa
 from trainer.distributed import all_reduce_, all_reduce_grads_, broadcast_params_, init_distributed, resolve_device
+from trainer.logprobs import lm_head_on_tensor_cores
 from trainer.loss import policy_loss
 from trainer.parallel import (
     LogprobModel,
@@ -74,6 +75,7 @@ class Trainer:
             use_blocked_attention(self.model)
         elif self.device.type == "cpu" and cfg.dtype != "float32":
             use_cpu_sdpa(self.model)  # attention's backward in fp32 (trainer/cpu_flash.py)
+        lm_head_on_tensor_cores(self.device, cfg.dtype)
         if cfg.gradient_checkpointing:
             # transformers >= 5.x renamed it; non-reentrant checkpointing works with inputs that need no grad.
             if hasattr(self.model, "activation_checkpointing_enable"):

@@ -182,3 +182,23 @@ def test_bf16_model_scores_with_fp32_logits(tiny_qwen3_dir, make_batch):
         n, start = int(mb.response_mask[row].sum()), int(mb.response_start[row])
         want = logp_all[row, start - 1 : start - 1 + n].gather(-1, mb.input_ids[row, start : start + n, None])
         torch.testing.assert_close(logp[row, :n], want.squeeze(-1), atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="TF32 is a CUDA matmul mode")
+def test_bf16_cuda_trainer_logprobs_in_tf32_stay_at_fp32_rounding(tiny_qwen3_dir, make_batch):
+    """A bf16 CUDA trainer turns TF32 on for the LM head's fp32 matmuls (trainer/logprobs.py); their inputs are bf16
+    values, exact in TF32, so the log-probs move by accumulation order only."""
+    batch = make_batch(6, seed=2)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.bfloat16).cuda().eval()
+    mb = collate(batch, list(range(len(batch))))
+    with torch.no_grad():
+        fp32, _ = response_logprobs(model, mb, 1.0)
+    trainer = Trainer(TrainerConfig(tiny_qwen3_dir, dtype="bfloat16", device="cuda"))
+    try:
+        assert torch.backends.cuda.matmul.allow_tf32
+        with torch.no_grad():
+            tf32, _ = response_logprobs(trainer.model.eval(), mb, 1.0)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    torch.testing.assert_close(tf32[mb.response_mask], fp32[mb.response_mask], atol=2e-5, rtol=0)
