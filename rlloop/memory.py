@@ -93,6 +93,8 @@ def plan_memory(cfg: Config) -> MemoryPlan | None:
         shape.num_layers,
         shape.vocab_size,
         c.train_chips,
+        shape.q_size,
+        shape.kv_size,
     )
     device, source = device_memory(cfg)
     plan = MemoryPlan(engine, trainer, device, source, {})

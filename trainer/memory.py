@@ -5,7 +5,8 @@
     activations  what one micro-batch keeps for its backward: with gradient checkpointing each layer's input
                  (tokens x hidden) plus one layer's recomputation; without, every layer's intermediates
                  (~16 x hidden + 3 x intermediate values per token per layer, flash-style attention: nothing per
-                 token pair)
+                 token pair); on CPU below fp32, plus the fp32 copies one layer's attention backward makes
+                 (trainer/cpu_flash.py: q, k, v, the output and its gradient upcast, dq, dk, dv in fp32)
     logits       the chunked LM head (trainer/logprobs.py): about five [chunk, vocab] fp32 tensors, plus an fp32
                  copy of the LM head and its gradient when the model is not fp32
 
@@ -28,8 +29,11 @@ def trainer_memory(
     layers: int,
     vocab: int,
     world_size: int = 1,
+    q_size: int | None = None,
+    kv_size: int | None = None,
 ) -> dict[str, int]:
-    """Estimated bytes per rank: state (parameters, masters, gradients, optimizer), activations and logits."""
+    """Estimated bytes per rank: state (parameters, masters, gradients, optimizer), activations and logits.
+    `q_size` and `kv_size` are the attention's query and key widths (heads x head_dim; None: `hidden`)."""
     item = ITEMSIZE[cfg.dtype]
     sharded = world_size > 1 and cfg.parallel != "ddp"
     per_param = item + (4 if cfg.dtype != "float32" else 0) + 4 + 8  # params, masters, grads, AdamW m and v
@@ -38,6 +42,8 @@ def trainer_memory(
     state = params * per_param // (world_size if sharded else 1)
     tokens = cfg.micro_batch_tokens
     per_layer = tokens * (16 * hidden + 3 * intermediate) * item
+    if cfg.device == "cpu" and cfg.dtype != "float32":  # one layer at a time, so counted once either way
+        per_layer += tokens * 4 * ((q_size or hidden) + (kv_size or hidden)) * 4
     if cfg.gradient_checkpointing:
         activations = layers * tokens * hidden * item + per_layer
     else:
