@@ -3,10 +3,13 @@
     python -m rlloop.bench device              # on a GPU (or TPU) host: a few minutes, one JSON line at the end
     python -m rlloop.bench device --quick      # the same code paths on CPU with a tiny model (what the tests run)
 
-Four parts, each reported even when another fails (its error is recorded instead):
+Five parts, each reported even when another fails (its error is recorded instead):
   engine   the JAX engine in bf16 on a random Qwen3-0.6B-shaped model (28 layers, hidden 1024, 16/8 heads of 128,
            vocab 151,936): tokens/s, MFU and MBU against the device's measured peaks (rlloop.bench.peaks), compiles
            after warmup (must be 0)
+  engine_long
+           the same request in a cache of --long-cache positions (2,048), which decode attention walks chunk by
+           chunk on every platform (rollout.cost.reads_whole_cache): what the recipe's long caches cost
   trainer  one torch Trainer step in bf16 on the same shapes on cuda (cpu with --quick): seconds, tokens/s, MFU
            against a measured torch matmul peak, peak device memory
   tiny     the embedded example for a few steps with cluster.device=gpu and cluster.colocate=true (one GPU holds
@@ -52,8 +55,9 @@ QUICK = dict(
 )
 
 
-def bench_engine(path: Path, args) -> dict:
+def bench_engine(path: Path, args, cache_len: int | None = None) -> dict:
     from rlloop.bench.peaks import measure_peaks
+    from rollout.cost import reads_whole_cache
     from rollout.engine import JaxEngine
     from rollout.engine_config import EngineConfig
     from rollout.model_config import ModelConfig
@@ -62,16 +66,16 @@ def bench_engine(path: Path, args) -> dict:
     vocab = ModelConfig.from_dir(str(path)).vocab_size
     prompts = make_prompts(args.prompts, vocab, args.prompt_len // 2, args.prompt_len, seed=0)
     sampling = SamplingParams(max_new_tokens=args.new_tokens, stop_token_ids=(), seed=0, ignore_eos=True)
-    rows, max_seq_len = args.prompts * args.n, args.prompt_len + args.new_tokens
-    # One bucket each (the prompts packed into the largest prefill, every row decoding to the end), not the default
+    rows, seq_len = args.prompts * args.n, args.prompt_len + args.new_tokens
+    # One bucket each (the prompts packed into one prefill size, every row decoding to the end), not the default
     # ladders: warmup compiles 3 programs of a 28-layer model instead of 18, minutes of a short lease.
     engine = JaxEngine(
         EngineConfig(
             model_path=str(path),
             dtype="bfloat16",
             max_batch=rows,
-            max_seq_len=max_seq_len,
-            prefill_buckets=(max_seq_len - 1,),
+            max_seq_len=cache_len or seq_len,
+            prefill_buckets=(seq_len - 1,),
             decode_buckets=(rows,),
         )
     )
@@ -86,6 +90,8 @@ def bench_engine(path: Path, args) -> dict:
     tokens = sum(len(c.token_ids) for c in out)
     return {
         "device_kind": peaks["device_kind"],
+        "cache_len": engine.cfg.max_seq_len,
+        "reads_whole_cache": reads_whole_cache(engine.cfg.max_seq_len, engine.platform),
         "tok_s": tokens / seconds,
         "mfu": stats["flops"] / seconds / peaks["matmul_flops"],
         "mbu": stats["bytes"] / seconds / peaks["mem_bytes_per_s"],
@@ -223,15 +229,16 @@ def bench_nccl(path: Path, workdir: Path) -> dict:
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m rlloop.bench device", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes on CPU: the code paths, not the figures")
-    ap.add_argument("--parts", default="engine,trainer,tiny,nccl")
+    ap.add_argument("--parts", default="engine,engine_long,trainer,tiny,nccl")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--tiny-steps", type=int, default=5)
+    ap.add_argument("--long-cache", type=int, default=2048, help="engine_long's cache positions")
     args = ap.parse_args(argv)
     if args.quick:
-        args.prompts, args.n, args.prompt_len, args.new_tokens, args.tiny_steps = 2, 2, 8, 8, 2
+        args.prompts, args.n, args.prompt_len, args.new_tokens, args.tiny_steps, args.long_cache = 2, 2, 8, 8, 2, 384
     return args
 
 
@@ -247,6 +254,7 @@ def main(argv: list[str]) -> None:
         path = save_random_qwen3(workdir / "model", **(QUICK if args.quick else QWEN3_0_6B))
         parts = {
             "engine": lambda: bench_engine(path, args),
+            "engine_long": lambda: bench_engine(path, args, args.long_cache),
             "trainer": lambda: bench_trainer(path, args),
             "tiny": lambda: bench_tiny(args, workdir),
             "nccl": lambda: bench_nccl(path, workdir),

@@ -10,10 +10,13 @@ def test_device_check_runs_every_part_on_cpu(capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     device.main(["--quick"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    for part in ("engine", "trainer", "tiny", "nccl"):
+    for part in ("engine", "engine_long", "trainer", "tiny", "nccl"):
         assert "error" not in report[part], (part, report[part])
-    assert report["engine"]["compiles_after_warmup"] == 0 and report["engine"]["tok_s"] > 0
-    assert 0 < report["engine"]["mbu"] < 1 and 0 < report["trainer"]["mfu"] < 1
+    for part in ("engine", "engine_long"):
+        assert report[part]["compiles_after_warmup"] == 0 and report[part]["tok_s"] > 0
+        assert 0 < report[part]["mbu"] < 1
+    assert report["engine"]["reads_whole_cache"] and not report["engine_long"]["reads_whole_cache"]
+    assert 0 < report["trainer"]["mfu"] < 1
     assert report["tiny"]["steps"] == 2 and report["tiny"]["compiles"] == 0
     assert report["tiny"]["logprob_abs_diff"] < 1e-4  # fp32 on CPU: engine and trainer agree
     assert report["tiny"]["device_bytes_while_training"] == 0  # colocated: the engine let go of its cache and weights
