@@ -27,6 +27,7 @@ from trainer.cpu_flash import use_cpu_sdpa
 from trainer.distributed import all_reduce_, all_reduce_grads_, broadcast_params_, init_distributed, resolve_device
 from trainer.logprobs import lm_head_on_tensor_cores
 from trainer.loss import policy_loss
+from trainer.optimizer import make_optimizer
 from trainer.parallel import (
     LogprobModel,
     compile_layers,
@@ -106,19 +107,7 @@ class Trainer:
             self.masters = self.params
         else:
             self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
-        decay = [m for (n, p), m in zip(named, self.masters) if p.dim() >= 2]
-        no_decay = [m for (n, p), m in zip(named, self.masters) if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr,
-            betas=cfg.betas,
-            eps=cfg.eps,
-            fused=cfg.adamw_fused,
-        )
-        warmup = cfg.lr_warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
-        )
+        self.optimizer, self.scheduler = make_optimizer(cfg, named, self.masters)
         self.step = 0
         self.bad_steps = 0  # non-finite optimizer steps in a row
 
