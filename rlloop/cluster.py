@@ -19,7 +19,7 @@ from pathlib import Path
 from rlloop.config import Config
 from rlloop.errors import ClusterError, TrainerDied
 from rlloop.placement import actor_env, actor_options, plan_placement
-from rlloop.ray_session import start_ray
+from rlloop.ray_session import local_ray, start_ray
 from rlloop.workers import RolloutWorker, SyncSpec, TrainerWorker, freeze_heap
 from rollout import mix_seed
 
@@ -98,6 +98,8 @@ class Cluster:
         if not ray.is_initialized():
             self.owns_ray = start_ray(cfg)
         plan = plan_placement(cfg.cluster, same_host=cfg.sync.transport == "shm")
+        if local_ray(cfg):  # nothing joins a Ray started here: a plan it cannot hold fails now, not after the timeout
+            check_cluster_fits(plan, cfg.cluster)
         if cfg.sync.transport == "shm":
             check_one_node_fits(plan)
         self.pg = placement_group(plan.bundles, strategy=plan.strategy, name=f"rlloop-{cfg.run.name}")
@@ -325,6 +327,26 @@ class Cluster:
             ray.util.remove_placement_group(self.pg)
         if self.owns_ray and ray.is_initialized():
             ray.shutdown()
+
+
+def check_cluster_fits(plan, cluster) -> None:
+    """Refuse a plan that asks for more of some resource than the whole Ray cluster has, naming the chip settings. Only
+    for a Ray this process started (fixed resources): a cluster with an autoscaler may still grow to hold it, which
+    the placement group's timeout waits for."""
+    import ray
+
+    have = ray.cluster_resources()
+    short = {key: (need, have.get(key, 0.0)) for key, need in plan.total().items() if have.get(key, 0.0) < need}
+    if short:
+        lacking = ", ".join(f"{key} {need:g} (it has {got:g})" for key, (need, got) in short.items())
+        raise ClusterError(
+            f"the local Ray cannot hold the placement plan: it needs {lacking}. The plan comes from "
+            f"cluster.device={cluster.device}, cluster.rollout_chips={cluster.rollout_chips}, "
+            f"cluster.train_chips={cluster.train_chips}, cluster.rollout_engines={cluster.rollout_engines}, "
+            f"cluster.cpus_per_actor={cluster.cpus_per_actor} and cluster.colocate={str(cluster.colocate).lower()}; "
+            f"lower them (cluster.colocate=true shares the chips), or give cluster.address a Ray cluster that has "
+            f"them.\n{plan.describe()}"
+        )
 
 
 def check_one_node_fits(plan) -> None:

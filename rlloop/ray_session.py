@@ -55,6 +55,12 @@ def reap_orphaned_agents(timeout: float = 5.0) -> int:
     return len(procs)
 
 
+def local_ray(cfg: Config) -> bool:
+    """Whether this driver's Ray is one started in this process (no `cluster.address`, no RAY_ADDRESS): its resources
+    are the host's and stay so, where a cluster it connects to may have an autoscaler that adds nodes."""
+    return not (cfg.cluster.address or os.environ.get("RAY_ADDRESS"))
+
+
 def start_ray(cfg: Config) -> bool:
     """Connect to `cluster.address` (or RAY_ADDRESS), or start a local Ray, first ending the agents a killed earlier
     run left (`reap_orphaned_agents`); returns whether this process started it (and so must stop it)."""

@@ -54,6 +54,19 @@ def test_a_plan_larger_than_the_host_does_not_fit(fake_tpu_host):
         remove_placement_group(pg)
 
 
+def test_a_local_ray_refuses_a_plan_it_cannot_hold_at_once(fake_tpu_host, tmp_path):
+    """A Ray started here never grows: the Cluster names the chip settings and what is short at once, instead of
+    waiting out the placement group's timeout (two minutes) as it must for a cluster that may scale up."""
+    from rlloop.cluster import Cluster
+    from rlloop.errors import ClusterError
+
+    tiny = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml"
+    cfg = load_config(tiny, ["cluster.device=tpu", "cluster.rollout_chips=4", "cluster.train_chips=1"])
+    short = r"needs TPU 5 \(it has 4\).*cluster\.rollout_chips=4, cluster\.train_chips=1"
+    with pytest.raises(ClusterError, match=short):
+        Cluster(cfg, tmp_path)
+
+
 def test_colocated_plan_puts_both_roles_on_the_same_chips(fake_tpu_host):
     cfg = load_config(REAL, ["cluster.colocate=true", "cluster.device=gpu"])
     plan = plan_placement(cfg.cluster, same_host=True)
