@@ -29,9 +29,11 @@ DECODE_CHUNK = 128
 WHOLE_CACHE_CHUNKS = {"gpu": 8}  # other platforms: 2
 
 
-def reads_whole_cache(max_len: int, platform: str = "cpu") -> bool:
-    """Whether decode attention on `platform` reads the whole cache row in one pass (a short cache) rather than
-    chunk by chunk."""
+def reads_whole_cache(max_len: int, platform: str = "cpu", decode_attention: str = "auto") -> bool:
+    """Whether decode attention reads the whole cache row in one pass rather than chunk by chunk: as the engine's
+    `decode_attention` setting says ("whole" or "chunked"), or with "auto" by the rule above for `platform`."""
+    if decode_attention != "auto":
+        return decode_attention == "whole"
     return max_len <= WHOLE_CACHE_CHUNKS.get(platform, 2) * DECODE_CHUNK
 
 
@@ -40,10 +42,10 @@ def decode_chunks(kv_len):
     return (kv_len + DECODE_CHUNK - 1) // DECODE_CHUNK
 
 
-def decode_kv_positions(max_len: int, kv_len: int, platform: str = "cpu") -> int:
+def decode_kv_positions(max_len: int, kv_len: int, whole: bool | None = None) -> int:
     """Cache positions a decode step reads per row when the longest live row needs `kv_len` (its position + 1):
-    all of a short cache, else whole chunks up to kv_len, at most max_len."""
-    if reads_whole_cache(max_len, platform):
+    all of the cache when it is read `whole` (None: by CPU's rule), else whole chunks up to kv_len, at most max_len."""
+    if reads_whole_cache(max_len) if whole is None else whole:
         return max_len
     return min(max_len, decode_chunks(kv_len) * DECODE_CHUNK)
 
@@ -134,11 +136,11 @@ def decode_bytes(
     max_len: int,
     kv_len: int,
     kv_itemsize: int | None = None,
-    platform: str = "cpu",
+    whole: bool | None = None,
 ) -> int:
-    """`steps` decode steps over `rows` rows on `platform`: per step the weights once and each row's KV in use
-    (counted at the dispatch's largest `kv_len`)."""
-    per_row = decode_kv_positions(max_len, kv_len, platform) * kv_bytes_per_token(cfg, kv_itemsize or itemsize)
+    """`steps` decode steps over `rows` rows, the cache read `whole` or by chunks (`decode_kv_positions`): per step
+    the weights once and each row's KV in use (counted at the dispatch's largest `kv_len`)."""
+    per_row = decode_kv_positions(max_len, kv_len, whole) * kv_bytes_per_token(cfg, kv_itemsize or itemsize)
     return steps * (weight_bytes(cfg, itemsize) + rows * per_row)
 
 

@@ -64,6 +64,7 @@ class JaxEngine:
         self._itemsize = jnp.dtype(cfg.dtype).itemsize
         self.platform = self.mesh.devices.flat[0].platform  # cpu, gpu or tpu: picks the cache dtype and its reads
         self._cache_dtype = jnp.dtype(cost.cache_dtype(cfg.dtype, self.platform))
+        self.whole_cache = cost.reads_whole_cache(cfg.max_seq_len, self.platform, cfg.decode_attention)
 
         # Weights: the safetensors in model_path when there are any, else zeros until load_weights() (the RL loop
         # pushes the trainer's weights); generate() refuses to run on the zeros.
@@ -127,7 +128,7 @@ class JaxEngine:
             **self._static,
             steps=self.cfg.steps_per_dispatch,
             max_len=self.cfg.max_seq_len,
-            platform=self.platform,
+            whole_cache=self.whole_cache,
         )
         return new, toks, logps, emitted
 
@@ -280,7 +281,7 @@ class JaxEngine:
                 self.cfg.max_seq_len,
                 kv_len,
                 self._cache_dtype.itemsize,
-                self.platform,
+                self.whole_cache,
             )
 
             # scatter this dispatch's tokens into the per-slot output buffers (vectorised: no per-token Python)

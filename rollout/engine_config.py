@@ -9,7 +9,7 @@ to Ray actors as is. The HF backend reads model_path, trust_remote_code, dtype a
 from __future__ import annotations
 
 import os
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, ConfigDict, Field
 from pydantic.dataclasses import dataclass
@@ -32,6 +32,11 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] | None = None  # None => powers of two from 16 up to max_seq_len - 1
     decode_buckets: tuple[int, ...] | None = None  # None => powers of two (floor 8) up to max_batch
     steps_per_dispatch: PositiveInt = 8
+    # How decode attention reads a row's KV cache: "chunked" walks 128-position chunks up to the longest running row
+    # in a while loop (bytes follow the context in use), "whole" reads all max_seq_len positions in one pass (no loop;
+    # on a GPU XLA drives the loop from the host, a sync per chunk, per layer, per step), "auto" picks by platform and
+    # cache length (rollout.cost.reads_whole_cache).
+    decode_attention: Literal["auto", "chunked", "whole"] = "auto"
     tp: PositiveInt = 1  # devices in the engine's mesh
     # Mixed into every sampling key with SamplingParams.seed (rollout.types.mix_seed; 0 => the request's seed as is),
     # so engines given different seeds draw different samples for the same request.

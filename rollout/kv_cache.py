@@ -27,6 +27,10 @@ class KVCache:
     def num_slots(self) -> int:
         return self.k[0].shape[0]
 
+    @property
+    def max_len(self) -> int:
+        return self.v[0].shape[2]
+
 
 def init_cache(
     num_layers: int,

@@ -157,20 +157,20 @@ def prefill(
 
 
 def _decode_attention(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, kv_len: jax.Array, platform: str
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, kv_len: jax.Array, whole: bool
 ) -> jax.Array:
     """Flash-decoding style attention: q [B, KV, G, hd] over cache rows (K [B, KV, hd, T], V [B, KV, T, hd]),
     positions <= positions[b].
 
     A while loop walks ceil(kv_len / chunk) chunks with an online softmax (running max, normaliser, accumulator),
-    so the trip count is data (no recompile) and the bytes read follow the longest live sequence. A short cache is
-    read whole instead, how short depending on `platform` (the chunk rule is rollout.cost's, which the engine's byte
-    count follows).
+    so the trip count is data (no recompile) and the bytes read follow the longest live sequence. With `whole` the
+    row is read whole in one pass instead (rollout.cost.reads_whole_cache says when, and the engine's byte count
+    follows it).
     """
     b, n_kv, g, hd = q.shape
     dtype = q.dtype  # the activations'; the cache may hold them in fp32 (rollout.cost.cache_dtype)
     max_len = v_cache.shape[2]
-    if reads_whole_cache(max_len, platform):
+    if whole:
         mask = (jnp.arange(max_len)[None, :] <= positions[:, None])[:, None, None, :]
         return _attend(q, k_cache, v_cache, mask, ("bkgd,bkdt->bkgt", "bkgt,bktd->bkgd"))
     chunk = DECODE_CHUNK
@@ -205,7 +205,7 @@ def decode_step(
     tokens: jax.Array,
     positions: jax.Array,
     kv_len: jax.Array | None = None,
-    platform: str = "cpu",
+    whole_cache: bool | None = None,
 ) -> tuple[KVCache, jax.Array]:
     """One token per row for rows 0..B-1 (row i is KV slot i): write its K/V at `positions[i]`, attend over the
     slot's first positions[i] + 1 entries, return the cache and fp32 logits [B, V].
@@ -213,18 +213,21 @@ def decode_step(
     kv_len: cache positions any row that matters needs (max position + 1 over live rows); attention reads only
     that far. Rows beyond it get junk (the engine passes it over its running rows). None => max(positions) + 1.
     Only the first B slots are read (a static slice), so a small decode bucket costs a small fraction of the cache.
-    platform: the JAX platform the step runs on, which picks how attention reads the cache (rollout.cost).
+    whole_cache: attention reads each row's cache whole rather than chunk by chunk (None: by CPU's rule for the
+    cache's length, rollout.cost.reads_whole_cache; the engine decides per platform and setting).
     """
     b = tokens.shape[0]
     rows = jnp.arange(b)
     if kv_len is None:
         kv_len = jnp.max(positions) + 1
+    if whole_cache is None:
+        whole_cache = reads_whole_cache(cache.max_len)
     written = []
 
     def attend(i, q, k, v):
         written.append(write_layer(cache, i, rows, positions, k, v))
         k_buf, v_buf = written[-1]
-        return _decode_attention(q, k_buf[:b], v_buf[:b], positions, kv_len, platform)
+        return _decode_attention(q, k_buf[:b], v_buf[:b], positions, kv_len, whole_cache)
 
     h = _forward(cfg, params, tokens, positions, attend)
     return KVCache(*map(tuple, zip(*written))), logits_from_hidden(params, h)

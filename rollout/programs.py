@@ -38,8 +38,8 @@ def copy_program(cache, src, dst, *, mc, cache_sh, length):
     return _constrain(copy_slots(cache, src, dst, length), cache_sh)
 
 
-@partial(_jit, donate_argnums=1, static_argnames=("mc", "cache_sh", "steps", "max_len", "platform"))
-def decode_program(params, cache, state: DecodeState, *, mc, cache_sh, steps, max_len, platform):
+@partial(_jit, donate_argnums=1, static_argnames=("mc", "cache_sh", "steps", "max_len", "whole_cache"))
+def decode_program(params, cache, state: DecodeState, *, mc, cache_sh, steps, max_len, whole_cache):
     """`steps` decode steps for rows 0..B-1 in one on-device scan; finished rows ride along masked. Returns the
     cache, the state after the last step, and per step [steps, B] tokens, log-probs and emitted masks."""
     s = state
@@ -49,7 +49,7 @@ def decode_program(params, cache, state: DecodeState, *, mc, cache_sh, steps, ma
         active = finish == RUNNING
         # attention reads only as far as the longest running row (finished / free rows are junk anyway)
         kv_len = jnp.max(jnp.where(active, pos, 0)) + 1
-        cache, logits = model.decode_step(mc, params, cache, tok, pos, kv_len, platform)
+        cache, logits = model.decode_step(mc, params, cache, tok, pos, kv_len, whole_cache)
         new_tok, logp = sample(logits, s.temp, s.top_k, s.top_p, s.seed, s.rid, pos + 1)
         n_gen = n_gen + active.astype(jnp.int32)
         hit_stop = jnp.any(new_tok[:, None] == s.stop, axis=-1)

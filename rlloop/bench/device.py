@@ -8,8 +8,9 @@ Five parts, each reported even when another fails (its error is recorded instead
            vocab 151,936): tokens/s, MFU and MBU against the device's measured peaks (rlloop.bench.peaks), compiles
            after warmup (must be 0)
   engine_long
-           the same request in a cache of --long-cache positions (2,048), which decode attention walks chunk by
-           chunk on every platform (rollout.cost.reads_whole_cache): what the recipe's long caches cost
+           a long generation: responses that fill a cache of --long-cache positions (2,048), as an RL rollout fills
+           the recipe's, decoded with each way of reading the cache (rollout.decode_attention: chunked, whole) and
+           their ratio: the evidence for the platform's rule (rollout.cost.reads_whole_cache)
   trainer  one torch Trainer step in bf16 on the same shapes on cuda (cpu with --quick): seconds, tokens/s, MFU
            against a measured torch matmul peak, peak device memory
   tiny     the embedded example for a few steps with cluster.device=gpu and cluster.colocate=true (one GPU holds
@@ -55,9 +56,10 @@ QUICK = dict(
 )
 
 
-def bench_engine(path: Path, args, cache_len: int | None = None) -> dict:
+def bench_engine(path: Path, args, cache_len: int | None = None, decode_attention: str = "auto") -> dict:
+    """The engine part, or with `cache_len` one run of engine_long: responses that fill the cache, timed once (its
+    warmup ran every program already, and a second pass would double the part's minutes)."""
     from rlloop.bench.peaks import measure_peaks
-    from rollout.cost import reads_whole_cache
     from rollout.engine import JaxEngine
     from rollout.engine_config import EngineConfig
     from rollout.model_config import ModelConfig
@@ -65,8 +67,9 @@ def bench_engine(path: Path, args, cache_len: int | None = None) -> dict:
 
     vocab = ModelConfig.from_dir(str(path)).vocab_size
     prompts = make_prompts(args.prompts, vocab, args.prompt_len // 2, args.prompt_len, seed=0)
-    sampling = SamplingParams(max_new_tokens=args.new_tokens, stop_token_ids=(), seed=0, ignore_eos=True)
-    rows, seq_len = args.prompts * args.n, args.prompt_len + args.new_tokens
+    new_tokens = cache_len - args.prompt_len if cache_len else args.new_tokens
+    sampling = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=(), seed=0, ignore_eos=True)
+    rows, seq_len = args.prompts * args.n, args.prompt_len + new_tokens
     # One bucket each (the prompts packed into one prefill size, every row decoding to the end), not the default
     # ladders: warmup compiles 3 programs of a 28-layer model instead of 18, minutes of a short lease.
     engine = JaxEngine(
@@ -74,15 +77,17 @@ def bench_engine(path: Path, args, cache_len: int | None = None) -> dict:
             model_path=str(path),
             dtype="bfloat16",
             max_batch=rows,
-            max_seq_len=cache_len or seq_len,
+            max_seq_len=seq_len,
             prefill_buckets=(seq_len - 1,),
             decode_buckets=(rows,),
+            decode_attention=decode_attention,
         )
     )
     t0 = time.perf_counter()
     engine.warmup()
     warmup_s = time.perf_counter() - t0
-    engine.generate(prompts, args.n, sampling)  # first run: touches every program once more, not timed
+    if not cache_len:
+        engine.generate(prompts, args.n, sampling)  # first run: touches every program once more, not timed
     t0 = time.perf_counter()
     out = engine.generate(prompts, args.n, sampling)
     seconds = time.perf_counter() - t0
@@ -91,7 +96,7 @@ def bench_engine(path: Path, args, cache_len: int | None = None) -> dict:
     return {
         "device_kind": peaks["device_kind"],
         "cache_len": engine.cfg.max_seq_len,
-        "reads_whole_cache": reads_whole_cache(engine.cfg.max_seq_len, engine.platform),
+        "reads_whole_cache": engine.whole_cache,
         "tok_s": tokens / seconds,
         "mfu": stats["flops"] / seconds / peaks["matmul_flops"],
         "mbu": stats["bytes"] / seconds / peaks["mem_bytes_per_s"],
@@ -100,6 +105,12 @@ def bench_engine(path: Path, args, cache_len: int | None = None) -> dict:
         "peak_matmul_tflops": peaks["matmul_flops"] / 1e12,
         "peak_mem_gb_s": peaks["mem_bytes_per_s"] / 1e9,
     }
+
+
+def bench_engine_long(path: Path, args) -> dict:
+    """engine_long: the same long generation with the cache read chunk by chunk and whole, and which was faster."""
+    runs = {mode: bench_engine(path, args, args.long_cache, mode) for mode in ("chunked", "whole")}
+    return {**runs, "whole_over_chunked": runs["whole"]["tok_s"] / runs["chunked"]["tok_s"]}
 
 
 def torch_matmul_peak(device: str) -> float:
@@ -235,7 +246,7 @@ def parse_args(argv):
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--tiny-steps", type=int, default=5)
-    ap.add_argument("--long-cache", type=int, default=2048, help="engine_long's cache positions")
+    ap.add_argument("--long-cache", type=int, default=2048, help="engine_long's cache, filled by its responses")
     args = ap.parse_args(argv)
     if args.quick:
         args.prompts, args.n, args.prompt_len, args.new_tokens, args.tiny_steps, args.long_cache = 2, 2, 8, 8, 2, 384
@@ -254,7 +265,7 @@ def main(argv: list[str]) -> None:
         path = save_random_qwen3(workdir / "model", **(QUICK if args.quick else QWEN3_0_6B))
         parts = {
             "engine": lambda: bench_engine(path, args),
-            "engine_long": lambda: bench_engine(path, args, args.long_cache),
+            "engine_long": lambda: bench_engine_long(path, args),
             "trainer": lambda: bench_trainer(path, args),
             "tiny": lambda: bench_tiny(args, workdir),
             "nccl": lambda: bench_nccl(path, workdir),

@@ -74,8 +74,11 @@ def test_cost_model_counts_the_decoders_weights_and_chunks(tmp_path):
     assert cost.decode_kv_positions(1024, 1) == 128  # a long one by the chunks in use
     assert cost.decode_kv_positions(1024, 129) == 256
     assert cost.decode_kv_positions(320, 300) == 320  # capped at the cache
-    assert cost.decode_kv_positions(1024, 1, "gpu") == 1024  # a GPU reads up to 8 chunks whole
-    assert cost.decode_kv_positions(2048, 129, "gpu") == 256
+    assert cost.reads_whole_cache(1024, "gpu") and not cost.reads_whole_cache(2048, "gpu")  # a GPU: up to 8 chunks
+    assert cost.decode_kv_positions(1024, 1, whole=True) == 1024
+    assert cost.decode_kv_positions(2048, 129, whole=False) == 256
+    # rollout.decode_attention overrides the rule either way
+    assert cost.reads_whole_cache(4096, "cpu", "whole") and not cost.reads_whole_cache(256, "gpu", "chunked")
     assert int(cost.decode_chunks(np.int32(257))) == 3
 
 

@@ -259,3 +259,19 @@ def test_release_frees_device_memory_and_resume_recompiles_nothing(tiny_qwen3_di
     got = eng.generate(prompts, 2, greedy)  # resumes by itself
     assert [c.token_ids for c in got] == [c.token_ids for c in want] and got[0].weight_version == 1
     assert compile_count() == before
+
+
+def test_decode_attention_chunked_and_whole_generate_the_same(tiny_qwen3_dir, hf):
+    """`decode_attention` picks how a 320-position cache is read (CPU's rule: by chunks; a GPU's: whole): the same
+    greedy tokens, those of HF, and log-probs equal to float rounding, from prompts long enough that decode walks
+    three chunks."""
+    prompts = _prompts(np.random.default_rng(5), 3, lo=230, hi=250)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    outs = {}
+    for mode in ("auto", "whole"):
+        eng = small_engine(tiny_qwen3_dir, max_seq_len=320, prefill_buckets=(256,), decode_attention=mode)
+        assert eng.whole_cache == (mode == "whole")  # auto on CPU: 320 positions are more than two chunks
+        outs[mode] = eng.generate(prompts, 1, sampling)
+    for p, chunked, whole in zip(prompts, outs["auto"], outs["whole"]):
+        assert chunked.token_ids == whole.token_ids == _hf_greedy(hf, p, 40, eos=None)
+        np.testing.assert_allclose(chunked.logprobs, whole.logprobs, atol=1e-5, rtol=0)

@@ -107,18 +107,18 @@ def test_bad_weights_name_the_problem(tmp_path):
         params_from_named_arrays(cfg, extra)
 
 
-@pytest.mark.parametrize("platform", ["cpu", "gpu"])
-def test_long_cache_decode_matches_hf(tmp_path, platform):
-    """A cache longer than two chunks: on CPU it takes the chunked online-softmax path, including a clamped last
-    chunk (max_len 320 = chunks at 0, 128 and 192-clamped-from-256); the GPU rule reads it whole in one pass (run
-    here on CPU: the same program, another attention path)."""
+@pytest.mark.parametrize("whole_cache", [None, False, True])
+def test_long_cache_decode_matches_hf(tmp_path, whole_cache):
+    """A cache longer than two chunks: CPU's rule (None) takes the chunked online-softmax path, including a clamped
+    last chunk (max_len 320 = chunks at 0, 128 and 192-clamped-from-256), as `rollout.decode_attention: chunked`
+    does anywhere; `whole` (a GPU's rule at this length) reads it in one pass."""
     import rollout.model as model
 
     path = make_tiny_hf_model(tmp_path / "q3", "qwen3", tie=False, seed=4)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     cfg = ModelConfig.from_dir(str(path))
     params = jax.tree.map(jnp.asarray, params_from_named_arrays(cfg, load_safetensors_dir(str(path)), "float32"))
-    assert 320 > 2 * model.DECODE_CHUNK and model.reads_whole_cache(320, platform) == (platform == "gpu")
+    assert 320 > 2 * model.DECODE_CHUNK and not model.reads_whole_cache(320) and model.reads_whole_cache(320, "gpu")
     prompt = [int(t) for t in np.random.default_rng(1).integers(3, cfg.vocab_size, 250)]
     cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 320, cfg.head_dim, jnp.float32)
     n = len(prompt) - 1  # the engine's split: all but the last token prefilled
@@ -130,7 +130,7 @@ def test_long_cache_decode_matches_hf(tmp_path, platform):
         np.zeros(n, np.int32),
         np.zeros(n, np.int32),
     )
-    step = jax.jit(functools.partial(decode_step, cfg, platform=platform))
+    step = jax.jit(functools.partial(decode_step, cfg, whole_cache=whole_cache))
     seq, ours = list(prompt), []
     for _ in range(40):
         cache, logits = step(params, cache, np.array([seq[-1]], np.int32), np.array([len(seq) - 1], np.int32))
