@@ -37,6 +37,11 @@ def sliding_window_layers(hf: Mapping) -> bool:
     return layer_types != {"full_attention"} or bool(hf.get("use_sliding_window", hf.get("sliding_window") is not None))
 
 
+def _compile_scope(value):
+    """`TrainerConfig.compile` as YAML's booleans: true compiles each decoder layer, false nothing."""
+    return {True: "layers", False: "off"}[value] if isinstance(value, bool) else value
+
+
 Fraction = Annotated[float, Field(ge=0, lt=1)]
 PositiveInt = Annotated[int, Field(ge=1)]
 STRICT = ConfigDict(extra="forbid")
@@ -93,9 +98,13 @@ class TrainerConfig:
     max_response_len: PositiveInt | None = None  # dr_grpo's constant; None: the longest response in the minibatch
     loss: LossConfig = Field(default_factory=LossConfig)
     gradient_checkpointing: bool = False
-    # torch.compile (inductor, dynamic shapes) of each decoder layer: fuses the norms, RoPE and the MLP's elementwise
-    # ops around the matmuls and attention. 1.10-1.15x on the tiny recipe's train step (one CPU thread), 1.05-1.07x on
-    # a 28M model, after a one-off compile in the first step (8 s to ~1 min here); log-probs move by ~1e-5 in fp32
-    # (another op order), so it is off by default and the exactness tests run eager. Untested under fsdp.
-    compile: bool = False
+    # torch.compile (inductor, dynamic shapes), "layers": each decoder layer, one graph for all of them, which fuses the
+    # norms, RoPE and the MLP's elementwise ops around the matmuls and attention: 1.10-1.15x on the tiny recipe's train
+    # step (one CPU thread), 1.05-1.07x on a 28M model, after a one-off compile in the first step (8 s to ~1 min here).
+    # "model": the whole decoder as one graph, which also fuses what runs between and around the layers (embedding,
+    # RoPE tables, final norm): another 1.06x on the tiny step, but its compile grows with the depth (23 s against 6 s
+    # for the tiny model's 2 layers), so it is for small models; not under fsdp, whose units are the layers. true and
+    # false read as "layers" and "off". Log-probs move by ~1e-5 in fp32 (another op order), so it is off by default and
+    # the exactness tests run eager. "layers" is untested under fsdp.
+    compile: Annotated[Literal["off", "layers", "model"], BeforeValidator(_compile_scope)] = "off"
     seed: int = 0

@@ -20,7 +20,7 @@ Weights leave a sharded model one tensor at a time (`full_tensors`): each is all
 and dropped, so the accelerator never holds more than one extra unsharded tensor (the embedding, at most); `to_numpy`
 hands each out as numpy without a copy (bf16 as ml_dtypes bits).
 
-`compile_layers` (`TrainerConfig.compile`) works on the same decoder layers; the trainer calls it before sharding.
+`compile_decoder` (`TrainerConfig.compile`) works on the same decoder layers; the trainer calls it before sharding.
 """
 
 from __future__ import annotations
@@ -59,9 +59,18 @@ def resolve_parallel(parallel: str, world_size: int) -> str:
     return "fsdp" if parallel == "auto" else parallel
 
 
-def compile_layers(model: torch.nn.Module) -> None:
-    """`TrainerConfig.compile`: torch.compile each decoder layer in place (the classes HF names in
-    `_no_split_modules`), with dynamic shapes, since every batch has other lengths."""
+def compile_decoder(model: torch.nn.Module, scope: str, sharded: bool) -> None:
+    """`TrainerConfig.compile`: torch.compile in place, with dynamic shapes since every batch has other lengths, each
+    decoder layer (`scope` "layers": the classes HF names in `_no_split_modules`) or the whole decoder ("model"; not
+    when `sharded`, as FSDP's units are the layers)."""
+    if scope == "model":
+        if sharded:
+            raise ValueError(
+                "train.compile=model compiles the whole decoder as one graph, but fsdp shards it layer by "
+                "layer: use train.compile=layers, or train.parallel=ddp"
+            )
+        model.get_decoder().compile(dynamic=True)
+        return
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     if not layers:

@@ -30,7 +30,7 @@ from trainer.loss import policy_loss
 from trainer.optimizer import make_optimizer
 from trainer.parallel import (
     LogprobModel,
-    compile_layers,
+    compile_decoder,
     even_out,
     full_tensors,
     local,
@@ -85,8 +85,8 @@ class Trainer:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # HF checkpoints only recompute in train mode; otherwise eval mode, so nothing is stochastic.
         self.model.train(cfg.gradient_checkpointing)
-        if cfg.compile:
-            compile_layers(self.model)  # before FSDP wraps the layers, as torchtitan orders it
+        if cfg.compile != "off":
+            compile_decoder(self.model, cfg.compile, sharded)  # before FSDP wraps the layers, as torchtitan orders it
         # Exact only while a zero advantage zeroes a sample's whole loss: no KL term, no entropy bonus.
         self.skip_zero_advantage = cfg.skip_zero_advantage and cfg.loss.kl_coef == 0.0 and cfg.loss.entropy_coef == 0.0
         self.vocab_size = self.model.get_input_embeddings().num_embeddings

@@ -52,7 +52,11 @@ TRL_VERSION = "1.16.0"  # the `bench` extra
 WIDE_HIDDEN = 768  # wide_model(768): 4 layers x 12 h^2 + a 99-token embedding, ~28.4M parameters
 DEFAULT_STEPS = {"tiny": 12, "30m": 4}
 DEFAULT_ROUNDS = {"tiny": 3, "30m": 1}  # a tiny round takes about a minute, a 30m one half an hour
-MODE_OPTIONS = {"compile": "train.compile=true", "no_skip": "train.skip_zero_advantage=false"}
+MODE_OPTIONS = {
+    "compile": "train.compile=layers",
+    "compile_model": "train.compile=model",
+    "no_skip": "train.skip_zero_advantage=false",
+}
 
 
 def trl_missing() -> str | None:

@@ -26,6 +26,12 @@ def test_dotted_overrides():
     assert (cfg.train.lr, cfg.rollout.group_size, cfg.train.betas, cfg.eval.path) == (2e-6, 4, (0.8, 0.9), None)
 
 
+def test_train_compile_is_a_scope_and_reads_booleans_as_one():
+    values = ("true", "false", "layers", "model", "off")
+    scopes = [load_config(TINY, [f"train.compile={v}"]).trainer_config().compile for v in values]
+    assert scopes == ["layers", "off", "layers", "model", "off"]
+
+
 def write(tmp_path: Path, text: str, name: str = "c.yaml") -> str:
     (tmp_path / name).write_text(text)
     return str(tmp_path / name)
@@ -38,6 +44,7 @@ BAD_OVERRIDES = [
     (["cluster.device=fpga"], "cluster.device"),
     (["grpo.loss_agg=mean"], "grpo.loss_agg"),
     (["train.lr=-1"], "train.lr"),
+    (["train.compile=graph"], "train.compile"),
     (["rollout.top_p=1.5"], "rollout.top_p"),
     (["sync.transport=nfs"], "sync.transport"),
     (["grpo.clip_eps_high=0.1"], "clip_eps_high"),

@@ -1,5 +1,6 @@
-"""`TrainerConfig.compile`: compiled decoder layers train as the eager ones do, to within fp32 op-order noise, and
-batches of new lengths compile nothing more (dynamic shapes): a run compiles once, not once per step."""
+"""`TrainerConfig.compile`: compiled decoder layers, or the whole decoder compiled as one graph, train as the eager
+model does, to within fp32 op-order noise, and batches of new lengths compile nothing more (dynamic shapes): a run
+compiles once, not once per step."""
 
 import pytest
 from torch._dynamo.utils import counters
@@ -14,10 +15,11 @@ def grouped(batch: TrainBatch, group: int = 4) -> TrainBatch:
     return TrainBatch(prompts, batch.responses, batch.advantages, batch.rollout_logprobs)
 
 
-@pytest.mark.parametrize("response", [12, 36])  # 36: attention split by keys (trainer/split_attention.py), eager
-def test_compiled_layers_train_like_eager_and_compile_once(tiny_qwen3_dir, make_batch, response):
+# 36-token responses: attention split by keys (trainer/split_attention.py), run eagerly inside the compiled code
+@pytest.mark.parametrize("scope,response", [("layers", 12), ("layers", 36), ("model", 12), ("model", 36)])
+def test_compiled_decoder_trains_like_eager_and_compiles_once(tiny_qwen3_dir, make_batch, scope, response):
     eager = Trainer(TrainerConfig(tiny_qwen3_dir, lr=1e-3, share_prompts=True))
-    compiled = Trainer(TrainerConfig(tiny_qwen3_dir, lr=1e-3, share_prompts=True, compile=True))
+    compiled = Trainer(TrainerConfig(tiny_qwen3_dir, lr=1e-3, share_prompts=True, compile=scope))
     batches = [grouped(make_batch(12, seed=s, max_prompt=9 + 3 * s, max_response=response + 4 * s)) for s in range(3)]
     mbs = [mb for b in batches for mb in compiled._plan(b, list(range(len(b))))]
     assert any(mb.segments is not None and is_split(mb.segments) for mb in mbs) == (response == 36)
@@ -37,3 +39,14 @@ def test_compiled_layers_train_like_eager_and_compile_once(tiny_qwen3_dir, make_
     for (name, a), b in zip(eager.model.named_parameters(), compiled.model.parameters()):
         want, got = a.detach() - initial[name], b.detach() - initial[name]
         assert float((got - want).norm()) <= 1e-3 * float(want.norm()), name
+
+
+def test_the_whole_decoder_is_not_compiled_under_fsdp(tiny_qwen3_dir):
+    """FSDP's units are the decoder layers: one graph over all of them is refused, naming the setting."""
+    import transformers
+
+    from trainer.parallel import compile_decoder
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir)
+    with pytest.raises(ValueError, match="train.compile=model"):
+        compile_decoder(model, "model", sharded=True)
