@@ -14,7 +14,8 @@ TRL runs in this process (rlloop/bench/trl_runner.py: as its docs say for CPU, o
 one optimizer step per 128 samples, rlloop's AdamW settings and constant lr). rlloop runs its real loop
 (`rlloop.loop.train`, Ray actors; engine and trainer on one core each) in each of --modes; `colocate` is sync with both
 roles on all cores in turns (cluster.colocate); a mode may add options (`async+compile`, `async+no_skip`):
-`+compile` runs with `train.compile: true`, `+no_skip` with `train.skip_zero_advantage: false`. --dtype is both
+`+compile` runs with `train.compile: layers`, `+compile_model` with `train.compile: model` (the whole decoder as one
+graph), `+no_skip` with `train.skip_zero_advantage: false`. --dtype is both
 sides' precision: float32 (the default), or bfloat16, where rlloop runs `model.dtype: bfloat16` (bf16 weights and
 compute, fp32 AdamW masters) and TRL the mixed precision the transformers docs give for CPU training (`bf16=True`:
 fp32 weights, bf16 autocast). The runs go back to back (rlloop's first mode, TRL, then the other modes), --rounds
@@ -296,7 +297,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--rounds", type=int, default=0, help=f"runs of each, alternating (default {DEFAULT_ROUNDS})")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 steps, 1 round, tiny, sync only unless told")
     ap.add_argument("--threads", type=int, default=0, help="torch threads for TRL and cores for the peaks (0: all)")
-    ap.add_argument("--modes", default=None, help="of sync,async,colocate, each [+compile][+no_skip]")
+    ap.add_argument("--modes", default=None, help="of sync,async,colocate, each [+compile|+compile_model][+no_skip]")
     ap.add_argument("--frameworks", default="trl,rlloop", help="trl,rlloop or one of them")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both sides' precision")
     args = ap.parse_args(argv)
