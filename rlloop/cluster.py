@@ -112,10 +112,7 @@ class Cluster:
             ) from None
 
         def options(bundle: int, rollout: bool) -> dict:
-            # the bundle's own cores: disjoint between bundles, shared by the two roles of a colocated one
-            first = int(sum(b.get("CPU", 0) for b in plan.bundles[:bundle]))
-            cores = range(first, first + int(plan.bundles[bundle].get("CPU", 1)))
-            env = actor_env(cfg, cfg.cluster.cpus_per_actor, rollout, cores)
+            env = actor_env(cfg, cfg.cluster.cpus_per_actor, rollout, plan.cores(bundle))
             return actor_options(plan, bundle, self.pg, env, role="rollout" if rollout else "trainer")
 
         # Kept to rebuild an engine that dies (run.max_restarts): the same bundle, environment and config.

@@ -73,6 +73,12 @@ class Placement:
         kind, index = role.rsplit(" ", 1)
         return (self.rollout_bundles if kind == "rollout engine" else self.trainer_bundles)[int(index)]
 
+    def cores(self, bundle: int) -> range:
+        """On a CPU host, `bundle`'s cores: bundles take consecutive cores in plan order, which an actor maps onto its
+        host's modulo their number (rlloop.workers.limit_threads); the two roles of a colocated bundle share them."""
+        first = int(sum(b.get("CPU", 0) for b in self.bundles[:bundle]))
+        return range(first, first + int(self.bundles[bundle].get("CPU", 1)))
+
     def describe(self) -> str:
         lines = [f"placement group ({self.strategy}), device {self.device}:"]
         for i, (who, bundle) in enumerate(zip(self.holders(), self.bundles)):

@@ -148,3 +148,4 @@ def test_a_cpu_engine_of_two_chips_gets_the_cores_of_both():
     plan = plan_placement(cfg.cluster, same_host=True)
     assert [plan.bundles[b] for b in plan.rollout_bundles] == [{"CPU": 4.0}]
     assert [plan.bundles[b] for b in plan.trainer_bundles] == [{"CPU": 2.0}, {"CPU": 2.0}]
+    assert [plan.cores(b) for b in range(3)] == [range(0, 4), range(4, 6), range(6, 8)]
