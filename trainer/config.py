@@ -102,9 +102,9 @@ class TrainerConfig:
     # norms, RoPE and the MLP's elementwise ops around the matmuls and attention: 1.10-1.15x on the tiny recipe's train
     # step (one CPU thread), 1.05-1.07x on a 28M model, after a one-off compile in the first step (8 s to ~1 min here).
     # "model": the whole decoder as one graph, which also fuses what runs between and around the layers (embedding,
-    # RoPE tables, final norm): another 1.06x on the tiny step, but its compile grows with the depth (23 s against 6 s
-    # for the tiny model's 2 layers), so it is for small models; not under fsdp, whose units are the layers. true and
-    # false read as "layers" and "off". Log-probs move by ~1e-5 in fp32 (another op order), so it is off by default and
-    # the exactness tests run eager. "layers" is untested under fsdp.
+    # RoPE tables, final norm): another 1.06x on the tiny step, but its compile grows with the depth (cold, 23 s
+    # against 6 s for the tiny model's 2 layers), so it is for small models; not under fsdp, whose units are the
+    # layers. true and false read as "layers" and "off". Log-probs move by ~1e-5 in fp32 (another op order), so it is
+    # off by default and the exactness tests run eager. "layers" is untested under fsdp.
     compile: Annotated[Literal["off", "layers", "model"], BeforeValidator(_compile_scope)] = "off"
     seed: int = 0
