@@ -332,9 +332,7 @@ def check_cluster_fits(plan, cluster) -> None:
     the placement group's timeout waits for."""
     import ray
 
-    have = ray.cluster_resources()
-    short = {key: (need, have.get(key, 0.0)) for key, need in plan.total().items() if have.get(key, 0.0) < need}
-    if short:
+    if short := plan.shortfall(ray.cluster_resources()):
         lacking = ", ".join(f"{key} {need:g} (it has {got:g})" for key, (need, got) in short.items())
         raise ClusterError(
             f"the local Ray cannot hold the placement plan: it needs {lacking}. The plan comes from "
@@ -351,11 +349,8 @@ def check_one_node_fits(plan) -> None:
     nodes (custom node resources in different places, or more chips than any one node has)."""
     import ray
 
-    def fits(have: dict) -> bool:
-        return all(have.get(key, 0.0) >= need for key, need in plan.total().items())
-
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    if not any(fits(node) for node in nodes) and fits(ray.cluster_resources()):
+    if all(plan.shortfall(node) for node in nodes) and not plan.shortfall(ray.cluster_resources()):
         raise ClusterError(
             f"sync.transport=shm needs the rollout engines and the trainer ranks on one node, but no node of this "
             f"Ray cluster can hold the whole plan {plan.total()}; use sync.transport=disk (a directory every node "

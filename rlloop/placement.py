@@ -54,6 +54,10 @@ class Placement:
                 out[key] = out.get(key, 0.0) + value
         return out
 
+    def shortfall(self, have: dict[str, float]) -> dict[str, tuple[float, float]]:
+        """What the plan asks for beyond the resources `have` (a Ray node's or cluster's): key -> (need, have)."""
+        return {key: (need, have.get(key, 0.0)) for key, need in self.total().items() if have.get(key, 0.0) < need}
+
     def holders(self) -> list[list[str]]:
         """Who is placed in each bundle, in bundle order (two roles per bundle when colocated)."""
         out: list[list[str]] = [[] for _ in self.bundles]
