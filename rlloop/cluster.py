@@ -138,6 +138,14 @@ class Cluster:
             return [getattr(w, method)(*a) for w, a in zip(workers, args)]
         return self._gather(workers, method, [getattr(w, method).remote(*a) for w, a in zip(workers, args)], start)
 
+    def _call_all_in_order(self, workers: list, calls: list[tuple[str, list[tuple]]], start: bool = False) -> list:
+        """Several `_call_all`s, (method, args) in turn, submitted at once: each actor runs its calls in that order,
+        and none waits for the driver between them. Returns each call's results."""
+        if not self.remote:
+            return [self._call_all(workers, method, args) for method, args in calls]
+        refs = [[getattr(w, method).remote(*a) for w, a in zip(workers, args)] for method, args in calls]
+        return [self._gather(workers, method, r, start) for (method, _), r in zip(calls, refs)]
+
     def _gather(self, workers: list, method: str, refs: list, start: bool = False) -> list:
         """The results of `refs`, one `method` call on each worker, with `_call_all`'s errors."""
         import ray
@@ -251,7 +259,9 @@ class Cluster:
                 self._pending[e] += (len(prompts[i]) + max_new) * n
         return [sorted(s) for s in shares]
 
-    def train_step(self, batch) -> dict[str, float]:
+    def train_step(self, batch, publish: int | None = None) -> dict[str, float]:
+        """One train step on every rank; with `publish`, rank 0 then publishes the new weights as that version (if
+        the step changed them), queued behind the step on each actor so that it costs no round trip of its own."""
         from trainer import shard_batch
 
         world = len(self.trainers)
@@ -264,12 +274,16 @@ class Cluster:
                 "rollout/device_bytes_while_training": float(sum(s["after"] for s in slept)),
             }
             self._call_all(self.trainers, "wake", [()] * world)
-        # The first step builds the optimizer state and, with train.compile, compiles: a start, timed as one.
-        metrics = self._call_all(self.trainers, "train_step", shards, start=not self._stepped)[0]  # equal on all ranks
-        self._stepped = True
+        calls = [("train_step", shards)]
+        if publish is not None:
+            calls.append(("push_weights", [(publish, True)] * world))
         if self.cfg.cluster.colocate:
-            self._call_all(self.trainers, "sleep", [()] * world)
-        return metrics | freed
+            calls.append(("sleep", [()] * world))
+        # The first step builds the optimizer state and, with train.compile, compiles: a start, timed as one.
+        results = self._call_all_in_order(self.trainers, calls, start=not self._stepped)
+        self._stepped = True
+        metrics = results[0][0]  # equal on all ranks
+        return metrics | (results[1][0] if publish is not None else {}) | freed
 
     def push_weights(self, version: int) -> dict[str, float]:
         """Rank 0 publishes `version` (the other ranks join the export's gather under fsdp); the engines take it at

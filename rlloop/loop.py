@@ -88,17 +88,16 @@ def run_recipe(cfg: Config, inputs: Inputs, resume: bool = False, trainer_restar
 
 
 def train_and_sync(cfg: Config, cluster: Cluster, step: int, samples) -> dict[str, float]:
-    """Train on the step's samples, then publish the new weights: the sync mode's engines load them now, the async
-    modes' before (async) or while (fully_async) they generate. A step that applied no update (non-finite) publishes
-    nothing, nor does --debug train-only, which has no engine."""
+    """Train on the step's samples and publish the new weights (in the trainer's same round trip): the sync mode's
+    engines load them now, the async modes' before (async) or while (fully_async) they generate. A step that applied
+    no update (non-finite) publishes nothing, nor does --debug train-only, which has no engine."""
     t0 = time.perf_counter()
-    metrics = cluster.train_step(samples.to_train_batch())
-    t1 = time.perf_counter()
-    if cluster.engines and metrics["train/skipped_steps"] < metrics["train/minibatches"]:
-        metrics |= cluster.push_weights(version=step)
-        if cfg.loop.mode == "sync":
-            metrics |= cluster.pull_weights()
-    return metrics | {"perf/train_s": t1 - t0, "perf/sync_s": time.perf_counter() - t1}
+    metrics = cluster.train_step(samples.to_train_batch(), publish=step if cluster.engines else None)
+    push_s = metrics.get("perf/push_s", 0.0)  # absent when nothing was published
+    train_s = time.perf_counter() - t0 - push_s
+    if "perf/push_s" in metrics and cfg.loop.mode == "sync":
+        metrics |= cluster.pull_weights()
+    return metrics | {"perf/train_s": train_s, "perf/sync_s": time.perf_counter() - t0 - train_s}
 
 
 def step_overhead(metrics: dict[str, float]) -> dict[str, float]:

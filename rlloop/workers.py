@@ -190,6 +190,7 @@ class TrainerWorker:
         self.cfg, self.rank, self.world_size, self.sync = trainer, rank, world_size, sync
         self.trainer = self.sender = None
         self.steps = 0
+        self.updated = False  # whether the last train step changed the weights (a non-finite one applies nothing)
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0's address and a free port there, for torch.distributed's env:// rendezvous."""
@@ -214,13 +215,18 @@ class TrainerWorker:
         t0 = time.perf_counter()
         metrics = self.trainer.train_step(batch)
         self.steps += 1
+        self.updated = metrics["train/skipped_steps"] < metrics["train/minibatches"]
         if self.steps == 1:
             freeze_heap()  # the first step built the optimizer state and, with train.compile, the compiled layers
         state = self.trainer.state_nbytes()["total"]  # rank 0's share: what train.parallel=fsdp divides
         return {**metrics, "perf/train_busy_s": time.perf_counter() - t0, "train/state_bytes_per_rank": state}
 
-    def push_weights(self, version: int) -> dict[str, float]:
-        """Rank 0 publishes `version`. Called on every rank: under fsdp the export is a gather all ranks join."""
+    def push_weights(self, version: int, if_updated: bool = False) -> dict[str, float]:
+        """Rank 0 publishes `version`. Called on every rank: under fsdp the export is a gather all ranks join. With
+        `if_updated`, only when the last train step changed the weights (every rank skips alike: the step's metrics
+        are reduced over ranks)."""
+        if if_updated and not self.updated:
+            return {}
         t0 = time.perf_counter()
         weights = self.trainer.export_weights()
         if self.sender is None:

@@ -1,10 +1,15 @@
-"""The worker processes' memory settings: freed memory is reused instead of being mapped and page-faulted anew, and the
-long-lived heap is kept out of the garbage collector's full collections."""
+"""The worker processes' memory settings (freed memory is reused instead of being mapped and page-faulted anew, the
+long-lived heap is kept out of the garbage collector's full collections), and what a trainer rank publishes."""
 
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
+
+from rlloop.workers import SyncSpec, TrainerWorker
+from trainer import TrainBatch, TrainerConfig
 
 # 64 MiB blocks malloc'd, written and freed eight times, as a training step's activations are: the pages faulted in by
 # the last four (16,384 pages each when they are fresh). Plain malloc, not torch tensors: torch asks for 64-byte
@@ -59,3 +64,21 @@ print(cycle_ref() is None, gc.get_freeze_count() - before >= 1000, any(o is mode
 def test_freezing_the_heap_collects_garbage_first_and_takes_the_live_objects_out_of_collections():
     out = subprocess.run([sys.executable, "-c", FREEZE_PROGRAM], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "True", "False"]
+
+
+def test_a_rank_publishes_after_a_step_only_when_the_step_changed_the_weights(tiny_qwen3_dir, tmp_path, monkeypatch):
+    """The loop queues `push_weights(version, if_updated=True)` behind each train step (rlloop.cluster.train_step):
+    after a step skipped as non-finite it must publish nothing, so that the engines keep the last good weights."""
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", ""))  # the worker sets it; restored
+    threads = torch.get_num_threads()
+    sync = SyncSpec("disk", "run", str(tmp_path), delta=False, keyframe_every=1, keep=2)
+    worker = TrainerWorker(TrainerConfig(tiny_qwen3_dir, lr=1e-3), 0, 1, sync)
+    worker.setup()
+    batch = TrainBatch([[5, 6, 7]] * 4, [[8, 9], [10], [11, 12, 13], [14]], [1.0, -1.0, 0.5, -0.5])
+    worker.train_step(batch)
+    assert worker.push_weights(1, if_updated=True)["sync/version"] == 1
+    with torch.no_grad():  # one poisoned weight: every gradient from here on is NaN, and the step is skipped
+        worker.trainer.model.get_decoder().norm.weight[0] = float("nan")
+    assert worker.train_step(batch)["train/skipped_steps"] == 1
+    assert worker.push_weights(2, if_updated=True) == {} and worker.sender.version == 1
+    torch.set_num_threads(threads)
