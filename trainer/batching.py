@@ -156,13 +156,19 @@ class MicroBatch:
         return int(self.response_mask.sum().item())
 
 
-def collate(batch: TrainBatch, indices: list[int], pad_id: int = 0) -> MicroBatch:
+def collate(batch: TrainBatch, indices: list[int], pad_id: int = 0, pad_to: int = 1) -> MicroBatch:
     """One sample per row."""
-    return collate_rows(batch, [[i] for i in indices], pad_id)
+    return collate_rows(batch, [[i] for i in indices], pad_id, pad_to)
 
 
-def collate_rows(batch: TrainBatch, rows: list[list[int]], pad_id: int = 0) -> MicroBatch:
-    """`rows`: lists of sample indices; the samples of a row must share their prompt (`shared_prompt_rows`).
+def padded_length(length: int, pad_to: int) -> int:
+    """`length` rounded up to a multiple of `pad_to`."""
+    return -(-length // pad_to) * pad_to
+
+
+def collate_rows(batch: TrainBatch, rows: list[list[int]], pad_id: int = 0, pad_to: int = 1) -> MicroBatch:
+    """`rows`: lists of sample indices; the samples of a row must share their prompt (`shared_prompt_rows`). Rows
+    are padded to the longest, rounded up to a multiple of `pad_to`.
 
     Built from flat numpy arrays, one pass over the tokens: a row is laid out as its pieces (the prompt, then each
     response) end to end, so every per-token array is a repeat or a running count over those pieces. A loop of small
@@ -181,7 +187,7 @@ def collate_rows(batch: TrainBatch, rows: list[list[int]], pad_id: int = 0) -> M
     row_first = np.cumsum(samples_per_row) - samples_per_row
     response_start = prompt_len[row_of] + before - before[row_first][row_of]
     row_len = prompt_len + np.bincount(row_of, weights=resp_len, minlength=len(rows)).astype(np.int64)
-    width, resp_width = int(row_len.max()), int(resp_len.max())
+    width, resp_width = padded_length(int(row_len.max()), pad_to), int(resp_len.max())
 
     # The rows' tokens, row after row, as pieces: a row's prompt, then its responses. Per piece: its segment id (0 the
     # prompt, j the row's j-th response) and the position of its first token (a response continues its prompt's).
@@ -223,13 +229,16 @@ def collate_rows(batch: TrainBatch, rows: list[list[int]], pad_id: int = 0) -> M
 
 
 def plan_micro_batches(
-    batch: TrainBatch, indices: list[int], token_budget: int, pad_id: int, share_prompts: bool
+    batch: TrainBatch, indices: list[int], token_budget: int, pad_id: int, share_prompts: bool, pad_to: int = 1
 ) -> list[MicroBatch]:
-    """The samples `indices` as micro-batches within `token_budget`: a row per sample, or per prompt and some of its
-    samples (`share_prompts`)."""
+    """The samples `indices` as micro-batches within `token_budget` (rows padded to a multiple of `pad_to`): a row per
+    sample, or per prompt and some of its samples (`share_prompts`)."""
     if not share_prompts:
-        lengths = {i: len(batch.prompts[i]) + len(batch.responses[i]) for i in indices}
-        return [collate(batch, group, pad_id) for group in pack_micro_batches(lengths, token_budget)]
+        lengths = {i: padded_length(len(batch.prompts[i]) + len(batch.responses[i]), pad_to) for i in indices}
+        return [collate(batch, group, pad_id, pad_to) for group in pack_micro_batches(lengths, token_budget)]
     rows = shared_prompt_rows(batch, indices, token_budget)
-    groups = pack_micro_batches({r: row_length(batch, row) for r, row in enumerate(rows)}, token_budget)
-    return [collate_rows(batch, [rows[r] for r in group], pad_id) for group in groups]
+    lengths = {r: padded_length(row_length(batch, row), pad_to) for r, row in enumerate(rows)}
+    return [
+        collate_rows(batch, [rows[r] for r in group], pad_id, pad_to)
+        for group in pack_micro_batches(lengths, token_budget)
+    ]

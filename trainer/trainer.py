@@ -230,7 +230,10 @@ class Trainer:
         )
 
     def _plan(self, batch: TrainBatch, indices: list[int]) -> list[MicroBatch]:
-        return plan_micro_batches(batch, indices, self.cfg.micro_batch_tokens, self.pad_id, self.cfg.share_prompts)
+        cfg = self.cfg
+        return plan_micro_batches(
+            batch, indices, cfg.micro_batch_tokens, self.pad_id, cfg.share_prompts, cfg.pad_multiple
+        )
 
     def _even_out(self, mbs: list[MicroBatch]) -> tuple[list[MicroBatch], int]:
         """Under fsdp every rank must run as many forwards as the busiest one (trainer/parallel.py)."""

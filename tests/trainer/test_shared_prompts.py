@@ -1,6 +1,8 @@
 """Shared-prompt rows (`train.share_prompts`): one prompt then several of its samples' responses in one row give every
 sample the log-prob, entropy and gradient of its own plain forward."""
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -236,3 +238,34 @@ def test_attention_cut_at_the_shortest_prompt_equals_the_dense_mask():
     cut = shared_prompt_mask(segments, BLOCKED_SDPA, torch.float32)
     assert cut.shape == (4, 1, segments.shape[1] - 9, segments.shape[1])
     assert_same_attention(segments, cut)
+
+
+@pytest.mark.parametrize("share, max_response", [(False, 12), (True, 12), (True, 40)])  # a row a sample; cut; split
+def test_rows_padded_to_a_multiple_give_the_same_gradients(tiny_qwen3_dir, share, max_response):
+    """`pad_to_multiple_of` (bf16 on CPU pads to 32 by default) adds padding columns and nothing else: the gradients
+    and metrics of rows padded to the longest, and micro-batches within the same token budget."""
+    cfg = dict(model_path=str(tiny_qwen3_dir), lr=1e-3, micro_batch_tokens=160, share_prompts=share)
+    exact, padded = Trainer(TrainerConfig(**cfg)), Trainer(TrainerConfig(**cfg, pad_to_multiple_of=32))
+    batch = grpo_batch(7, max_response=max_response)
+    everything = list(range(len(batch)))
+    widths = [mb.input_ids.shape[1] for mb in padded._plan(batch, everything)]
+    assert all(w % 32 == 0 for w in widths)
+    assert widths != [mb.input_ids.shape[1] for mb in exact._plan(batch, everything)]  # it padded
+    for mb in padded._plan(batch, everything):
+        assert mb.input_ids.shape[0] == 1 or mb.input_ids.numel() <= 160
+    want, want_metrics = exact.compute_gradients(batch)
+    got, got_metrics = padded.compute_gradients(batch)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-6 * float(want[name].abs().max()), rtol=0)
+    want_metrics.pop("train/micro_batches"), got_metrics.pop("train/micro_batches")
+    for key, value in want_metrics.items():
+        assert got_metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+
+
+def test_rows_are_padded_to_32_in_bf16_on_cpu_and_to_the_longest_elsewhere(tiny_qwen3_dir):
+    config = partial(TrainerConfig, str(tiny_qwen3_dir))
+    assert config(dtype="bfloat16").pad_multiple == 32
+    assert config().pad_multiple == config(dtype="bfloat16", device="cuda").pad_multiple == 1
+    assert config(dtype="bfloat16", pad_to_multiple_of=8).pad_multiple == 8
+    with pytest.raises(ValueError, match="pad_to_multiple_of"):
+        config(pad_to_multiple_of=0)
