@@ -213,6 +213,7 @@ class TrainerWorker:
 
     def train_step(self, batch) -> dict[str, float]:
         t0 = time.perf_counter()
+        self.updated = False  # until this step has changed the weights: a step that raises publishes nothing either
         metrics = self.trainer.train_step(batch)
         self.steps += 1
         self.updated = metrics["train/skipped_steps"] < metrics["train/minibatches"]
