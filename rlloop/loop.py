@@ -93,9 +93,9 @@ def train_and_sync(cfg: Config, cluster: Cluster, step: int, samples) -> dict[st
     no update (non-finite) publishes nothing, nor does --debug train-only, which has no engine."""
     t0 = time.perf_counter()
     metrics = cluster.train_step(samples.to_train_batch(), publish=step if cluster.engines else None)
-    push_s = metrics.get("perf/push_s", 0.0)  # absent when nothing was published
-    train_s = time.perf_counter() - t0 - push_s
-    if "perf/push_s" in metrics and cfg.loop.mode == "sync":
+    published = "perf/push_s" in metrics
+    train_s = time.perf_counter() - t0 - metrics.get("perf/push_s", 0.0)
+    if published and cfg.loop.mode == "sync":
         metrics |= cluster.pull_weights()
     return metrics | {"perf/train_s": train_s, "perf/sync_s": time.perf_counter() - t0 - train_s}
 
