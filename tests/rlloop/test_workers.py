@@ -1,7 +1,6 @@
 """The worker processes' memory settings (freed memory is reused instead of being mapped and page-faulted anew, the
 long-lived heap is kept out of the garbage collector's full collections), and what a trainer rank publishes."""
 
-import os
 import subprocess
 import sys
 
@@ -70,19 +69,21 @@ def test_a_rank_publishes_after_a_step_only_when_the_step_changed_the_weights(ti
     """The loop queues `push_weights(version, if_updated=True)` behind each train step (rlloop.cluster.train_step):
     after a step that raised or was skipped as non-finite it must publish nothing, so that the engines keep the last
     good weights."""
-    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", ""))  # the worker sets it; restored
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what the worker sets (limit_threads); restored after the test
     threads = torch.get_num_threads()
     sync = SyncSpec("disk", "run", str(tmp_path), delta=False, keyframe_every=1, keep=2)
     worker = TrainerWorker(TrainerConfig(tiny_qwen3_dir, lr=1e-3), 0, 1, sync)
-    worker.setup()
-    batch = TrainBatch([[5, 6, 7]] * 4, [[8, 9], [10], [11, 12, 13], [14]], [1.0, -1.0, 0.5, -0.5])
-    worker.train_step(batch)
-    assert worker.push_weights(1, if_updated=True)["sync/version"] == 1
-    with pytest.raises(ValueError, match="advantages"):  # a bad batch: the step raises before touching anything
-        worker.train_step(TrainBatch(batch.prompts, batch.responses, batch.advantages[:3]))
-    assert worker.push_weights(2, if_updated=True) == {} and worker.sender.version == 1
-    with torch.no_grad():  # one poisoned weight: every gradient from here on is NaN, and the step is skipped
-        worker.trainer.model.get_decoder().norm.weight[0] = float("nan")
-    assert worker.train_step(batch)["train/skipped_steps"] == 1
-    assert worker.push_weights(3, if_updated=True) == {} and worker.sender.version == 1
-    torch.set_num_threads(threads)
+    try:
+        worker.setup()
+        batch = TrainBatch([[5, 6, 7]] * 4, [[8, 9], [10], [11, 12, 13], [14]], [1.0, -1.0, 0.5, -0.5])
+        worker.train_step(batch)
+        assert worker.push_weights(1, if_updated=True)["sync/version"] == 1
+        with pytest.raises(ValueError, match="advantages"):  # a bad batch: the step raises before touching anything
+            worker.train_step(TrainBatch(batch.prompts, batch.responses, batch.advantages[:3]))
+        assert worker.push_weights(2, if_updated=True) == {} and worker.sender.version == 1
+        with torch.no_grad():  # one poisoned weight: every gradient from here on is NaN, and the step is skipped
+            worker.trainer.model.get_decoder().norm.weight[0] = float("nan")
+        assert worker.train_step(batch)["train/skipped_steps"] == 1
+        assert worker.push_weights(3, if_updated=True) == {} and worker.sender.version == 1
+    finally:
+        torch.set_num_threads(threads)  # the worker set one thread for this process
