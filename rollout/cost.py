@@ -1,11 +1,12 @@
 """The cost model of the decoder: FLOPs and memory bytes per token, and how much KV cache a decode step reads.
 
 One place for the arithmetic that the engine's stats (flops, bytes, hence MFU / MBU) and the benchmarks report, and
-for the decode-chunk rule, which rollout.model executes and the byte count has to follow.
+for the rules of how decode reads the cache (pages, chunks or whole rows), which rollout.model executes and the byte
+count has to follow.
 
 FLOPs: 2 per matmul weight per token (the LM head in decode only), plus 4 per query-head dim per attended position
 (q.k and p.v); a training pass (the e2e benchmark's bound) is three times its forward's. Bytes: a prefill or decode
-step reads every weight once; decode reads each row's KV up to the chunks in use, prefill writes the KV of its
+step reads every weight once; decode reads each row's KV up to the pages or chunks in use, prefill writes the KV of its
 bucket, a fan-out copy reads and writes its rows. `itemsize` is the weights' bytes per value, `kv_itemsize` the KV
 cache's (`cache_dtype`; None: the weights' own).
 """
@@ -18,15 +19,34 @@ from typing import Iterable
 from rollout.model_config import ModelConfig
 from rollout.weight_table import LAYER_PARAMS, TOP_PARAMS
 
-# Decode reads a long cache in chunks of this many positions, and only as many chunks as the longest running row
-# needs: a step costs the context actually in use, not the cache's full max_len. A short cache is read whole in one
-# pass instead, up to a length that depends on the platform (a JAX platform: cpu, gpu, tpu). On CPU, up to 2 chunks the
-# loop's sliced copies cost more than the positions they would skip. On a GPU, XLA drives the loop from the host (its
-# condition copied back per chunk, per layer, per step) and copies every chunk it slices, so the whole row wins far
-# longer: on an H200 (Qwen3-0.6B shapes, bf16, 256 rows, ~380 positions in use) 2.33x faster decode with a 384-position
-# cache, 0.85x with a 2048-position one (docs/benchmarks.md, device).
+# Decode reads only the part of the cache that the longest running row needs: a step costs the context actually in
+# use, not the cache's full max_len. How depends on the platform (a JAX platform: cpu, gpu, tpu) and
+# `rollout.decode_attention`:
+# - paged (CPU's default): the cache is held in pages of DECODE_PAGE positions, each a buffer of its own, and decode
+#   reads the pages in use whole, skipping the rest. XLA:CPU copies any slice of a buffer before a dot reads it, so
+#   slicing one buffer into chunks cost more than the positions it skipped, where a page is read in place at the rate
+#   of the whole row: one core, the e2e bench's 28M model (128 rows, 256 positions, fp32 cache), 19.8 / 29.6 / 39.8 ms
+#   for a step's attention with 120 / 180 / 228 positions in use against 40 ms for the whole row and 69-123 ms in
+#   128-position chunks. 32-position pages cost more per page (44.5 ms at 228). At most MAX_PAGES pages per row
+#   (longer pages for long caches), so that the program stays small.
+# - chunked (TPU's default for a long cache): one buffer, read in chunks of DECODE_CHUNK positions by a while loop.
+# - whole: one buffer read whole in one pass, a short cache's default on accelerators. On a GPU, XLA drives a loop (or
+#   a conditional) from the host, its predicate copied back per chunk, per layer, per step, and copies every chunk it
+#   slices, so the whole row wins far longer: on an H200 (Qwen3-0.6B shapes, bf16, 256 rows, ~380 positions in use)
+#   2.33x faster decode with a 384-position cache, 0.85x with a 2048-position one (docs/benchmarks.md, device).
+DECODE_PAGE = 64
+MAX_PAGES = 16
 DECODE_CHUNK = 128
 WHOLE_CACHE_CHUNKS = {"gpu": 8}  # other platforms: 2
+
+
+def cache_page_len(max_len: int, platform: str = "cpu", decode_attention: str = "auto") -> int:
+    """Positions per page of an engine's KV cache of `max_len` positions (the last page may be shorter): pages of
+    DECODE_PAGE, or longer to keep to MAX_PAGES, where the cache is paged ("paged", or "auto" on CPU), else max_len
+    (one buffer)."""
+    if decode_attention == "paged" or (decode_attention == "auto" and platform == "cpu"):
+        return min(max_len, DECODE_PAGE * -(-max_len // (DECODE_PAGE * MAX_PAGES)))
+    return max_len
 
 
 def reads_whole_cache(max_len: int, platform: str = "cpu", decode_attention: str = "auto") -> bool:
@@ -42,9 +62,14 @@ def decode_chunks(kv_len):
     return (kv_len + DECODE_CHUNK - 1) // DECODE_CHUNK
 
 
-def decode_kv_positions(max_len: int, kv_len: int, whole: bool | None = None) -> int:
-    """Cache positions a decode step reads per row when the longest live row needs `kv_len` (its position + 1):
-    all of the cache when it is read `whole` (None: by CPU's rule), else whole chunks up to kv_len, at most max_len."""
+def decode_kv_positions(max_len: int, kv_len: int, whole: bool | None = None, page_len: int | None = None) -> int:
+    """Cache positions a decode step reads per row when the longest live row needs `kv_len` (its position + 1): a
+    paged cache (`page_len` < max_len) its pages up to kv_len; one buffer all of it when read `whole`, else whole
+    chunks up to kv_len; at most max_len. Both None: as a CPU engine reads it by default (paged)."""
+    if whole is None and page_len is None:
+        page_len = cache_page_len(max_len)
+    if page_len is not None and page_len < max_len:
+        return min(max_len, -(-kv_len // page_len) * page_len)
     if reads_whole_cache(max_len) if whole is None else whole:
         return max_len
     return min(max_len, decode_chunks(kv_len) * DECODE_CHUNK)
@@ -137,10 +162,11 @@ def decode_bytes(
     kv_len: int,
     kv_itemsize: int | None = None,
     whole: bool | None = None,
+    page_len: int | None = None,
 ) -> int:
-    """`steps` decode steps over `rows` rows, the cache read `whole` or by chunks (`decode_kv_positions`): per step
-    the weights once and each row's KV in use (counted at the dispatch's largest `kv_len`)."""
-    per_row = decode_kv_positions(max_len, kv_len, whole) * kv_bytes_per_token(cfg, kv_itemsize or itemsize)
+    """`steps` decode steps over `rows` rows, the cache read by pages, whole or by chunks (`decode_kv_positions`): per
+    step the weights once and each row's KV in use (counted at the dispatch's largest `kv_len`)."""
+    per_row = decode_kv_positions(max_len, kv_len, whole, page_len) * kv_bytes_per_token(cfg, kv_itemsize or itemsize)
     return steps * (weight_bytes(cfg, itemsize) + rows * per_row)
 
 

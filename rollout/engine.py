@@ -65,6 +65,7 @@ class JaxEngine:
         self.platform = self.mesh.devices.flat[0].platform  # cpu, gpu or tpu: picks the cache dtype and its reads
         self._cache_dtype = jnp.dtype(cost.cache_dtype(cfg.dtype, self.platform))
         self.whole_cache = cost.reads_whole_cache(cfg.max_seq_len, self.platform, cfg.decode_attention)
+        self.page_len = cost.cache_page_len(cfg.max_seq_len, self.platform, cfg.decode_attention)
 
         # Weights: the safetensors in model_path when there are any, else zeros until load_weights() (the RL loop
         # pushes the trainer's weights); generate() refuses to run on the zeros.
@@ -96,6 +97,7 @@ class JaxEngine:
             mc.head_dim,
             self._cache_dtype,
             cache_sharding(self.mesh),
+            self.page_len,
         )
 
     # -- colocation: give the chips' memory to a trainer in between generations ---------------------------------
@@ -282,6 +284,7 @@ class JaxEngine:
                 kv_len,
                 self._cache_dtype.itemsize,
                 self.whole_cache,
+                self.page_len,
             )
 
             # scatter this dispatch's tokens into the per-slot output buffers (vectorised: no per-token Python)

@@ -32,11 +32,13 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] | None = None  # None => powers of two from 16 up to max_seq_len - 1
     decode_buckets: tuple[int, ...] | None = None  # None => powers of two (floor 8) up to max_batch
     steps_per_dispatch: PositiveInt = 8
-    # How decode attention reads a row's KV cache: "chunked" walks 128-position chunks up to the longest running row
-    # in a while loop (bytes follow the context in use), "whole" reads all max_seq_len positions in one pass (no loop;
-    # on a GPU XLA drives the loop from the host, a sync per chunk, per layer, per step), "auto" picks by platform and
-    # cache length (rollout.cost.reads_whole_cache).
-    decode_attention: Literal["auto", "chunked", "whole"] = "auto"
+    # How decode attention reads a row's KV cache, only as far as the longest running row wherever it can: "paged"
+    # holds the cache in 64-position pages, each a buffer of its own, and reads the pages in use (XLA:CPU copies a
+    # slice of a buffer before multiplying it, not a page); "chunked" walks 128-position chunks of one buffer in a
+    # while loop; "whole" reads all max_seq_len positions in one pass (no loop; on a GPU XLA drives a loop or a
+    # conditional from the host, a sync per chunk, per layer, per step); "auto" picks by platform and cache length
+    # (paged on CPU; rollout.cost.cache_page_len, reads_whole_cache).
+    decode_attention: Literal["auto", "paged", "chunked", "whole"] = "auto"
     tp: PositiveInt = 1  # devices in the engine's mesh
     # Mixed into every sampling key with SamplingParams.seed (rollout.types.mix_seed; 0 => the request's seed as is),
     # so engines given different seeds draw different samples for the same request.

@@ -1,11 +1,16 @@
-"""The static KV cache: per layer one K buffer [slots, kv_heads, head_dim, max_len] and one V buffer
-[slots, kv_heads, max_len, head_dim], allocated once.
+"""The static KV cache: per layer, K buffers [slots, kv_heads, head_dim, page] and V buffers [slots, kv_heads, page,
+head_dim], allocated once.
 
 Sized by config (slots x max length) so its shape never changes; the engine donates it to every compiled call, so
 updates happen in place. Slot i holds one sequence (prompt + response); rows of a decode bucket map to slots 0..B-1.
 K is stored transposed (positions minor) so that both decode products, q.K^T over head_dim and p.V over positions,
 contract a non-minor axis and stream the cache contiguously (about 2x faster than [T, head_dim] K on CPU). The
 kv_heads axis comes first so tensor parallelism can shard it.
+
+A layer's positions are held in pages, each a buffer of its own: page i holds positions [i * page, (i + 1) * page),
+the last page what is left. Decode then reads only the pages in use, each as a whole buffer (rollout.model). One page
+(the default) is the plain layout. Pages are separate arrays rather than slices of one because XLA:CPU copies a
+slice before it multiplies it, which cost more than the positions it skipped (rollout.cost.cache_page_len).
 """
 
 from __future__ import annotations
@@ -20,16 +25,25 @@ import jax.numpy as jnp
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class KVCache:
-    k: tuple[jax.Array, ...]  # per layer [slots, kv_heads, head_dim, max_len]
-    v: tuple[jax.Array, ...]  # per layer [slots, kv_heads, max_len, head_dim]
+    k: tuple[tuple[jax.Array, ...], ...]  # per layer, per page [slots, kv_heads, head_dim, page]
+    v: tuple[tuple[jax.Array, ...], ...]  # per layer, per page [slots, kv_heads, page, head_dim]
 
     @property
     def num_slots(self) -> int:
-        return self.k[0].shape[0]
+        return self.k[0][0].shape[0]
+
+    @property
+    def page_lens(self) -> tuple[int, ...]:
+        return tuple(v.shape[2] for v in self.v[0])
 
     @property
     def max_len(self) -> int:
-        return self.v[0].shape[2]
+        return sum(self.page_lens)
+
+
+def page_starts(page_lens: tuple[int, ...]) -> list[int]:
+    """The first position of each page."""
+    return [sum(page_lens[:i]) for i in range(len(page_lens))]
 
 
 def init_cache(
@@ -40,13 +54,22 @@ def init_cache(
     head_dim: int,
     dtype,
     sharding: jax.sharding.Sharding | None = None,
+    page_len: int | None = None,
 ) -> KVCache:
-    """Zero cache; with a sharding, each buffer is created directly in its sharded layout (no host copy). The
-    zero-makers are cached, so rebuilding a cache of the same layout (a colocated engine waking up) compiles
-    nothing."""
-    make_k = _zeros((slots, kv_heads, head_dim, max_len), jnp.dtype(dtype), sharding)
-    make_v = _zeros((slots, kv_heads, max_len, head_dim), jnp.dtype(dtype), sharding)
-    return KVCache(tuple(make_k() for _ in range(num_layers)), tuple(make_v() for _ in range(num_layers)))
+    """Zero cache of max_len positions in pages of `page_len` (None: one page); with a sharding, each buffer is
+    created directly in its sharded layout (no host copy). The zero-makers are cached, so rebuilding a cache of the
+    same layout (a colocated engine waking up) compiles nothing."""
+    page_len = min(page_len or max_len, max_len)
+    lens = [page_len] * (max_len // page_len) + ([max_len % page_len] if max_len % page_len else [])
+    dtype = jnp.dtype(dtype)
+
+    def layer(shape):
+        return tuple(_zeros(shape(n), dtype, sharding)() for n in lens)
+
+    return KVCache(
+        tuple(layer(lambda n: (slots, kv_heads, head_dim, n)) for _ in range(num_layers)),
+        tuple(layer(lambda n: (slots, kv_heads, n, head_dim)) for _ in range(num_layers)),
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,14 +79,18 @@ def _zeros(shape: tuple[int, ...], dtype, sharding):
 
 def write_layer(
     cache: KVCache, layer: int, slots: jax.Array, positions: jax.Array, k: jax.Array, v: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Layer `layer`'s K and V buffers with token t's k/v [N, kv_heads, head_dim] stored at (slots[t], positions[t]).
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """Layer `layer`'s K and V pages with token t's k/v [N, kv_heads, head_dim] stored at (slots[t], positions[t]).
     Tokens whose slot is >= the cache's slots are padding and dropped."""
-    k_buf, v_buf = cache.k[layer], cache.v[layer]
-    return (
-        k_buf.at[slots, :, :, positions].set(k.astype(k_buf.dtype), mode="drop"),
-        v_buf.at[slots, :, positions].set(v.astype(v_buf.dtype), mode="drop"),
-    )
+    k_pages, v_pages = [], []
+    for start, k_buf, v_buf in zip(page_starts(cache.page_lens), cache.k[layer], cache.v[layer]):
+        n = v_buf.shape[2]
+        # a token of another page writes out of this one's range, so it is dropped (a negative index would wrap)
+        at = positions - start
+        at = at if len(cache.page_lens) == 1 else jnp.where((at >= 0) & (at < n), at, n)
+        k_pages.append(k_buf.at[slots, :, :, at].set(k.astype(k_buf.dtype), mode="drop"))
+        v_pages.append(v_buf.at[slots, :, at].set(v.astype(v_buf.dtype), mode="drop"))
+    return tuple(k_pages), tuple(v_pages)
 
 
 def copy_slots(cache: KVCache, src: jax.Array, dst: jax.Array, length: int) -> KVCache:
@@ -73,7 +100,17 @@ def copy_slots(cache: KVCache, src: jax.Array, dst: jax.Array, length: int) -> K
     Pairs with dst >= slots are padding and dropped. Positions past a prompt's end hold junk that decode overwrites
     before it ever reads them (attention only sees positions <= the row's current one).
     """
+    starts = page_starts(cache.page_lens)
+
+    def copy_k(k, start):
+        n = length - start  # this page's positions to copy (all of them if the prompt runs past it)
+        return k if n <= 0 else k.at[dst, :, :, :n].set(k[src, :, :, :n], mode="drop")
+
+    def copy_v(v, start):
+        n = length - start
+        return v if n <= 0 else v.at[dst, :, :n].set(v[src, :, :n], mode="drop")
+
     return KVCache(
-        tuple(k.at[dst, :, :, :length].set(k[src, :, :, :length], mode="drop") for k in cache.k),
-        tuple(v.at[dst, :, :length].set(v[src, :, :length], mode="drop") for v in cache.v),
+        tuple(tuple(map(copy_k, pages, starts)) for pages in cache.k),
+        tuple(tuple(map(copy_v, pages, starts)) for pages in cache.v),
     )

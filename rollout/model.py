@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from rollout.cost import DECODE_CHUNK, decode_chunks, reads_whole_cache
-from rollout.kv_cache import KVCache, write_layer
+from rollout.kv_cache import KVCache, page_starts, write_layer
 from rollout.model_config import ModelConfig
 from rollout.numerics import attention_exp, inv_rms
 from rollout.weights import LayerWeights, Weights
@@ -157,23 +157,67 @@ def prefill(
 
 
 def _decode_attention(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, kv_len: jax.Array, whole: bool
+    q: jax.Array,
+    k_pages: tuple[jax.Array, ...],
+    v_pages: tuple[jax.Array, ...],
+    positions: jax.Array,
+    kv_len: jax.Array,
+    whole: bool,
 ) -> jax.Array:
-    """Flash-decoding style attention: q [B, KV, G, hd] over cache rows (K [B, KV, hd, T], V [B, KV, T, hd]),
-    positions <= positions[b].
+    """Attention of q [B, KV, G, hd] over the cache rows (pages of K [B, KV, hd, n], V [B, KV, n, hd]), positions
+    <= positions[b]. rollout.cost decides how the engine reads its cache (cache_page_len, reads_whole_cache) and
+    counts the bytes that each way reads.
 
-    A while loop walks ceil(kv_len / chunk) chunks with an online softmax (running max, normaliser, accumulator),
-    so the trip count is data (no recompile) and the bytes read follow the longest live sequence. With `whole` the
-    row is read whole in one pass instead (rollout.cost.reads_whole_cache says when, and the engine's byte count
-    follows it).
+    A paged cache reads the pages below kv_len and skips the others by a conditional, so the bytes read follow the
+    longest live sequence. One page is read `whole` in one pass, or chunk by chunk (`_chunked_attention`).
     """
+    if len(k_pages) == 1:
+        (k_cache,), (v_cache,) = k_pages, v_pages
+        if not whole:
+            return _chunked_attention(q, k_cache, v_cache, positions, kv_len)
+        mask = (jnp.arange(v_cache.shape[2])[None, :] <= positions[:, None])[:, None, None, :]
+        return _attend(q, k_cache, v_cache, mask, ("bkgd,bkdt->bkgt", "bkgt,bktd->bkgd"))
+    # Two passes, in `_attend`'s op order so that every bf16 rounding is the whole row's: the scores of the pages in
+    # use and their max, then each page's exp(s - max) times its V, summed in fp32 with the softmax's denominator.
+    dtype, scale = q.dtype, q.shape[-1] ** -0.5
+    starts = page_starts(tuple(v.shape[2] for v in v_pages))
+
+    def in_use(i, read, skipped):
+        return read() if i == 0 else jax.lax.cond(starts[i] < kv_len, read, skipped)
+
+    def page_scores(start, k):
+        s = jnp.einsum("bkgd,bkdt->bkgt", q, k, precision=HIGHEST, preferred_element_type=F32) * scale
+        keys = start + jnp.arange(k.shape[3])
+        return jnp.where((keys[None, :] <= positions[:, None])[:, None, None, :], s, -1e30)
+
+    scores = [
+        in_use(i, lambda k=k, i=i: page_scores(starts[i], k), lambda k=k: jnp.full((*q.shape[:3], k.shape[3]), -1e30))
+        for i, k in enumerate(k_pages)
+    ]
+    top = jnp.max(jnp.stack([s.max(axis=-1) for s in scores]), axis=0)[..., None]
+    pv = jnp.zeros(q.shape, F32)
+    denom = jnp.zeros(q.shape[:3], F32)
+    for i, (s, v) in enumerate(zip(scores, v_pages)):
+
+        def page_values(s=s, v=v):
+            weights = attention_exp(s - top, dtype)
+            out = jnp.einsum("bkgt,bktd->bkgd", weights.astype(dtype), v, precision=HIGHEST, preferred_element_type=F32)
+            return out, jnp.sum(weights, axis=-1)
+
+        page_pv, page_sum = in_use(i, page_values, lambda: (jnp.zeros(q.shape, F32), jnp.zeros(q.shape[:3], F32)))
+        pv, denom = pv + page_pv, denom + page_sum
+    return (pv * (1.0 / denom)[..., None]).astype(dtype)
+
+
+def _chunked_attention(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, kv_len: jax.Array
+) -> jax.Array:
+    """Flash-decoding style attention over one buffer (K [B, KV, hd, T], V [B, KV, T, hd]): a while loop walks
+    ceil(kv_len / chunk) chunks with an online softmax (running max, normaliser, accumulator), so the trip count is
+    data (no recompile) and the bytes read follow the longest live sequence."""
     b, n_kv, g, hd = q.shape
     dtype = q.dtype  # the activations'; the cache may hold them in fp32 (rollout.cost.cache_dtype)
-    max_len = v_cache.shape[2]
-    if whole:
-        mask = (jnp.arange(max_len)[None, :] <= positions[:, None])[:, None, None, :]
-        return _attend(q, k_cache, v_cache, mask, ("bkgd,bkdt->bkgt", "bkgt,bktd->bkgd"))
-    chunk = DECODE_CHUNK
+    max_len, chunk = v_cache.shape[2], DECODE_CHUNK
     q = q.astype(F32) * hd**-0.5
 
     def body(i, carry):
@@ -213,8 +257,9 @@ def decode_step(
     kv_len: cache positions any row that matters needs (max position + 1 over live rows); attention reads only
     that far. Rows beyond it get junk (the engine passes it over its running rows). None => max(positions) + 1.
     Only the first B slots are read (a static slice), so a small decode bucket costs a small fraction of the cache.
-    whole_cache: attention reads each row's cache whole rather than chunk by chunk (None: by CPU's rule for the
-    cache's length, rollout.cost.reads_whole_cache; the engine decides per platform and setting).
+    whole_cache: attention reads a one-page cache's rows whole rather than chunk by chunk (None: by CPU's rule for
+    the cache's length, rollout.cost.reads_whole_cache; the engine decides per platform and setting). A paged cache
+    is read by its pages in use.
     """
     b = tokens.shape[0]
     rows = jnp.arange(b)
@@ -226,8 +271,8 @@ def decode_step(
 
     def attend(i, q, k, v):
         written.append(write_layer(cache, i, rows, positions, k, v))
-        k_buf, v_buf = written[-1]
-        return _decode_attention(q, k_buf[:b], v_buf[:b], positions, kv_len, whole_cache)
+        k_pages, v_pages = ([page[:b] for page in pages] for pages in written[-1])
+        return _decode_attention(q, k_pages, v_pages, positions, kv_len, whole_cache)
 
     h = _forward(cfg, params, tokens, positions, attend)
     return KVCache(*map(tuple, zip(*written))), logits_from_hidden(params, h)

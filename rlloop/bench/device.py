@@ -97,6 +97,7 @@ def bench_engine(path: Path, args, cache_len: int | None = None, decode_attentio
         "device_kind": peaks["device_kind"],
         "cache_len": engine.cfg.max_seq_len,
         "reads_whole_cache": engine.whole_cache,
+        "cache_page_len": engine.page_len,
         "tok_s": tokens / seconds,
         "mfu": stats["flops"] / seconds / peaks["matmul_flops"],
         "mbu": stats["bytes"] / seconds / peaks["mem_bytes_per_s"],

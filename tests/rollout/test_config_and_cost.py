@@ -70,15 +70,22 @@ def test_cost_model_counts_the_decoders_weights_and_chunks(tmp_path):
         assert cost.param_count(cfg) == sum(a.size for a in jax.tree.leaves(weights))
         assert cost.weight_bytes(cfg, 2) == sum(a.nbytes for a in jax.tree.leaves(weights))
         assert (weights.lm_head is None) == tie and (weights.layers[0].bq is not None) == (family == "qwen2")
-    assert cost.decode_kv_positions(256, 1) == 256  # a short cache is read whole
-    assert cost.decode_kv_positions(1024, 1) == 128  # a long one by the chunks in use
-    assert cost.decode_kv_positions(1024, 129) == 256
-    assert cost.decode_kv_positions(320, 300) == 320  # capped at the cache
+    # CPU (the default): a paged cache, read by its 64-position pages in use; at most 16 pages, longer ones past that
+    assert cost.cache_page_len(256) == 64 and cost.cache_page_len(40) == 40 and cost.cache_page_len(4096) == 256
+    assert cost.decode_kv_positions(256, 1) == 64 and cost.decode_kv_positions(256, 65) == 128
+    assert cost.decode_kv_positions(200, 199) == 200  # capped at the cache (its last page is 8 positions)
+    assert cost.decode_kv_positions(4096, 257) == 512
+    # accelerators: one buffer, a short one read whole, a long one by the 128-position chunks in use
+    assert cost.cache_page_len(4096, "gpu") == 4096 and cost.cache_page_len(512, "tpu") == 512
+    assert cost.decode_kv_positions(1024, 1, whole=False) == 128 and cost.decode_kv_positions(1024, 129, False) == 256
+    assert cost.decode_kv_positions(320, 300, whole=False) == 320  # capped at the cache
     assert cost.reads_whole_cache(1024, "gpu") and not cost.reads_whole_cache(2048, "gpu")  # a GPU: up to 8 chunks
+    assert not cost.reads_whole_cache(512, "tpu") and cost.reads_whole_cache(256, "tpu")
     assert cost.decode_kv_positions(1024, 1, whole=True) == 1024
     assert cost.decode_kv_positions(2048, 129, whole=False) == 256
     # rollout.decode_attention overrides the rule either way
     assert cost.reads_whole_cache(4096, "cpu", "whole") and not cost.reads_whole_cache(256, "gpu", "chunked")
+    assert cost.cache_page_len(256, "cpu", "whole") == 256 and cost.cache_page_len(256, "gpu", "paged") == 64
     assert int(cost.decode_chunks(np.int32(257))) == 3
 
 

@@ -4,6 +4,7 @@ batching with slot reuse, stop ids, weight swaps and input errors."""
 import os
 import shutil
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -250,7 +251,7 @@ def test_release_frees_device_memory_and_resume_recompiles_nothing(tiny_qwen3_di
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
     want = eng.generate(prompts, 2, greedy)
     held = eng.device_bytes()
-    cache_bytes = sum(a.nbytes for a in (*eng.cache.k, *eng.cache.v))
+    cache_bytes = sum(a.nbytes for a in jax.tree.leaves(eng.cache))
     before = compile_count()
     eng.release()
     assert held - eng.device_bytes() >= cache_bytes  # the cache and the weights are gone from the devices
@@ -261,17 +262,18 @@ def test_release_frees_device_memory_and_resume_recompiles_nothing(tiny_qwen3_di
     assert compile_count() == before
 
 
-def test_decode_attention_chunked_and_whole_generate_the_same(tiny_qwen3_dir, hf):
-    """`decode_attention` picks how a 320-position cache is read (CPU's rule: by chunks; a GPU's: whole): the same
-    greedy tokens, those of HF, and log-probs equal to float rounding, from prompts long enough that decode walks
-    three chunks."""
+def test_decode_attention_paged_chunked_and_whole_generate_the_same(tiny_qwen3_dir, hf):
+    """`decode_attention` picks how a 320-position cache is held and read (CPU's rule: in 64-position pages; TPU's:
+    one buffer by chunks; a GPU's: whole): the same greedy tokens, those of HF, and log-probs equal to float
+    rounding, from prompts long enough that decode walks three chunks and reads the cache's last page."""
     prompts = _prompts(np.random.default_rng(5), 3, lo=230, hi=250)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
     outs = {}
-    for mode in ("auto", "whole"):
+    for mode, pages in (("auto", 5), ("chunked", 1), ("whole", 1)):
         eng = small_engine(tiny_qwen3_dir, max_seq_len=320, prefill_buckets=(256,), decode_attention=mode)
-        assert eng.whole_cache == (mode == "whole")  # auto on CPU: 320 positions are more than two chunks
+        assert eng.whole_cache == (mode == "whole") and len(eng.cache.page_lens) == pages
         outs[mode] = eng.generate(prompts, 1, sampling)
-    for p, chunked, whole in zip(prompts, outs["auto"], outs["whole"]):
-        assert chunked.token_ids == whole.token_ids == _hf_greedy(hf, p, 40, eos=None)
-        np.testing.assert_allclose(chunked.logprobs, whole.logprobs, atol=1e-5, rtol=0)
+    for p, *modes in zip(prompts, outs["auto"], outs["chunked"], outs["whole"]):
+        assert all(c.token_ids == _hf_greedy(hf, p, 40, eos=None) for c in modes)
+        for c in modes[:2]:
+            np.testing.assert_allclose(c.logprobs, modes[2].logprobs, atol=1e-5, rtol=0)

@@ -107,11 +107,14 @@ def test_bad_weights_name_the_problem(tmp_path):
         params_from_named_arrays(cfg, extra)
 
 
-@pytest.mark.parametrize("whole_cache", [None, False, True])
-def test_long_cache_decode_matches_hf(tmp_path, whole_cache):
-    """A cache longer than two chunks: CPU's rule (None) takes the chunked online-softmax path, including a clamped
-    last chunk (max_len 320 = chunks at 0, 128 and 192-clamped-from-256), as `rollout.decode_attention: chunked`
-    does anywhere; `whole` (a GPU's rule at this length) reads it in one pass."""
+@pytest.mark.parametrize(
+    ("whole_cache", "page_len"), [(None, None), (False, None), (True, None), (None, 64), (None, 96)]
+)
+def test_long_cache_decode_matches_hf(tmp_path, whole_cache, page_len):
+    """A cache longer than two chunks: in one buffer, CPU's rule for it (None) takes the chunked online-softmax path,
+    including a clamped last chunk (max_len 320 = chunks at 0, 128 and 192-clamped-from-256), as
+    `rollout.decode_attention: chunked` does anywhere; `whole` (a GPU's rule at this length) reads it in one pass.
+    Paged (a CPU engine's cache): pages of 64, or of 96 with a 32-position last one, read up to the longest row."""
     import rollout.model as model
 
     path = make_tiny_hf_model(tmp_path / "q3", "qwen3", tie=False, seed=4)
@@ -120,7 +123,8 @@ def test_long_cache_decode_matches_hf(tmp_path, whole_cache):
     params = jax.tree.map(jnp.asarray, params_from_named_arrays(cfg, load_safetensors_dir(str(path)), "float32"))
     assert 320 > 2 * model.DECODE_CHUNK and not model.reads_whole_cache(320) and model.reads_whole_cache(320, "gpu")
     prompt = [int(t) for t in np.random.default_rng(1).integers(3, cfg.vocab_size, 250)]
-    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 320, cfg.head_dim, jnp.float32)
+    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 320, cfg.head_dim, jnp.float32, page_len=page_len)
+    assert cache.page_lens == {None: (320,), 64: (64,) * 5, 96: (96, 96, 96, 32)}[page_len]
     n = len(prompt) - 1  # the engine's split: all but the last token prefilled
     cache, _ = jax.jit(functools.partial(prefill, cfg))(
         params,

@@ -24,11 +24,13 @@ def model_dir(tmp_path_factory):
     return make_tiny_hf_model(tmp_path_factory.mktemp("q3tp"), "qwen3", tie=False, seed=2)
 
 
-def _run(mc, host_params, tp, prompt, steps=8):
+def _run(mc, host_params, tp, prompt, steps=8, page_len=None):
     mesh = make_mesh(tp)
     params = jax.device_put(host_params, param_shardings(mc, mesh))
-    # 320 positions: longer than two decode chunks, so the chunked attention loop runs on the sharded cache too
-    cache = init_cache(mc.num_layers, 2, mc.num_kv_heads, 320, mc.head_dim, np.float32, cache_sharding(mesh))
+    # 320 positions: longer than two decode chunks, so the chunked attention loop runs on the sharded cache too; or
+    # in pages, each sharded
+    sharding = cache_sharding(mesh)
+    cache = init_cache(mc.num_layers, 2, mc.num_kv_heads, 320, mc.head_dim, np.float32, sharding, page_len)
     n = len(prompt)
     cache, hidden = jax.jit(functools.partial(prefill, mc))(
         params,
@@ -48,16 +50,17 @@ def _run(mc, host_params, tp, prompt, steps=8):
     return params, cache, logits
 
 
-def test_tp2_logits_match_one_device(model_dir):
+@pytest.mark.parametrize("page_len", [None, 64])
+def test_tp2_logits_match_one_device(model_dir, page_len):
     mc = ModelConfig.from_dir(str(model_dir))
     host = params_from_named_arrays(mc, load_safetensors_dir(str(model_dir)), "float32")
     prompt = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
-    _, _, one = _run(mc, host, 1, prompt)
-    params, cache, two = _run(mc, host, 2, prompt)
+    _, _, one = _run(mc, host, 1, prompt, page_len=page_len)
+    params, cache, two = _run(mc, host, 2, prompt, page_len=page_len)
     # weights and cache are split, not replicated
     wq = params.layers[0].wq
     assert len(wq.sharding.device_set) == 2 and wq.addressable_shards[0].data.shape == (64, mc.q_size // 2)
-    assert cache.k[0].addressable_shards[0].data.shape[1] == mc.num_kv_heads // 2
+    assert all(page.addressable_shards[0].data.shape[1] == mc.num_kv_heads // 2 for page in cache.k[0])
     for a, b in zip(one, two, strict=True):
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
 
