@@ -265,15 +265,18 @@ def test_release_frees_device_memory_and_resume_recompiles_nothing(tiny_qwen3_di
 def test_decode_attention_paged_chunked_and_whole_generate_the_same(tiny_qwen3_dir, hf):
     """`decode_attention` picks how a 320-position cache is held and read (CPU's rule: in 64-position pages; TPU's:
     one buffer by chunks; a GPU's: whole): the same greedy tokens, those of HF, and log-probs equal to float
-    rounding, from prompts long enough that decode walks three chunks and reads the cache's last page."""
+    rounding, from prompts long enough that decode walks three chunks and reads the cache's last page. Two samples
+    a prompt: the second's prompt KV is the fan-out copy, page by page."""
     prompts = _prompts(np.random.default_rng(5), 3, lo=230, hi=250)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
     outs = {}
     for mode, pages in (("auto", 5), ("chunked", 1), ("whole", 1)):
         eng = small_engine(tiny_qwen3_dir, max_seq_len=320, prefill_buckets=(256,), decode_attention=mode)
         assert eng.whole_cache == (mode == "whole") and len(eng.cache.page_lens) == pages
-        outs[mode] = eng.generate(prompts, 1, sampling)
-    for p, *modes in zip(prompts, outs["auto"], outs["chunked"], outs["whole"]):
-        assert all(c.token_ids == _hf_greedy(hf, p, 40, eos=None) for c in modes)
-        for c in modes[:2]:
-            np.testing.assert_allclose(c.logprobs, modes[2].logprobs, atol=1e-5, rtol=0)
+        outs[mode] = eng.generate(prompts, 2, sampling)
+    greedy = [_hf_greedy(hf, p, 40, eos=None) for p in prompts]
+    for paged, chunked, whole in zip(outs["auto"], outs["chunked"], outs["whole"]):
+        assert paged.prompt_index == chunked.prompt_index == whole.prompt_index
+        assert paged.token_ids == chunked.token_ids == whole.token_ids == greedy[whole.prompt_index]
+        for c in (paged, chunked):
+            np.testing.assert_allclose(c.logprobs, whole.logprobs, atol=1e-5, rtol=0)
