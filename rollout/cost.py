@@ -25,7 +25,7 @@ from rollout.weight_table import LAYER_PARAMS, TOP_PARAMS
 # - paged (CPU's default): the cache is held in pages of DECODE_PAGE positions, each a buffer of its own, and decode
 #   reads the pages in use whole, skipping the rest. XLA:CPU copies any slice of a buffer before a dot reads it, so
 #   slicing one buffer into chunks cost more than the positions it skipped, where a page is read in place at the rate
-#   of the whole row: one core, the e2e bench's 28M model (128 rows, 256 positions, fp32 cache), 19.8 / 29.6 / 39.8 ms
+#   of the whole row: one core, the e2e bench's 28M model (128 rows, 256 positions, fp32 cache), 20.9 / 30.3 / 39.5 ms
 #   for a step's attention with 120 / 180 / 228 positions in use against 40 ms for the whole row and 69-123 ms in
 #   128-position chunks. 32-position pages cost more per page (44.5 ms at 228). At most MAX_PAGES pages per row
 #   (longer pages for long caches), so that the program stays small.
@@ -50,8 +50,9 @@ def cache_page_len(max_len: int, platform: str = "cpu", decode_attention: str = 
 
 
 def reads_whole_cache(max_len: int, platform: str = "cpu", decode_attention: str = "auto") -> bool:
-    """Whether decode attention reads the whole cache row in one pass rather than chunk by chunk: as the engine's
-    `decode_attention` setting says ("whole" or "chunked"), or with "auto" by the rule above for `platform`."""
+    """Whether decode attention reads a one-buffer cache row whole in one pass rather than chunk by chunk: as the
+    engine's `decode_attention` setting says ("whole"; "chunked" or "paged" not), or with "auto" by the rule above
+    for `platform` (on CPU, where "auto" pages the cache, for a cache of one page)."""
     if decode_attention != "auto":
         return decode_attention == "whole"
     return max_len <= WHOLE_CACHE_CHUNKS.get(platform, 2) * DECODE_CHUNK
