@@ -102,15 +102,14 @@ def copy_slots(cache: KVCache, src: jax.Array, dst: jax.Array, length: int) -> K
     """
     starts = page_starts(cache.page_lens)
 
-    def copy_k(k, start):
+    def copy(page, start, axis):  # axis: the page's positions (3 in K, 2 in V)
         n = length - start  # this page's positions to copy (all of them if the prompt runs past it)
-        return k if n <= 0 else k.at[dst, :, :, :n].set(k[src, :, :, :n], mode="drop")
-
-    def copy_v(v, start):
-        n = length - start
-        return v if n <= 0 else v.at[dst, :, :n].set(v[src, :, :n], mode="drop")
+        if n <= 0:
+            return page
+        prefix = (slice(None),) * (axis - 1) + (slice(0, n),)
+        return page.at[(dst, *prefix)].set(page[(src, *prefix)], mode="drop")
 
     return KVCache(
-        tuple(tuple(map(copy_k, pages, starts)) for pages in cache.k),
-        tuple(tuple(map(copy_v, pages, starts)) for pages in cache.v),
+        tuple(tuple(copy(page, start, 3) for page, start in zip(pages, starts)) for pages in cache.k),
+        tuple(tuple(copy(page, start, 2) for page, start in zip(pages, starts)) for pages in cache.v),
     )
