@@ -14,7 +14,9 @@ import hashlib
 import logging
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 from rlloop.config import Config
 from rlloop.errors import ClusterError, TrainerDied
@@ -51,6 +53,7 @@ class Cluster:
         self.pg = None
         self._warming: list = []  # the engines' warmup() calls in flight
         self._stepped = False  # whether the trainer ranks have taken a step
+        self._local_queue = ThreadPoolExecutor(1, thread_name_prefix="rlloop-trainer")  # without Ray: trainer calls
         self.engines: list = []
         self.trainers: list = []
         sync, threads = sync_spec(cfg, run_dir), cfg.cluster.cpus_per_actor
@@ -141,10 +144,18 @@ class Cluster:
     def _call_all_in_order(self, workers: list, calls: list[tuple[str, list[tuple]]], start: bool = False) -> list:
         """Several `_call_all`s, (method, args) in turn, submitted at once: each actor runs its calls in that order,
         and none waits for the driver between them. Returns each call's results."""
+        return self._submit_in_order(workers, calls, start)()
+
+    def _submit_in_order(
+        self, workers: list, calls: list[tuple[str, list[tuple]]], start: bool = False
+    ) -> Callable[[], list]:
+        """`_call_all_in_order` without the wait: the calls are queued now, behind any the workers still run, and the
+        returned function waits for their results. Without Ray the trainer's queue is one thread, as an actor's is."""
         if not self.remote:
-            return [self._call_all(workers, method, args) for method, args in calls]
+            queued = self._local_queue.submit(lambda: [self._call_all(workers, m, args) for m, args in calls])
+            return queued.result
         refs = [[getattr(w, method).remote(*a) for w, a in zip(workers, args)] for method, args in calls]
-        return [self._gather(workers, method, r, start) for (method, _), r in zip(calls, refs)]
+        return lambda: [self._gather(workers, method, r, start) for (method, _), r in zip(calls, refs)]
 
     def _gather(self, workers: list, method: str, refs: list, start: bool = False) -> list:
         """The results of `refs`, one `method` call on each worker, with `_call_all`'s errors."""
@@ -260,8 +271,12 @@ class Cluster:
         return [sorted(s) for s in shares]
 
     def train_step(self, batch, publish: int | None = None) -> dict[str, float]:
-        """One train step on every rank; with `publish`, rank 0 then publishes the new weights as that version (if
-        the step changed them), queued behind the step on each actor so that it costs no round trip of its own."""
+        return self.start_train_step(batch, publish)()
+
+    def start_train_step(self, batch, publish: int | None = None) -> Callable[[], dict[str, float]]:
+        """Queue one train step on every rank, behind any step still running there; with `publish`, rank 0 then
+        publishes the new weights as that version (if the step changed them), queued behind the step so that it costs
+        no round trip of its own. The returned function waits for the step's metrics."""
         from trainer import shard_batch
 
         world = len(self.trainers)
@@ -280,10 +295,14 @@ class Cluster:
         if self.cfg.cluster.colocate:
             calls.append(("sleep", [()] * world))
         # The first step builds the optimizer state and, with train.compile, compiles: a start, timed as one.
-        results = self._call_all_in_order(self.trainers, calls, start=not self._stepped)
+        results = self._submit_in_order(self.trainers, calls, start=not self._stepped)
         self._stepped = True
-        metrics = results[0][0]  # equal on all ranks
-        return metrics | (results[1][0] if publish is not None else {}) | freed
+
+        def metrics() -> dict[str, float]:
+            done = results()
+            return done[0][0] | (done[1][0] if publish is not None else {}) | freed  # equal on all ranks
+
+        return metrics
 
     def push_weights(self, version: int) -> dict[str, float]:
         """Rank 0 publishes `version` (the other ranks join the export's gather under fsdp); the engines take it at
@@ -322,6 +341,7 @@ class Cluster:
         """Stop the workers (gracefully first, so shared memory is released), then Ray if we started it."""
         workers = [*self.engines, *self.trainers]
         if not self.remote:
+            self._local_queue.shutdown(wait=True)  # a step in flight finishes before its trainer closes
             for w in workers:
                 w.close()
             return

@@ -65,39 +65,73 @@ def run_recipe(cfg: Config, inputs: Inputs, resume: bool = False, trainer_restar
         if evaluating and start == 0:
             tracker.log(0, rollout.evaluate())
         # sync | async | fully_async, or the saved rollouts of --debug train-only
-        batches = stack.enter_context(closing(rollout_schedule(cfg.loop, rollout, replay=cfg.run.replay)))
+        batches = stack.enter_context(closing(rollout_schedule(cfg.loop, rollout, cfg.run.replay, start)))
 
-        for step in range(start + 1, cfg.run.steps + 1):
-            t_step = time.perf_counter()
-            batch = batches.next(step)  # rollout + reward + advantages
-            metrics = batch.metrics
-            if batch.samples is not None:
-                tracker.log_samples(step, batch.samples)  # tracking.save_rollouts, W&B sample tables
-                if cluster.trainers:  # none in --debug rollout-only
-                    metrics |= train_and_sync(cfg, cluster, step, batch.samples)
+        def finish(step: int, metrics: dict, training, started: float, waited: float, queued: float) -> float:
+            """Wait for the step's training, then evaluate, log and checkpoint it; returns when it ended. `started`:
+            when the step before ended; `waited` and `queued`: the driver's seconds since then in `batches.next`
+            and in queueing a training (the next step's, when this one's was queued the step before)."""
+            if training is not None:
+                metrics |= training(queued)
+            batches.trained(step)  # the async mode's generation of step + 2 may load its weights now
+            if "perf/rollout_wait_s" in metrics:  # async modes: the wait inside this step's time
+                metrics["perf/rollout_wait_s"] = waited
             if evaluating and step % cfg.run.eval_every == 0:
                 t0 = time.perf_counter()
                 metrics |= rollout.evaluate() | {"perf/eval_s": time.perf_counter() - t0}
-            metrics |= {"perf/step_s": time.perf_counter() - t_step, "train/restarts": trainer_restarts}
+            metrics |= {"perf/step_s": time.perf_counter() - started, "train/restarts": trainer_restarts}
             metrics |= step_overhead(metrics)
             metrics |= rollout.counters()
             tracker.log(step, metrics)
-            if cluster.trainers and cfg.run.save_every and (step % cfg.run.save_every == 0 or step == cfg.run.steps):
+            if cluster.trainers and checkpoints(cfg, step):
                 save_checkpoint(run_dir, step, {"data": batches.resume_state()}, cluster.save)
+            return time.perf_counter()
+
+        # In the async modes step k + 1's training is queued behind step k's before step k is finished, so the
+        # trainer goes from one to the next without waiting for the driver (not past an eval or a checkpoint).
+        ended, in_flight = time.perf_counter(), None
+        for step in range(start + 1, cfg.run.steps + 1):
+            t0 = time.perf_counter()
+            batch = batches.next(step)  # rollout + reward + advantages
+            t1 = time.perf_counter()
+            training = None
+            if batch.samples is not None:
+                tracker.log_samples(step, batch.samples)  # tracking.save_rollouts, W&B sample tables
+                if cluster.trainers:  # none in --debug rollout-only
+                    training = start_training(cfg, cluster, step, batch.samples)
+            waited, queued = t1 - t0, time.perf_counter() - t1
+            if in_flight:
+                ended, waited, queued = finish(*in_flight, ended, waited, queued), 0.0, 0.0
+            in_flight = (step, batch.metrics, training)
+            if cfg.loop.mode == "sync" or checkpoints(cfg, step) or (evaluating and step % cfg.run.eval_every == 0):
+                ended, in_flight = finish(*in_flight, ended, waited, queued), None
+        if in_flight:
+            finish(*in_flight, ended, 0.0, 0.0)
     return run_dir
 
 
-def train_and_sync(cfg: Config, cluster: Cluster, step: int, samples) -> dict[str, float]:
-    """Train on the step's samples and publish the new weights (in the trainer's same round trip): the sync mode's
-    engines load them now, the async modes' before (async) or while (fully_async) they generate. A step that applied
-    no update (non-finite) publishes nothing, nor does --debug train-only, which has no engine."""
-    t0 = time.perf_counter()
-    metrics = cluster.train_step(samples.to_train_batch(), publish=step if cluster.engines else None)
-    published = "perf/push_s" in metrics
-    train_s = time.perf_counter() - t0 - metrics.get("perf/push_s", 0.0)
-    if published and cfg.loop.mode == "sync":
-        metrics |= cluster.pull_weights()
-    return metrics | {"perf/train_s": train_s, "perf/sync_s": time.perf_counter() - t0 - train_s}
+def checkpoints(cfg: Config, step: int) -> bool:
+    return bool(cfg.run.save_every) and (step % cfg.run.save_every == 0 or step == cfg.run.steps)
+
+
+def start_training(cfg: Config, cluster: Cluster, step: int, samples):
+    """Queue the step's training and the publication of its weights (in the trainer's same round trip): the sync
+    mode's engines load them now, the async modes' before (async) or while (fully_async) they generate. A step that
+    applied no update (non-finite) publishes nothing, nor does --debug train-only, which has no engine. Returns the
+    wait for its metrics, which counts `queued` seconds of the driver's in queueing as training."""
+    training = cluster.start_train_step(samples.to_train_batch(), publish=step if cluster.engines else None)
+
+    def wait(queued: float) -> dict[str, float]:
+        t0 = time.perf_counter()
+        metrics = training()
+        blocked = queued + time.perf_counter() - t0
+        push_s = min(metrics.get("perf/push_s", 0.0), blocked)  # as far as the driver waited for it
+        t1 = time.perf_counter()
+        if "perf/push_s" in metrics and cfg.loop.mode == "sync":
+            metrics |= cluster.pull_weights()
+        return metrics | {"perf/train_s": blocked - push_s, "perf/sync_s": push_s + time.perf_counter() - t1}
+
+    return wait
 
 
 def step_overhead(metrics: dict[str, float]) -> dict[str, float]:

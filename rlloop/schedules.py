@@ -2,8 +2,9 @@
 
     sync        generate step k, then train it (on-policy: samples are the weights of step k - 1).
     async       slime's train_async: as soon as step k's samples are in, step k + 1 starts generating on the
-                engines' current weights while step k trains; before step k + 2 starts, the engines load what step k
-                produced ("sync generate before update weights"). Samples are one version stale.
+                engines' current weights while step k trains; before step k + 2 generates, the engines load what
+                step k produced ("sync generate before update weights"), waiting for it if the loop has queued
+                step k + 1's training behind step k's (`trained`). Samples are one version stale.
     fully_async Miles' --fully-async / PipelineRL: a producer thread keeps the engines generating, chunk after
                 chunk, into a buffer of groups; the engines load new weights between decode dispatches (a sample
                 may span versions; both ends are recorded); the trainer takes a batch as soon as one is buffered,
@@ -39,6 +40,9 @@ class SyncRollout:
     def next(self, step: int) -> StepRollout:
         return self.manager.collect(step)
 
+    def trained(self, step: int) -> None:
+        """The loop's word that `step` has trained and published its weights."""
+
     def resume_state(self) -> dict:
         return self.manager.data.state_dict()
 
@@ -49,19 +53,31 @@ class SyncRollout:
 class OneStepOffPolicy:
     """`loop.mode: async`. Step k's batch was generated while step k - 1 trained."""
 
-    def __init__(self, manager: RolloutManager):
+    def __init__(self, manager: RolloutManager, start: int = 0):
         self.manager = manager
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="rlloop-rollout")
         self.pending: tuple[int, dict, Future] | None = None  # (step, data cursor before it drew, its batch)
+        self.trained_through, self.closing = start, False  # the last step whose weights are published
+        self.cond = threading.Condition()
 
     def _start(self, step: int) -> None:
         cursor = self.manager.data.state_dict()  # taken before the thread draws: the resume point of `step`
         self.pending = (step, cursor, self.pool.submit(self._pull_and_collect, step))
 
+    def trained(self, step: int) -> None:
+        with self.cond:
+            self.trained_through = step
+            self.cond.notify_all()
+
     def _pull_and_collect(self, step: int) -> StepRollout:
-        """In the rollout thread: the engines load the newest weights (those of step - 2, pushed after it trained,
-        before this was started), then generate `step`. The load is off the training path: the trainer is already
-        on step - 1."""
+        """In the rollout thread: once step - 2 has trained and published (the loop may start this while it still
+        trains, with step - 1 queued behind it), the engines load the newest weights, those of step - 2, then
+        generate `step`. The load is off the training path: the trainer is on step - 1, whose weights come a whole
+        train step later."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.closing or self.trained_through >= step - 2)
+            if self.closing:
+                raise RuntimeError(f"the run stopped before step {step} was generated")
         pulled = self.manager.cluster.pull_weights()
         batch = self.manager.collect(step)
         batch.metrics |= pulled
@@ -84,7 +100,11 @@ class OneStepOffPolicy:
         return self.pending[1] if self.pending is not None else self.manager.data.state_dict()
 
     def close(self) -> None:
-        # Let a generation in flight finish (its actor calls cannot be cancelled), then stop the thread.
+        # Let a generation in flight finish (its actor calls cannot be cancelled), then stop the thread; one still
+        # waiting for its weights (a step that failed to train) gives up.
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
@@ -157,6 +177,9 @@ class FullyAsyncRollout:
         batch.metrics |= counts | {"perf/rollout_wait_s": time.perf_counter() - t0}
         return batch
 
+    def trained(self, step: int) -> None:
+        """Nothing waits for it: the engines take new weights as they are published."""
+
     def resume_state(self) -> dict:
         with self.cond:
             if self.buffer:
@@ -185,6 +208,9 @@ class ReplayRollout:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         return StepRollout(SavedSamples(rows), {"rollout/raw_reward": sum(r["reward"] for r in rows) / len(rows)})
 
+    def trained(self, step: int) -> None:
+        pass
+
     def resume_state(self) -> dict:
         return {}
 
@@ -212,12 +238,13 @@ class SavedSamples:
         )
 
 
-def rollout_schedule(loop: LoopSection, manager: RolloutManager, replay: str | None = None):
-    """The batch source of `loop.mode`, or of the saved rollouts in `replay` (--debug train-only)."""
+def rollout_schedule(loop: LoopSection, manager: RolloutManager, replay: str | None = None, start: int = 0):
+    """The batch source of `loop.mode` for a run that has trained `start` steps, or of the saved rollouts in `replay`
+    (--debug train-only)."""
     if replay is not None:
         return ReplayRollout(replay)
     if loop.mode == "async":
-        return OneStepOffPolicy(manager)
+        return OneStepOffPolicy(manager, start)
     if loop.mode == "fully_async":
         return FullyAsyncRollout(manager, loop)
     return SyncRollout(manager)
