@@ -32,7 +32,12 @@ def trained_rows(run_dir: Path) -> dict[int, list[dict]]:
 
 @pytest.mark.parametrize(
     "mode,max_staleness,ray",
-    [("async", 1, False), ("async", 1, True), ("fully_async", 1, False), ("fully_async", 0, False)],
+    [
+        ("async", 1, False),
+        pytest.param("async", 1, True, marks=pytest.mark.xdist_group("ray")),  # starts Ray: one at a time
+        ("fully_async", 1, False),
+        ("fully_async", 0, False),
+    ],
 )
 def test_no_trained_sample_is_staler_than_allowed_and_versions_are_recorded(tmp_path, mode, max_staleness, ray):
     """With Ray the next step's training is queued on the trainer actor behind the one in flight; the generation
