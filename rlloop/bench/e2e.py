@@ -23,7 +23,8 @@ times over: the machine is shared and noisy, so a ratio is taken within each rou
 median round is reported (each run's s/step too; every round's figures are in the JSON).
 
 Per setting: s/step (mean after the warm-up steps), TRL/rlloop, rlloop's per-step breakdown from metrics.jsonl
-(rollout, train, sync, other = the rest of the step; in async, rollout is the wait for the batch), a roofline bound
+(rollout, train, sync, other = the rest of the step; in async, rollout is the driver's wait for the next batch
+and train its wait for the training in flight, both inside the step's time), a roofline bound
 (training FLOPs, each prompt once per group, with causal attention and the LM head on responses only, plus generation
 FLOPs, both as rollout.cost counts them, over the matmul peak; generation is bounded by decode bytes over the memory
 bandwidth where that is slower; peaks measured by rlloop.bench.peaks in --dtype on --threads cores, best of several)
