@@ -141,16 +141,12 @@ class Cluster:
             return [getattr(w, method)(*a) for w, a in zip(workers, args)]
         return self._gather(workers, method, [getattr(w, method).remote(*a) for w, a in zip(workers, args)], start)
 
-    def _call_all_in_order(self, workers: list, calls: list[tuple[str, list[tuple]]], start: bool = False) -> list:
-        """Several `_call_all`s, (method, args) in turn, submitted at once: each actor runs its calls in that order,
-        and none waits for the driver between them. Returns each call's results."""
-        return self._submit_in_order(workers, calls, start)()
-
     def _submit_in_order(
         self, workers: list, calls: list[tuple[str, list[tuple]]], start: bool = False
     ) -> Callable[[], list]:
-        """`_call_all_in_order` without the wait: the calls are queued now, behind any the workers still run, and the
-        returned function waits for their results. Without Ray the trainer's queue is one thread, as an actor's is."""
+        """Several `_call_all`s, (method, args) in turn, queued at once behind any the workers still run: each actor
+        runs its calls in that order, and none waits for the driver between them. The returned function waits for
+        each call's results. Without Ray the trainer's queue is one thread, as an actor's is."""
         if not self.remote:
             queued = self._local_queue.submit(lambda: [self._call_all(workers, m, args) for m, args in calls])
             return queued.result
@@ -270,9 +266,6 @@ class Cluster:
                 self._pending[e] += (len(prompts[i]) + max_new) * n
         return [sorted(s) for s in shares]
 
-    def train_step(self, batch, publish: int | None = None) -> dict[str, float]:
-        return self.start_train_step(batch, publish)()
-
     def start_train_step(self, batch, publish: int | None = None) -> Callable[[], dict[str, float]]:
         """Queue one train step on every rank, behind any step still running there; with `publish`, rank 0 then
         publishes the new weights as that version (if the step changed them), queued behind the step so that it costs
@@ -299,8 +292,8 @@ class Cluster:
         self._stepped = True
 
         def metrics() -> dict[str, float]:
-            done = results()
-            return done[0][0] | (done[1][0] if publish is not None else {}) | freed  # equal on all ranks
+            done = results()  # each call's result is equal on all ranks
+            return done[0][0] | (done[1][0] if publish is not None else {}) | freed
 
         return metrics
 
