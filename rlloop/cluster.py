@@ -20,7 +20,7 @@ from typing import Callable
 
 from rlloop.config import Config
 from rlloop.errors import ClusterError, TrainerDied
-from rlloop.placement import actor_env, actor_options, plan_placement
+from rlloop.placement import actor_env, actor_options, check_cluster_fits, check_one_node_fits, plan_placement
 from rlloop.ray_session import local_ray, start_ray
 from rlloop.workers import RolloutWorker, SyncSpec, TrainerWorker, freeze_heap
 from rollout import mix_seed
@@ -351,38 +351,6 @@ class Cluster:
             ray.util.remove_placement_group(self.pg)
         if self.owns_ray and ray.is_initialized():
             ray.shutdown()
-
-
-def check_cluster_fits(plan, cluster) -> None:
-    """Refuse a plan that asks for more of some resource than the whole Ray cluster has, naming the chip settings. Only
-    for a Ray this process started (fixed resources): a cluster with an autoscaler may still grow to hold it, which
-    the placement group's timeout waits for."""
-    import ray
-
-    if short := plan.shortfall(ray.cluster_resources()):
-        lacking = ", ".join(f"{key} {need:g} (it has {got:g})" for key, (need, got) in short.items())
-        raise ClusterError(
-            f"the local Ray cannot hold the placement plan: it needs {lacking}. The plan comes from "
-            f"cluster.device={cluster.device}, cluster.rollout_chips={cluster.rollout_chips}, "
-            f"cluster.train_chips={cluster.train_chips}, cluster.rollout_engines={cluster.rollout_engines}, "
-            f"cluster.cpus_per_actor={cluster.cpus_per_actor} and cluster.colocate={str(cluster.colocate).lower()}; "
-            f"lower them (cluster.colocate=true shares the chips), or give cluster.address a Ray cluster that has "
-            f"them.\n{plan.describe()}"
-        )
-
-
-def check_one_node_fits(plan) -> None:
-    """shm needs every role on one host: refuse, naming sync.transport, a plan that fits the cluster only across
-    nodes (custom node resources in different places, or more chips than any one node has)."""
-    import ray
-
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    if all(plan.shortfall(node) for node in nodes) and not plan.shortfall(ray.cluster_resources()):
-        raise ClusterError(
-            f"sync.transport=shm needs the rollout engines and the trainer ranks on one node, but no node of this "
-            f"Ray cluster can hold the whole plan {plan.total()}; use sync.transport=disk (a directory every node "
-            f"can read, sync.dir) or sync.transport=ray (the object store).\n{plan.describe()}"
-        )
 
 
 def _share_sampling(sampling, engine: int):

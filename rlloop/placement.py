@@ -3,7 +3,8 @@
 Each of the `rollout_engines` engines holds `rollout_chips / rollout_engines` chips (tensor parallel inside JAX, in
 its own mesh); the trainer runs one rank per chip (`train_chips` ranks, torch.distributed). On `cpu` a "chip" is
 `cpus_per_actor` cores. The shm transport needs both sides on one host, so its plan packs strictly. `actor_env` is
-the environment an actor starts with: on CPU hosts it pins the actor to its bundle's cores.
+the environment an actor starts with: on CPU hosts it pins the actor to its bundle's cores. `check_cluster_fits`
+and `check_one_node_fits` refuse, before the placement group waits, a plan the Ray cluster cannot hold.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from rlloop.config import ClusterSection, Config
+from rlloop.errors import ClusterError
 from rlloop.workers import CPU_AFFINITY_ENV
 from rollout.model_config import ModelConfig
 
@@ -210,3 +212,35 @@ def actor_env(cfg: Config, threads: int, rollout: bool, cores: range) -> dict[st
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
         env["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
     return env
+
+
+def check_cluster_fits(plan, cluster) -> None:
+    """Refuse a plan that asks for more of some resource than the whole Ray cluster has, naming the chip settings. Only
+    for a Ray this process started (fixed resources): a cluster with an autoscaler may still grow to hold it, which
+    the placement group's timeout waits for."""
+    import ray
+
+    if short := plan.shortfall(ray.cluster_resources()):
+        lacking = ", ".join(f"{key} {need:g} (it has {got:g})" for key, (need, got) in short.items())
+        raise ClusterError(
+            f"the local Ray cannot hold the placement plan: it needs {lacking}. The plan comes from "
+            f"cluster.device={cluster.device}, cluster.rollout_chips={cluster.rollout_chips}, "
+            f"cluster.train_chips={cluster.train_chips}, cluster.rollout_engines={cluster.rollout_engines}, "
+            f"cluster.cpus_per_actor={cluster.cpus_per_actor} and cluster.colocate={str(cluster.colocate).lower()}; "
+            f"lower them (cluster.colocate=true shares the chips), or give cluster.address a Ray cluster that has "
+            f"them.\n{plan.describe()}"
+        )
+
+
+def check_one_node_fits(plan) -> None:
+    """shm needs every role on one host: refuse, naming sync.transport, a plan that fits the cluster only across
+    nodes (custom node resources in different places, or more chips than any one node has)."""
+    import ray
+
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    if all(plan.shortfall(node) for node in nodes) and not plan.shortfall(ray.cluster_resources()):
+        raise ClusterError(
+            f"sync.transport=shm needs the rollout engines and the trainer ranks on one node, but no node of this "
+            f"Ray cluster can hold the whole plan {plan.total()}; use sync.transport=disk (a directory every node "
+            f"can read, sync.dir) or sync.transport=ray (the object store).\n{plan.describe()}"
+        )
