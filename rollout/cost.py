@@ -99,8 +99,9 @@ def cache_dtype(dtype: str, platform: str) -> str:
 
     fp32 on CPU: XLA:CPU runs a low-precision batched dot, decode attention over the cache, by converting its operands
     to fp32 first, which converted every layer's whole K and V on every step (two-thirds of a bf16 decode step of the
-    rollout bench's 31M model at 64 rows; docs/benchmarks.md, rollout). The values are the same: K/V are rounded to
-    the activation dtype before they are stored, and fp32 holds them exactly. Accelerators keep the model's dtype."""
+    rollout bench's 31M model at 64 rows; docs/benchmarks-history.md, rollout). The values are the same: K/V are
+    rounded to the activation dtype before they are stored, and fp32 holds them exactly. Accelerators keep the
+    model's dtype."""
     return "float32" if platform == "cpu" else dtype
 
 

@@ -84,6 +84,6 @@ def copies_tied_head(cfg: ModelConfig, platform: str) -> bool:
     """Whether an engine on `platform` (a JAX platform: cpu, gpu, tpu) holds a tied model's LM head as a copy of the
     embedding in the head's own [D, V] layout (`with_head_copy`). On XLA:CPU on an AVX-512 Zen 4 the 32-row
     [N, D] x [D, V] product of a decode step runs ~1.1x faster than [N, D] x [V, D]^T, and the head is a third of
-    the step, for V x D more memory (on an AVX2 Zen 3 it is 1.18x slower: ~4 % of a step; docs/benchmarks.md,
+    the step, for V x D more memory (on an AVX2 Zen 3 it is 1.18x slower: ~4 % of a step; docs/benchmarks-history.md,
     rollout). Accelerators take either layout at full speed."""
     return cfg.tie_word_embeddings and platform == "cpu"
