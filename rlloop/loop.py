@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from contextlib import ExitStack, closing
+from contextlib import ExitStack, closing, contextmanager
 from pathlib import Path
 
 from rlloop.checkpoint import latest_checkpoint, load_state, save_checkpoint
@@ -67,46 +67,48 @@ def run_recipe(cfg: Config, inputs: Inputs, resume: bool = False, trainer_restar
         # sync | async | fully_async, or the saved rollouts of --debug train-only
         batches = stack.enter_context(closing(rollout_schedule(cfg.loop, rollout, cfg.run.replay, start)))
 
-        def finish(step: int, metrics: dict, training, started: float, waited: float, queued: float) -> float:
-            """Wait for the step's training, then evaluate, log and checkpoint it; returns when it ended. `started`:
-            when the step before ended; `waited` and `queued`: the driver's seconds since then in `batches.next`
-            and in queueing a training (the next step's, when this one's was queued the step before)."""
+        clock = StepClock()
+
+        def finish(step: int, metrics: dict, training) -> None:
+            """Wait for the step's training, then evaluate, log and checkpoint it. Its times are the driver's since the
+            step before ended (`clock`): in the async modes they hold the wait for the next batch and the queueing of
+            the next training."""
             if training is not None:
-                metrics |= training(queued)
+                metrics |= training(clock.queued)
             batches.trained(step)  # the async mode's generation of step + 2 may load its weights now
             if "perf/rollout_wait_s" in metrics:  # async modes: the wait inside this step's time
-                metrics["perf/rollout_wait_s"] = waited
+                metrics["perf/rollout_wait_s"] = clock.waited
             if evaluating and step % cfg.run.eval_every == 0:
                 t0 = time.perf_counter()
                 metrics |= rollout.evaluate() | {"perf/eval_s": time.perf_counter() - t0}
-            metrics |= {"perf/step_s": time.perf_counter() - started, "train/restarts": trainer_restarts}
+            metrics |= {"perf/step_s": clock.elapsed(), "train/restarts": trainer_restarts}
             metrics |= step_overhead(metrics)
             metrics |= rollout.counters()
             tracker.log(step, metrics)
             if cluster.trainers and checkpoints(cfg, step):
                 save_checkpoint(run_dir, step, {"data": batches.resume_state()}, cluster.save)
-            return time.perf_counter()
+            clock.restart()
 
         # In the async modes step k + 1's training is queued behind step k's before step k is finished, so the
         # trainer goes from one to the next without waiting for the driver (not past an eval or a checkpoint).
-        ended, in_flight = time.perf_counter(), None
+        pending = None  # (step, metrics, training) of a step not yet finished
         for step in range(start + 1, cfg.run.steps + 1):
-            t0 = time.perf_counter()
-            batch = batches.next(step)  # rollout + reward + advantages
-            t1 = time.perf_counter()
+            with clock.waiting():
+                batch = batches.next(step)  # rollout + reward + advantages
             training = None
-            if batch.samples is not None:
-                tracker.log_samples(step, batch.samples)  # tracking.save_rollouts, W&B sample tables
-                if cluster.trainers:  # none in --debug rollout-only
-                    training = start_training(cfg, cluster, step, batch.samples)
-            waited, queued = t1 - t0, time.perf_counter() - t1
-            if in_flight:
-                ended, waited, queued = finish(*in_flight, ended, waited, queued), 0.0, 0.0
-            in_flight = (step, batch.metrics, training)
+            with clock.queueing():
+                if batch.samples is not None:
+                    tracker.log_samples(step, batch.samples)  # tracking.save_rollouts, W&B sample tables
+                    if cluster.trainers:  # none in --debug rollout-only
+                        training = start_training(cfg, cluster, step, batch.samples)
+            if pending:
+                finish(*pending)
+            pending = (step, batch.metrics, training)
             if cfg.loop.mode == "sync" or checkpoints(cfg, step) or (evaluating and step % cfg.run.eval_every == 0):
-                ended, in_flight = finish(*in_flight, ended, waited, queued), None
-        if in_flight:
-            finish(*in_flight, ended, 0.0, 0.0)
+                finish(*pending)
+                pending = None
+        if pending:
+            finish(*pending)
     return run_dir
 
 
@@ -141,3 +143,29 @@ def step_overhead(metrics: dict[str, float]) -> dict[str, float]:
     busy = rollout + sum(metrics.get(f"perf/{k}_s", 0.0) for k in ("train", "sync", "eval"))
     other = max(metrics["perf/step_s"] - busy, 0.0)
     return {"perf/other_s": other, "perf/other_frac": other / max(metrics["perf/step_s"], 1e-9)}
+
+
+class StepClock:
+    """The driver's time since the last step ended, and how much of it went to waiting for a batch and to queueing a
+    training: a step's metrics cover the driver from the end of the step before to its own end."""
+
+    def __init__(self):
+        self.restart()
+
+    def restart(self) -> None:
+        self.started, self.waited, self.queued = time.perf_counter(), 0.0, 0.0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    @contextmanager
+    def waiting(self):
+        t0 = time.perf_counter()
+        yield
+        self.waited += time.perf_counter() - t0
+
+    @contextmanager
+    def queueing(self):
+        t0 = time.perf_counter()
+        yield
+        self.queued += time.perf_counter() - t0

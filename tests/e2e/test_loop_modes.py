@@ -67,6 +67,28 @@ def test_no_trained_sample_is_staler_than_allowed_and_versions_are_recorded(tmp_
     if mode == "async":  # exactly one step off-policy once the pipeline is full
         assert {r["weight_version"] for r in rows[4]} == {2}
     assert max(m.get("rollout/staleness/max", 0) for m in metrics) <= max_staleness
+    assert_breakdown_fits(metrics)
+
+
+def assert_breakdown_fits(metrics: list[dict]) -> None:
+    """A step's breakdown is the driver's time inside that step: no wait is counted in two steps."""
+    for m in metrics:
+        if "perf/step_s" in m:
+            rollout = m.get("perf/rollout_wait_s", m.get("perf/rollout_s", 0.0))
+            busy = rollout + sum(m.get(f"perf/{k}_s", 0.0) for k in ("train", "sync", "eval"))
+            assert busy <= m["perf/step_s"] + 1e-3, (m["step"], busy, m["perf/step_s"])
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_each_steps_breakdown_fits_in_its_time_across_evals_and_checkpoints(tmp_path, mode):
+    """Steps with an eval or a checkpoint are finished at once, the others (async) one step later; either way each
+    step's rollout, train, sync and eval seconds lie inside its own step time."""
+    overrides = [f"loop.mode={mode}", "run.steps=5", "run.save_every=2", "run.eval_every=3", f"run.dir={tmp_path}"]
+    train(load_config(TINY, LOCAL + ["eval.samples=1"] + overrides))
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "perf/step_s" in m] == [1, 2, 3, 4, 5]
+    assert [m["step"] for m in metrics if "perf/eval_s" in m] == [3]
+    assert_breakdown_fits(metrics)
 
 
 @pytest.mark.parametrize("mode", ["async", "fully_async"])
