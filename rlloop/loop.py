@@ -76,7 +76,7 @@ def run_recipe(cfg: Config, inputs: Inputs, resume: bool = False, trainer_restar
             if training is not None:
                 metrics |= training(clock.queued)
             batches.trained(step)  # the async mode's generation of step + 2 may load its weights now
-            if "perf/rollout_wait_s" in metrics:  # async modes: the wait inside this step's time
+            if cfg.loop.mode != "sync":  # the engines generate while the trainer trains: what the driver waited
                 metrics["perf/rollout_wait_s"] = clock.waited
             if evaluating and step % cfg.run.eval_every == 0:
                 t0 = time.perf_counter()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -86,14 +85,11 @@ class OneStepOffPolicy:
     def next(self, step: int) -> StepRollout:
         if self.pending is None or self.pending[0] != step:
             self._start(step)
-        t0 = time.perf_counter()
         batch = self.pending[2].result()
-        waited = time.perf_counter() - t0
         if step < self.manager.cfg.run.steps:
             self._start(step + 1)
         else:
             self.pending = None
-        batch.metrics |= {"perf/rollout_wait_s": waited}
         return batch
 
     def resume_state(self) -> dict:
@@ -155,7 +151,6 @@ class FullyAsyncRollout:
     def next(self, step: int) -> StepRollout:
         """The oldest `prompts_per_step` fresh groups; blocks until the producer has them."""
         taken: list[Group] = []
-        t0 = time.perf_counter()
         with self.cond:
             while len(taken) < self.want:
                 self.cond.wait_for(lambda: self.buffer or self.error is not None)
@@ -174,7 +169,7 @@ class FullyAsyncRollout:
             }
             self.cond.notify_all()
         batch = self.manager.batch(step, taken, tally)
-        batch.metrics |= counts | {"perf/rollout_wait_s": time.perf_counter() - t0}
+        batch.metrics |= counts
         return batch
 
     def trained(self, step: int) -> None:
