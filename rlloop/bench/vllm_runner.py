@@ -3,7 +3,9 @@ that environment's interpreter over a pipe), or the reason there is none."""
 
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -28,7 +30,9 @@ def vllm_runner(path: Path, prompts, n, sampling, dtype: str, python: str):
     libiomp5 preloaded."""
     cores = sorted(os.sched_getaffinity(0))
     preload = [str(lib) for lib in (TCMALLOC, Path(python).parents[1] / "lib" / "libiomp5.so") if lib.exists()]
+    sockets = tempfile.mkdtemp(prefix="rlloop-vllm-")  # vLLM's ZMQ sockets, which it leaves behind at exit
     env = os.environ | {
+        "VLLM_RPC_BASE_PATH": sockets,
         "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)),
         "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB; plenty for 64 rows x 200 tokens
         "OMP_NUM_THREADS": str(len(cores)),  # else vLLM drops its torch to one thread
@@ -39,6 +43,7 @@ def vllm_runner(path: Path, prompts, n, sampling, dtype: str, python: str):
     proc = subprocess.Popen(args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     if proc.stdout.readline().strip() != "ready":
         proc.wait(timeout=60)
+        shutil.rmtree(sockets, ignore_errors=True)
         raise RuntimeError(f"vLLM worker failed to start (exit {proc.returncode}); its log is above")
     request = json.dumps(prompts) + "\n"
 
@@ -60,6 +65,7 @@ def vllm_runner(path: Path, prompts, n, sampling, dtype: str, python: str):
         for pid in pids:
             for left in Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{pid}_*"):
                 left.unlink(missing_ok=True)
+        shutil.rmtree(sockets, ignore_errors=True)
 
     run()  # first-call costs, not counted (as for the other engines)
     return run, close, preload
