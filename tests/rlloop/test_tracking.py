@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 from rlloop.config import load_config
-from rlloop.tracking import Tracker
+from rlloop.tracking import Tracker, make_report
 
 TINY = str(Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml")
 
@@ -38,6 +38,13 @@ def test_metrics_jsonl_resume_curves_and_report(tmp_path):
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
     report = (tmp_path / "report.md").read_text()
     assert "5 steps" in report and "4.0x smaller" in report and "eval/tiny" in report
+
+
+def test_report_says_when_every_version_went_in_full():
+    cfg = load_config(TINY, ["tracking.progress=false"])
+    rows = [{"step": s, "rollout/raw_reward": 0.1, "sync/bytes": 40.2, "sync/full_bytes": 40.0} for s in (1, 2, 3)]
+    report = make_report(cfg, rows)
+    assert "(in full)" in report and "smaller" not in report
 
 
 def test_wandb_goes_offline_without_an_api_key(tmp_path, monkeypatch):
