@@ -1,9 +1,9 @@
 """The TRL column of `python -m rlloop.bench e2e`: TRL's `GRPOTrainer` on rlloop's own work, timed step by step.
 
 TRL runs in the bench's process as its docs say for CPU (use_cpu; in fp32, or with `bf16=True`, the transformers
-docs' mixed precision for CPU training, where rlloop runs in bfloat16; torch on the bench's threads; defaults
-otherwise), on the prompts rlloop's loader draws in the same order, one optimizer step per generation batch, with
-rlloop's AdamW settings, constant lr and loss, and rlloop's DAPO verifier as its reward.
+docs' mixed precision for CPU training and GRPOConfig's own default, where rlloop runs in bfloat16; torch on the
+bench's threads; defaults otherwise), on the prompts rlloop's loader draws in the same order, one optimizer step
+per generation batch, with rlloop's AdamW settings, constant lr and loss, and rlloop's DAPO verifier as its reward.
 """
 
 from __future__ import annotations
