@@ -43,11 +43,6 @@ class Placement:
     rollout_request: dict[str, float] | None = None
     trainer_request: dict[str, float] | None = None
 
-    @property
-    def rollout_bundle(self) -> int:
-        """The first engine's bundle (the only one with `cluster.rollout_engines: 1`)."""
-        return self.rollout_bundles[0]
-
     def total(self) -> dict[str, float]:
         """What the whole plan asks for, summed over its bundles."""
         out: dict[str, float] = {}

@@ -35,7 +35,7 @@ def test_recipe_plan_splits_four_chips_two_and_two(fake_tpu_host):
     pg = placement_group(plan.bundles, strategy=plan.strategy)
     try:
         ray.get(pg.ready(), timeout=60)
-        rollout = ray.get(visible_chips.options(**actor_options(plan, plan.rollout_bundle, pg)).remote())
+        rollout = ray.get(visible_chips.options(**actor_options(plan, plan.rollout_bundles[0], pg)).remote())
         ranks = ray.get([visible_chips.options(**actor_options(plan, b, pg)).remote() for b in plan.trainer_bundles])
         chips = [set(rollout.split(","))] + [set(r.split(",")) for r in ranks]
         assert [len(c) for c in chips] == [2, 1, 1]
@@ -131,7 +131,7 @@ def test_a_cpu_engine_runs_a_device_per_core_where_the_model_splits(tmp_path, sh
     for layout in (["cluster.colocate=true"], []):
         cfg = load_config(REAL, [*over, *layout, "cluster.rollout_chips=1", "cluster.train_chips=1"])
         plan = plan_placement(cfg.cluster, same_host=True)
-        assert plan.bundles[plan.rollout_bundle] == {"CPU": float(cores)}
+        assert plan.bundles[plan.rollout_bundles[0]] == {"CPU": float(cores)}
         assert cfg.engine_config().tp == devices
         flags = actor_env(cfg, cores, rollout=True, cores=range(cores))["XLA_FLAGS"].split()
         eigen_threads = "true" if cores > devices else "false"  # a device with cores to itself uses them all
