@@ -1,7 +1,8 @@
 """GRPO policy loss against hand-computed numbers and against TRL's definitions re-derived in plain Python loops.
 
-TRL is not installed here, so `reference_loss` below re-derives GRPOTrainer's per-token loss and aggregations
-(docs/design.md §4) token by token with the math module, independently of trainer/loss.py's tensor code.
+`reference_loss` below re-derives GRPOTrainer's per-token loss and aggregations (docs/design.md §4) token by token
+with the math module, independently of trainer/loss.py's tensor code, over cases (KL estimators, TIS, entropy) that
+tests/trainer/test_trl_parity.py, against TRL's own `_compute_loss`, does not reach.
 """
 
 import itertools
