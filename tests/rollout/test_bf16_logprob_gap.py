@@ -20,6 +20,7 @@ import transformers
 from rollout.types import SamplingParams
 from tests.conftest import make_tiny_hf_model
 from tests.rollout.conftest import small_engine
+from tests.rollout.test_sampler import expected_distribution
 
 PROMPT_LEN, NEW_TOKENS, PROMPTS, SAMPLES = 16, 48, 4, 2
 HEAD_STD = 0.28
@@ -106,9 +107,6 @@ def test_with_top_k_and_top_p_the_engine_reports_the_truncated_distribution_the_
     """The convention (rollout/sampler.py, docs/design.md §5.8): the engine's log-prob is the behaviour policy q
     (renormalised over the kept set), the trainer's the full tempered policy pi. So TIS's ratio pi/q is <= 1 on every
     sampled token, and log q - log pi is exactly -log(the kept set's mass under pi) at that position."""
-    import jax.numpy as jnp
-
-    from rollout.sampler import _filter_threshold
     from trainer import Trainer, TrainerConfig
 
     temperature, top_k, top_p = 0.8, 20, 0.9
@@ -129,8 +127,7 @@ def test_with_top_k_and_top_p_the_engine_reports_the_truncated_distribution_the_
     with torch.no_grad():
         ids = torch.tensor([prompts[c.prompt_index] + c.token_ids])
         z = (model(ids).logits[0, PROMPT_LEN - 1 : -1] / temperature).numpy()
-    n = len(z)
-    cut = np.asarray(_filter_threshold(jnp.asarray(z), jnp.full(n, top_k), jnp.full(n, top_p, jnp.float32)))
+    kept = np.stack([expected_distribution(row, 1.0, top_k, top_p) > 0 for row in z])  # from the definitions
     log_pi = z - np.logaddexp.reduce(z, axis=-1, keepdims=True)
-    kept_mass = np.logaddexp.reduce(np.where(z >= cut[:, None], log_pi, -np.inf), axis=-1)
+    kept_mass = np.logaddexp.reduce(np.where(kept, log_pi, -np.inf), axis=-1)
     np.testing.assert_allclose(ours[0] - theirs[0], -kept_mass, atol=1e-4)
