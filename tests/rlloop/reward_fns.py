@@ -15,8 +15,15 @@ def raises(response: str, answer: str) -> float:
 
 
 def slow(response: str, answer: str) -> float:
+    """Hangs on "sleep"; "sleep:PATH" writes the hanging worker's pid to PATH first and PATH.woke if it wakes up."""
     if "sleep" in response:
+        pid_file = response.partition(":")[2]
+        if pid_file:
+            with open(pid_file, "w") as f:
+                f.write(str(os.getpid()))
         time.sleep(60)
+        if pid_file:
+            open(pid_file + ".woke", "w").close()
     return 0.5
 
 
