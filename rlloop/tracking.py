@@ -184,9 +184,10 @@ def make_report(cfg: Config, rows: list[dict]) -> str:
     lines.append("- mean per step: " + ", ".join(f"{k.split('/')[1]} {v:.3g}" for k, v in timing.items()))
     sent, full = _series(rows, "sync/bytes")[1], _series(rows, "sync/full_bytes")[1]
     if sent and sum(sent):
-        ratio = sum(full) / sum(sent)
-        # below ~1x every version went in full (a delta that does not pay is not sent; docs/design.md §6.6)
-        saving = f"{ratio:.1f}x smaller" if ratio >= 1.05 else "in full"
+        # a delta that does not pay is not sent (docs/design.md §6.6): then every version is a keyframe
+        keyframes = _series(rows, "sync/keyframe")[1]
+        in_full = bool(keyframes) and all(k == 1.0 for k in keyframes)
+        saving = "every version in full" if in_full else f"{sum(full) / sum(sent):.1f}x smaller"
         lines.append(f"- weight sync: {sum(sent) / 1e6:.2f} MB sent for {sum(full) / 1e6:.2f} MB of weights ({saving})")
     compiles = _series(rows, "perf/compiles")[1]
     if compiles:

@@ -18,6 +18,7 @@ def log_steps(tracker, steps):
                 "train/loss": 1.0 / s,
                 "sync/bytes": 10.0,
                 "sync/full_bytes": 40.0,
+                "sync/keyframe": float(s == 1),
                 "eval/tiny": 0.5,
             }
             | ({"perf/step_s": 2.0} if s % 2 else {}),
@@ -42,9 +43,9 @@ def test_metrics_jsonl_resume_curves_and_report(tmp_path):
 
 def test_report_says_when_every_version_went_in_full():
     cfg = load_config(TINY, ["tracking.progress=false"])
-    rows = [{"step": s, "rollout/raw_reward": 0.1, "sync/bytes": 40.2, "sync/full_bytes": 40.0} for s in (1, 2, 3)]
-    report = make_report(cfg, rows)
-    assert "(in full)" in report and "smaller" not in report
+    sync = {"sync/bytes": 40.2, "sync/full_bytes": 40.0, "sync/keyframe": 1.0}
+    rows = [{"step": s, "rollout/raw_reward": 0.1, **sync} for s in (1, 2, 3)]
+    assert "(every version in full)" in make_report(cfg, rows)
 
 
 def test_wandb_goes_offline_without_an_api_key(tmp_path, monkeypatch):
