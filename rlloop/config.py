@@ -61,7 +61,7 @@ class RunSection(Section):
     steps: PositiveInt = 100
     save_every: NonNegInt = 20  # 0: never
     eval_every: NonNegInt = 20  # 0: never
-    max_restarts: NonNegInt = 3  # rollout engines rebuilt after dying before the run gives up (exit 1, --resume)
+    max_restarts: NonNegInt = 3  # engine restarts, and cluster rebuilds after a trainer rank dies, before exit 1
     # slime's debug modes (--debug on the command line): rollout-only generates, scores and saves rollouts with no
     # trainer; train-only trains on the rollouts a run saved (`replay`: its rollouts/ directory) with no engine.
     debug: Literal["off", "rollout-only", "train-only"] = "off"

@@ -1,12 +1,12 @@
 """The run's memory plan: what each rollout chip and each trainer rank will hold, checked before anything starts.
 
-The engine allocates its weights and a static KV cache up front (rollout.cost.engine_memory: layers x KV heads / TP
-x head dim x max_batch x max_seq_len x bytes); a trainer rank holds its parameter, gradient and optimizer state plus
-one micro-batch's activations and logits (trainer.memory.trainer_memory). Both need only the model's config.json, so
-a plan that cannot fit is a config error, naming the keys that fix it, before any actor or weight loads. The chip's
-memory is `cluster.device_memory_gb`; unset, it is the host's RAM on CPU (shared by every actor) and unchecked on
-accelerators. Worked example (docs/design.md §11): Qwen3-4B at max_batch 256 x 9,216 positions in bf16 needs 348 GB
-of KV cache, 174 GB per chip at TP 2: it fits a 192 GB TPU v7x chip and not a 141 GB H200.
+The engine allocates its weights and a static KV cache up front (rollout.cost.engine_memory: layers x 2 (K and V) x KV
+heads / TP x head dim x max_batch x max_seq_len x bytes); a trainer rank holds its parameter, gradient and optimizer
+state plus one micro-batch's activations and logits (trainer.memory.trainer_memory). Both need only the model's
+config.json, so a plan that cannot fit is a config error, naming the keys that fix it, before any actor or weight loads.
+The chip's memory is `cluster.device_memory_gb`; unset, it is the host's RAM on CPU (shared by every actor) and
+unchecked on accelerators. Worked example (docs/design.md §11): Qwen3-4B at max_batch 256 x 9,216 positions in bf16
+needs 348 GB of KV cache, 174 GB per chip at TP 2: it fits a 192 GB TPU v7x chip and not a 141 GB H200.
 """
 
 from __future__ import annotations

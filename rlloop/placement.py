@@ -155,7 +155,7 @@ def actor_options(plan: Placement, bundle: int, pg, env: dict[str, str] | None =
 
 
 # Narrower models decode too little per step to split it: the embedded tiny model (hidden 64) ran 0.67x at 16 rows
-# and 1.06x at 64 with a device per core of 2, widths 128 to 768 ran 1.16-1.42x (docs/benchmarks-history.md).
+# and 1.06x at 64 with a device per core of 2, widths 128 to 768 ran 1.12-1.42x (docs/benchmarks-history.md).
 CPU_TP_MIN_HIDDEN = 128
 
 

@@ -5,7 +5,7 @@ Sized by config (slots x max length) so its shape never changes; the engine dona
 updates happen in place. Slot i holds one sequence (prompt + response); rows of a decode bucket map to slots 0..B-1.
 K is stored transposed (positions minor) so that both decode products, q.K^T over head_dim and p.V over positions,
 contract a non-minor axis and stream the cache contiguously (about 2x faster than [T, head_dim] K on CPU). The
-kv_heads axis comes first so tensor parallelism can shard it.
+kv_heads axis comes second (after slots) in both, so that tensor parallelism shards it alike.
 
 A layer's positions are held in pages, each a buffer of its own: page i holds positions [i * page, (i + 1) * page),
 the last page what is left. Decode then reads only the pages in use, each as a whole buffer (rollout.model). One page

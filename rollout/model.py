@@ -1,6 +1,6 @@
 """The JAX forward pass of the Qwen3 / Qwen2 / Llama decoder over a static KV cache: packed prefill and decode.
 
-Pure functions of (params, cache, arrays); `cfg` is static (closed over by the engine's jit). Everything that varies
+Pure functions of (params, cache, arrays); `cfg` is a static jit argument (rollout.programs). Everything that varies
 between calls (tokens, positions, slots, lengths) is an array, so one compiled program per bucket shape serves
 every request.
 

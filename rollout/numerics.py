@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 F32 = jnp.float32
 
-# Passed to the engine's jax.jit programs (rollout.engine); see the module docstring.
+# Passed to the engine's jax.jit programs (rollout.programs); see the module docstring.
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
 

@@ -9,7 +9,8 @@ V=151936; top-k or top-p add ~60 ms / ~450 ms there):
 - Inverse-CDF sampling with ONE uniform per row, not Gumbel-max: V Gumbel draws per row cost ~100x the rest of
   the sampler (threefry is expensive), and XLA's argmax is a slow variadic reduce. The CDF is two-level (block
   sums pick a block, then a cumulative sum inside that block only), because a flat cumsum over V is slow on CPU.
-  Greedy rows go through the same search (weight 1 on the row maxima, u = 0), so no argmax is needed.
+  Greedy rows go through the same two levels (the first block holding the row maximum, then the first maximum in
+  it), so no argmax is needed.
 - No sort: a full sort of V is ~1.5 s per call on CPU. The top-k cutoff (k-th largest logit) and the top-p cutoff
   (smallest kept probability) are found exactly by bisection over the float32 bit patterns (32 masked count / sum
   passes each), and only when some row in the batch asks for them: batch-level `lax.cond`s skip the searches

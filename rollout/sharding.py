@@ -57,4 +57,4 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, head_copy: bool = False) -> We
 
 
 def cache_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P(None, AXIS, None, None))  # [slots, kv_heads, T, head_dim]
+    return NamedSharding(mesh, P(None, AXIS, None, None))  # kv_heads is axis 1 of K and V alike

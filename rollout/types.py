@@ -87,8 +87,8 @@ class RolloutEngine(Protocol):
     `stats` describes the last `generate` call (tokens, seconds, tokens/s, and backend-specific counters).
     `warmup` builds whatever the backend compiles and returns seconds per compiled bucket ({} if it compiles nothing).
     `between_dispatches`, if given, is called by the JAX engine before each decode dispatch, so the caller can
-    `load_weights` mid-generation (PipelineRL's in-flight update: tokens after it come from the new weights); a
-    backend that generates in one call (HF) ignores it.
+    `load_weights` mid-generation (PipelineRL's in-flight update: tokens after it come from the new weights); the HF
+    backend calls it between its batches of rows.
     """
 
     def warmup(self) -> dict[str, float]: ...

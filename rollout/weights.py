@@ -1,4 +1,4 @@
-"""The decoder's weights: one table declaring every tensor, the typed pytree built from it, and the HF-name loading.
+"""The decoder's weights: the typed pytree built from rollout.weight_table's table, and the HF-name loading.
 
 Weights arrive as a flat dict of numpy / ml_dtypes arrays keyed by HF names, either from the weight-sync layer or
 read from the safetensors files of a model dir. The decoder wants `Weights`: matrices laid out for `x @ W` (HF stores
@@ -42,10 +42,10 @@ class LayerWeights:
     w_gate: jax.Array  # [D, F]
     w_up: jax.Array
     w_down: jax.Array  # [F, D]
-    bq: jax.Array | None = None  # q/k/v biases: Qwen2, Llama with attention_bias
+    bq: jax.Array | None = None  # q/k/v biases: Qwen2; Qwen3 and Llama with attention_bias
     bk: jax.Array | None = None
     bv: jax.Array | None = None
-    bo: jax.Array | None = None  # Llama with attention_bias
+    bo: jax.Array | None = None  # Qwen3 and Llama with attention_bias
     q_norm: jax.Array | None = None  # Qwen3's per-head RMSNorm [hd]
     k_norm: jax.Array | None = None
     b_gate: jax.Array | None = None  # Llama with mlp_bias

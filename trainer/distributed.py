@@ -1,10 +1,11 @@
 """Data-parallel plumbing for the trainer: the device a config names, process-group setup and the all-reduces a
 train step needs.
 
-Every rank holds the whole model and optimizer (replicated data parallelism). Ranks train on their own slice of the
+Under `train.parallel: ddp` every rank holds the whole model and optimizer: ranks train on their own slice of the
 batch and sum gradients with one bucketed all-reduce per optimizer step, instead of DDP hooks, because ranks may run
-different numbers of micro-batches (packing depends on their samples' lengths). With world_size 1 every helper is a
-no-op, so single-process code never touches torch.distributed.
+different numbers of micro-batches (packing depends on their samples' lengths). FSDP2 sharding, the default with
+several ranks, is in trainer/parallel.py. With world_size 1 every helper is a no-op, so single-process code never
+touches torch.distributed.
 """
 
 import os

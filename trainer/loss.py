@@ -10,7 +10,7 @@ Pure torch functions on padded [batch, response_len] tensors. Names and numbers 
              grpo    Σ_seq (Σ_tok ℓ / tokens_in_seq) / sequences
              bnpo    Σ ℓ / tokens in the (local) batch
              dr_grpo Σ ℓ / (sequences × max_completion_len)
-             dapo    Σ ℓ / tokens in the whole generation batch (across ranks and micro-batches)
+             dapo    Σ ℓ / tokens in the whole minibatch (across ranks and micro-batches)
 
 Micro-batching: every aggregation is a plain sum over sequences or tokens divided by a batch-level constant, so a
 caller that passes the batch-level constants (`total_sequences`, `total_tokens`, `max_completion_len`) can sum the

@@ -1,10 +1,11 @@
 """The policy trainer: a Hugging Face causal LM, AdamW, micro-batched GRPO steps, export, checkpoints.
 
-One `train_step` per rollout batch: score the batch under the current weights (the "old" policy), split it into
-`minibatches` optimizer steps, and for each accumulate gradients over micro-batches packed to a token budget. Every
-loss aggregation is a sum divided by a batch-level constant (trainer/loss.py), so the trainer computes those constants
-over the whole minibatch (and across ranks) first; the summed micro-batch gradients then equal the full-minibatch
-gradient exactly, whatever the packing and however many ranks share the batch.
+One `train_step` per rollout batch: with `minibatches` > 1, score the batch under the current weights (the "old" policy;
+with one, πold is the policy itself, detached); split it into `minibatches` optimizer steps, and for each accumulate
+gradients over micro-batches packed to a token budget. Every loss aggregation is a sum divided by a batch-level constant
+(trainer/loss.py), so the trainer computes those constants over the whole minibatch (and across ranks) first; the summed
+micro-batch gradients then equal the full-minibatch gradient exactly, whatever the packing and however many ranks share
+the batch.
 
 bfloat16 keeps fp32 master weights for AdamW (Megatron-style): at RL learning rates (~1e-6) most updates are far below
 a bf16 weight's resolution and would round away. The model computes in bf16; gradients are accumulated in fp32 on the
