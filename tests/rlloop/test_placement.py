@@ -46,7 +46,9 @@ def test_recipe_plan_splits_four_chips_two_and_two(fake_tpu_host):
 
 def test_a_plan_larger_than_the_host_does_not_fit(fake_tpu_host):
     cfg = load_config(REAL, ["cluster.rollout_chips=3"])
-    pg = placement_group(plan_placement(cfg.cluster, same_host=True).bundles, strategy="STRICT_PACK")
+    plan = plan_placement(cfg.cluster, same_host=True)
+    assert plan.total()["TPU"] == 5  # 3 + the recipe's 2 trainer chips, one more than the host's 4
+    pg = placement_group(plan.bundles, strategy="STRICT_PACK")
     try:
         ready, _ = ray.wait([pg.ready()], timeout=3)
         assert not ready
