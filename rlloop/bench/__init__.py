@@ -1,1 +1,1 @@
-"""Benchmarks: `python -m rlloop.bench NAME`. Each compares systems side by side and ends with one JSON line."""
+"""Benchmarks: `python -m rlloop.bench NAME`. Most compare systems side by side; each ends with one JSON line."""

@@ -1,7 +1,7 @@
 """`python -m rlloop.bench device`: the accelerator check, one short script for the minutes a device machine is lent.
 
-    python -m rlloop.bench device              # on a GPU (or TPU) host: a few minutes, one JSON line at the end
-    python -m rlloop.bench device --quick      # the same code paths on CPU with a tiny model (what the tests run)
+    python -m rlloop.bench device              # on a GPU host (on a TPU one, the engine parts): a few minutes
+    python -m rlloop.bench device --quick      # the same code paths with tiny shapes (what the tests run, on CPU)
 
 Five parts, each reported even when another fails (its error is recorded instead):
   engine   the JAX engine in bf16 on a random Qwen3-0.6B-shaped model (28 layers, hidden 1024, 16/8 heads of 128,
@@ -11,7 +11,7 @@ Five parts, each reported even when another fails (its error is recorded instead
            a long generation: responses that fill a cache of --long-cache positions (2,048), as an RL rollout fills
            the recipe's, decoded with each way of reading the cache (rollout.decode_attention: chunked, whole) and
            their ratio: the evidence for the platform's rule (rollout.cost.reads_whole_cache)
-  trainer  one torch Trainer step in bf16 on the same shapes on cuda (cpu with --quick): seconds, tokens/s, MFU
+  trainer  one torch Trainer step in bf16 on the same shapes on cuda (cpu without a GPU): seconds, tokens/s, MFU
            against a measured torch matmul peak, peak device memory
   tiny     the embedded example for a few steps with cluster.device=gpu and cluster.colocate=true (one GPU holds
            both roles: the offload path runs for real), in this process where Ray is not installed; reward and
@@ -240,7 +240,7 @@ def bench_nccl(path: Path, workdir: Path) -> dict:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m rlloop.bench device", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny shapes on CPU: the code paths, not the figures")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes: the code paths, not the figures")
     ap.add_argument("--parts", default="engine,engine_long,trainer,tiny,nccl")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=8)

@@ -1,4 +1,5 @@
-"""JAX engines of `python -m rlloop.bench rollout --engines N`, each in a process of its own, pinned to its cores:
+"""JAX engines of `python -m rlloop.bench rollout` (its `jax_tp` column and `--engines N`), each in a process of its
+own, pinned to its cores:
 the bench's side (`engines_runner`) and the engine's (`main`).
 
     python -m rlloop.bench.engine_worker MODEL_DIR DTYPE MAX_BATCH MAX_SEQ_LEN CORES < requests

@@ -4,10 +4,10 @@
 
 Runs `python -m rlloop.run examples/grpo_dapo_tiny.yaml run.steps=N` (Ray actors, shm delta sync: the default) as a
 child process and samples, every --every seconds, the resident memory (RSS) of the driver, of each Ray actor (found by
-its process title, `ray::RolloutWorker` / `ray::TrainerWorker`) and of the reward workers. A leak shows as a
-rising line; a flat one after warmup is what we want. Reports per process start (first sample after warmup), end
-and max, in MiB, the step count it reached, and after exit whether any process, `/dev/shm/rlloop_*` segment or temp
-dir of the run is left. Writes the plot (--out) and ends with one JSON line.
+its process title, `ray::RolloutWorker` / `ray::TrainerWorker`) and of the reward workers. A leak shows as a rising
+line; a flat one after warmup is what we want. Reports per role (summed over its processes) start (first sample after
+warmup), end and max, in MiB, the step count it reached, and after exit whether any process, `/dev/shm/rlloop_*` segment
+or temp dir of the run is left. Writes the plot (--out) and ends with one JSON line.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Rollout throughput: the JAX bucketed decoder vs `transformers.generate` on the same weights and requests.
 
     python -m rlloop.bench rollout [--quick] [--models tiny,30m] [--prompts 8] [--n 8] [--new-tokens 128]
-                                   [--repeats 3] [--threads 1] [--engines 2] [--vllm-python PATH]
+                                   [--repeats 3] [--threads 0] [--engines 2] [--vllm-python PATH]
 
 Both engines load one saved HF checkpoint, get the same prompts, the same sampling settings (T=1, no top-k/top-p) and no
 stop ids; the benchmark checkpoints carry no EOS id and requests set ignore_eos, so every row generates exactly
@@ -316,8 +316,8 @@ def parse_args(argv):
     ap.add_argument(
         "--repeats",
         type=int,
-        default=3,
-        help="timed runs per engine after an untimed one; the best is reported (quick: 2)",
+        default=None,
+        help="timed runs per engine after its warmup; the best is reported (default 3, --quick 2)",
     )
     ap.add_argument("--dtype", default="float32", choices=DTYPES)
     ap.add_argument(
@@ -331,7 +331,7 @@ def parse_args(argv):
         type=int,
         default=2,
         help="also run this many JAX engines side by side, each in its own process on its share of the cores and "
-        "the rows, as cluster.rollout_engines does (1: the single engine only)",
+        "the rows, as cluster.rollout_engines does (1: none side by side)",
     )
     ap.add_argument(
         "--vllm-python",
@@ -345,7 +345,8 @@ def parse_args(argv):
         print(f"--engines {args.engines}: this process may use {cores} core(s); running {cores}", flush=True)
         args.engines = cores
     if args.quick:
-        args.prompts, args.n, args.new_tokens, args.repeats = 4, 4, 32, 2
+        args.prompts, args.n, args.new_tokens = 4, 4, 32
+    args.repeats = args.repeats or (2 if args.quick else 3)
     return args
 
 

@@ -2,8 +2,9 @@
 
 Part 1, on one ~1 GB bf16 state dict (the same bytes for every line):
     copy      np.copyto into an already-used buffer, one tensor after the other: the plain copy the goals are set
-              against; also reported, the same copies split over the transports' thread pool (`copy_parallel`,
-              closer to the memory bandwidth) and shm's speed relative to that
+              against; also reported, the same copies split over the transports' thread pool
+              (`copy_parallel_gbps`, closer to the memory bandwidth) and shm's speed relative to that
+              (`shm_vs_parallel_copy`)
     shm       push + pull through the shm transport (copy into a reused segment, checksums on both sides)
     disk      push + pull through the disk transport (safetensors + manifest written, renamed, read back, verified)
     raw disk  writing the same bytes to one plain file and reading them back into memory (np.fromfile); the disk

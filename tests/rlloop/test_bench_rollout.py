@@ -3,6 +3,7 @@ for (two JAX engines in processes of their own included), the JAX engines compil
 a vLLM environment the vLLM column says why."""
 
 import json
+import os
 import sys
 
 from rlloop.bench import rollout
@@ -24,3 +25,6 @@ def test_quick_rollout_bench_ends_with_a_json_line(capsys, monkeypatch):
     assert tiny["rows"] == 16 and tiny["jax_tok_s"] > 0 and tiny["hf_tok_s"] > 0
     assert 0 < tiny["mfu"] < 1 and 0 < tiny["mbu"] < 1
     assert tiny["engines"] == 2 and tiny["jax_engines_tok_s"] > 0 and tiny["jax_engines_compiles_after_warmup"] == 0
+    several_cores = len(os.sched_getaffinity(0)) > 1  # a run's layout on them: one engine, a device per core
+    assert ("jax_tp_tok_s" in tiny) == several_cores
+    assert not several_cores or tiny["jax_tp_compiles_after_warmup"] == 0
