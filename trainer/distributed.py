@@ -29,7 +29,7 @@ def resolve_device(name: str) -> torch.device:
             import torch_tpu  # noqa: F401  (registers the device with torch)
         except ImportError as e:
             raise ValueError(
-                "TrainerConfig.device='tpu' needs the torch_tpu package (pip install -e '.[tpu]' on a TPU host)"
+                "TrainerConfig.device='tpu' needs the torch_tpu package (pip install -e '.[tpu-train]' on a TPU host)"
             ) from e
     return torch.device(name)
 
