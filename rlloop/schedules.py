@@ -105,12 +105,18 @@ class OneStepOffPolicy:
 
 
 class FullyAsyncRollout:
-    """`loop.mode: fully_async`. A producer thread generates chunks of `prompts_per_step` prompts without pause,
-    up to one batch ahead of the trainer, with in-flight weight updates."""
+    """`loop.mode: fully_async`. A producer thread generates chunks of `prompts_per_step` prompts back to back, with
+    in-flight weight updates, up to one batch ahead of the trainer and no further than `loop.max_staleness` allows
+    (AReaL's staleness-aware admission): a chunk whose groups the trainer would take when they are already too stale
+    is not started until newer weights exist. Generating it anyway only to drop it wasted the engine's time and the
+    prompts (a third of each tiny run's groups were dropped)."""
 
-    def __init__(self, manager: RolloutManager, loop: LoopSection):
+    def __init__(self, manager: RolloutManager, loop: LoopSection, start: int = 0):
         self.manager, self.max_staleness = manager, loop.max_staleness
         self.want = manager.cfg.rollout.prompts_per_step
+        self.version = start  # the newest weight version trained or seen on a sample
+        self.asking = start + 1  # the step whose batch `next` takes now or next
+        self.starving = False  # `next` waits on an empty buffer: a chunk starts whatever its staleness
         self.buffer: deque[Group] = deque()
         self.tally = RolloutTally()  # what was generated since the last batch was taken
         self.in_flight_cursor: dict | None = None
@@ -126,8 +132,9 @@ class FullyAsyncRollout:
         try:
             while True:
                 with self.cond:
-                    # Back-pressure: at most one batch waits in the buffer (more would only grow stale).
-                    self.cond.wait_for(lambda: self.stopping or len(self.buffer) < self.want)
+                    # Back-pressure: at most one batch waits in the buffer, and a chunk starts only if it would be
+                    # fresh enough when taken.
+                    self.cond.wait_for(lambda: self.stopping or (len(self.buffer) < self.want and self._admits()))
                     if self.stopping:
                         return
                     self.in_flight_cursor = self.manager.data.state_dict()
@@ -136,6 +143,7 @@ class FullyAsyncRollout:
                 groups, stats = self.manager.groups(prompts, sampling_seed(cfg.run.seed, -chunk), True)
                 with self.cond:
                     self.tally.add(groups, stats)
+                    self.version = max([self.version] + [c.last_weight_version for g in groups for c in g.completions])
                     for grp in groups:
                         if cfg.grpo.dynamic_sampling and grp.zero_std:
                             self.dropped_zero_std += 1
@@ -148,12 +156,23 @@ class FullyAsyncRollout:
                 self.error = e
                 self.cond.notify_all()
 
+    def _admits(self) -> bool:
+        """Whether a new chunk's groups would be at most `max_staleness` versions behind the trainer that takes them:
+        behind `buffer` groups, its last one goes to step `asking + (buffer + want - 1) // want`, whose trainer holds
+        that step - 1, and it starts on version `version` or newer. A starving trainer is always served."""
+        last_step = self.asking + (len(self.buffer) + self.want - 1) // self.want
+        return self.starving or last_step - 1 - self.version <= self.max_staleness
+
     def next(self, step: int) -> StepRollout:
         """The oldest `prompts_per_step` fresh groups; blocks until the producer has them."""
         taken: list[Group] = []
         with self.cond:
+            self.asking = step
             while len(taken) < self.want:
+                self.starving = not self.buffer
+                self.cond.notify_all()
                 self.cond.wait_for(lambda: self.buffer or self.error is not None)
+                self.starving = False
                 if self.error is not None:
                     raise self.error
                 grp = self.buffer.popleft()
@@ -167,13 +186,17 @@ class FullyAsyncRollout:
                 "rollout/stale_groups_dropped": self.dropped_stale,
                 "rollout/zero_std_groups_dropped": self.dropped_zero_std,
             }
+            self.asking = step + 1
             self.cond.notify_all()
         batch = self.manager.batch(step, taken, tally)
         batch.metrics |= counts
         return batch
 
     def trained(self, step: int) -> None:
-        """Nothing waits for it: the engines take new weights as they are published."""
+        """The engines take new weights as they are published; a chunk held back as too stale may start now."""
+        with self.cond:
+            self.version = max(self.version, step)
+            self.cond.notify_all()
 
     def resume_state(self) -> dict:
         with self.cond:
@@ -241,5 +264,5 @@ def rollout_schedule(loop: LoopSection, manager: RolloutManager, replay: str | N
     if loop.mode == "async":
         return OneStepOffPolicy(manager, start)
     if loop.mode == "fully_async":
-        return FullyAsyncRollout(manager, loop)
+        return FullyAsyncRollout(manager, loop, start)
     return SyncRollout(manager)
