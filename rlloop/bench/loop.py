@@ -172,6 +172,9 @@ def main(argv: list[str]) -> None:
                 f"rollout.max_response_len={args.balanced_len}",
                 f"rollout.max_batch={args.balanced_slots}",
                 f"rollout.decode_buckets=[{args.balanced_slots}]",
+                # responses forced to full length all score -1, so every advantage is 0: train them anyway, or the
+                # trainer skips them all (train.skip_zero_advantage) and the setting is generation alone
+                "train.skip_zero_advantage=false",
             ],
         }
         for setting in args.settings.split(","):
