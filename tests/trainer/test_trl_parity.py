@@ -20,6 +20,7 @@ trl = pytest.importorskip("trl")
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "rlloop" / "assets" / "tiny" / "model"
 PROMPT_LEN, MAX_COMPLETION = 7, 12
+EPS_LOW, EPS_HIGH = 0.2, 0.28  # clip-higher, the same on both sides
 
 
 def samples(seed: int, rows: int = 6) -> TrainBatch:
@@ -44,8 +45,8 @@ def trl_trainer(tmp_path, loss_type: str, level: str):
             report_to="none",
             loss_type=loss_type,
             importance_sampling_level=level,
-            epsilon=0.2,
-            epsilon_high=0.28,
+            epsilon=EPS_LOW,
+            epsilon_high=EPS_HIGH,
             beta=0.0,
             num_generations=2,
             per_device_train_batch_size=2,
@@ -100,7 +101,7 @@ def trl_loss_and_grads(trainer, batch: TrainBatch, old: list[list[float]]):
 )
 def test_loss_and_gradient_equal_trls_compute_loss(tmp_path, loss_type, level):
     batch = samples(seed=3)
-    loss_cfg = LossConfig(loss_agg=loss_type, importance_level=level, clip_eps_low=0.2, clip_eps_high=0.28)
+    loss_cfg = LossConfig(loss_agg=loss_type, importance_level=level, clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH)
     ours = Trainer(TrainerConfig(TINY_MODEL, loss=loss_cfg, max_response_len=MAX_COMPLETION, skip_zero_advantage=False))
     # πold away from the current policy by enough that both clip sides act on some tokens, and, through a shift per
     # sample, on some sequences (GSPO's ratio is a sequence's mean)
