@@ -222,15 +222,27 @@ class ShmReceiver(Receiver):
         self.verify = verify
         self._instance = None
         self._ctl: np.ndarray | None = None
+        self._ctl_file: tuple[int, int] | None = None  # (device, inode) of the mapped control segment
         self._maps: list[mmap.mmap | None] = [None, None]
 
     def _control(self) -> np.ndarray | None:
-        """Re-map the control segment each pull: a restarted writer replaces it (and its buffers)."""
+        """The control segment, re-mapped only when the file behind its name changed: a restarted writer renames a
+        new one into place (and replaces its buffers). A stat is a third of the cost of mapping anew on every pull
+        (a pull that finds nothing new: 4.8 against 14.4 µs), and an engine with in-flight updates pulls often."""
+        path = segment_path(self.run_id, "ctl")
         try:
-            m = _map(segment_path(self.run_id, "ctl"))
-        except (FileNotFoundError, ValueError):
+            st = os.stat(path)
+        except FileNotFoundError:
             return None
-        ctl = np.frombuffer(m, np.uint64)
+        if self._ctl is not None and (st.st_dev, st.st_ino) == self._ctl_file:
+            ctl = self._ctl
+        else:
+            try:
+                m = _map(path)
+            except (FileNotFoundError, ValueError):
+                return None
+            ctl = np.frombuffer(m, np.uint64)
+            self._ctl_file = (st.st_dev, st.st_ino)
         if ctl[_MAGIC_F] != _MAGIC:
             return None
         if ctl[_INSTANCE_F] != self._instance:

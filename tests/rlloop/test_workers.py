@@ -1,13 +1,18 @@
 """The worker processes' memory settings (freed memory is reused instead of being mapped and page-faulted anew, the
-long-lived heap is kept out of the garbage collector's full collections), and what a trainer rank publishes."""
+long-lived heap is kept out of the garbage collector's full collections), what a trainer rank publishes, and when an
+engine generating with in-flight updates takes new weights."""
 
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from rlloop.workers import SyncSpec, TrainerWorker
+import rlloop.workers
+from rlloop.workers import RolloutWorker, SyncSpec, TrainerWorker
+from rollout import EngineConfig, SamplingParams
+from rollout.weights import load_safetensors_dir
 from trainer import TrainBatch, TrainerConfig
 
 # 64 MiB blocks malloc'd, written and freed eight times, as a training step's activations are: the pages faulted in by
@@ -87,3 +92,33 @@ def test_a_rank_publishes_after_a_step_only_when_the_step_changed_the_weights(ti
         assert worker.push_weights(3, if_updated=True) == {} and worker.sender.version == 1
     finally:
         torch.set_num_threads(threads)  # the worker set one thread for this process
+
+
+def test_an_in_flight_generation_starts_on_the_version_pushed_just_before_it(tiny_qwen3_dir, tmp_path, monkeypatch):
+    """Between decode dispatches the engine looks for new weights at most every IN_FLIGHT_POLL_S, but always before a
+    generation's first dispatch: fully_async's next chunk, started right after a push, is the new version's from its
+    first token (set here to an hour, so that only that first look can see it)."""
+    monkeypatch.setattr(rlloop.workers, "IN_FLIGHT_POLL_S", 3600.0)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    sync = SyncSpec("shm", f"test-workers-{os.getpid()}", str(tmp_path), delta=False, keyframe_every=1, keep=2)
+    sender = sync.sender()
+    engine = EngineConfig(
+        str(tiny_qwen3_dir),
+        max_batch=4,
+        max_seq_len=32,
+        prefill_buckets=(16,),
+        decode_buckets=(4,),
+        steps_per_dispatch=2,
+    )
+    worker = RolloutWorker(engine, "jax", sync)
+    weights = load_safetensors_dir(str(tiny_qwen3_dir))
+    try:
+        for version in (1, 2, 3):
+            sender.push(weights, version)
+            out, _ = worker.generate([[5, 6, 7]], 2, SamplingParams(max_new_tokens=8), in_flight_updates=True)
+            assert [(c.weight_version, c.last_weight_version) for c in out] == [(version, version)] * 2
+    finally:
+        sender.close()
+        worker.close()
+        torch.set_num_threads(threads)
