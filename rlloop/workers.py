@@ -18,10 +18,13 @@ from rollout import EngineConfig
 from trainer import TrainerConfig
 
 CPU_AFFINITY_ENV = "RLLOOP_CPUS"  # set by the Cluster on CPU hosts: the cores this actor's "chip" is made of
-# How often a generation with in-flight updates looks for new weights. A version takes at least a train step (tens of
-# ms on the tiny model, seconds on real ones), while a decode dispatch can take under a millisecond; looking before
-# every one spent ~3 % of a fully_async engine's time on the tiny model (~30 µs a look inside the busy actor).
+# How often a generation with in-flight updates looks for new weights: at most every IN_FLIGHT_POLL_S, and no more
+# often than keeps the looks at POLL_SHARE of the engine's time. A version takes at least a train step (tens of ms on
+# the tiny model, seconds on real ones), while a decode dispatch can take under a millisecond: looking before every
+# one cost a fully_async engine on the tiny model ~7 % of its time through shm (~84 µs a look inside the busy actor)
+# and half of it through the Ray transport (a call to its mailbox actor, ~1.2 ms).
 IN_FLIGHT_POLL_S = 0.01
+POLL_SHARE = 0.01
 
 
 def limit_threads(n: int) -> None:
@@ -134,6 +137,7 @@ class RolloutWorker:
         self.receiver = sync.receiver()
         self.version = 0
         self._polled_at = float("-inf")  # when _poll_in_flight last looked
+        self._poll_every = IN_FLIGHT_POLL_S
 
     def warmup(self) -> dict[str, float]:
         seconds = self.engine.warmup()
@@ -152,18 +156,21 @@ class RolloutWorker:
         return completions, {**self.engine.stats(), "busy_s": time.perf_counter() - t0}
 
     def _poll_in_flight(self) -> None:
-        """Between decode dispatches: pull, if IN_FLIGHT_POLL_S has passed since the last look."""
+        """Between decode dispatches: pull, if `_poll_every` has passed since the last look."""
         now = time.perf_counter()
-        if now - self._polled_at >= IN_FLIGHT_POLL_S:
+        if now - self._polled_at >= self._poll_every:
             self._polled_at = now
-            self._pull_in_flight()
+            if not self._pull_in_flight():  # what a look that finds nothing costs this transport
+                self._poll_every = max(IN_FLIGHT_POLL_S, (time.perf_counter() - now) / POLL_SHARE)
 
-    def _pull_in_flight(self) -> None:
-        """Load the newest verified version if there is one; a refused (corrupt) version keeps the old weights."""
+    def _pull_in_flight(self) -> bool:
+        """Load the newest verified version if there is one (True); a refused (corrupt) version keeps the old
+        weights."""
         got = self.receiver.pull()
         if got is not None:
             self.version, arrays = got
             self.engine.load_weights(arrays, self.version)
+        return got is not None
 
     def sleep(self) -> dict[str, float]:
         """Colocated: free the engine's device memory while the trainer runs; returns the live bytes before/after."""
