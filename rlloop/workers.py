@@ -137,7 +137,7 @@ class RolloutWorker:
         self.receiver = sync.receiver()
         self.version = 0
         self._polled_at = float("-inf")  # when _poll_in_flight last looked
-        self._poll_every = IN_FLIGHT_POLL_S
+        self._look_s = 0.0  # the fastest look that found nothing (0: none yet)
 
     def warmup(self) -> dict[str, float]:
         seconds = self.engine.warmup()
@@ -156,12 +156,16 @@ class RolloutWorker:
         return completions, {**self.engine.stats(), "busy_s": time.perf_counter() - t0}
 
     def _poll_in_flight(self) -> None:
-        """Between decode dispatches: pull, if `_poll_every` has passed since the last look."""
+        """Between decode dispatches: pull, if IN_FLIGHT_POLL_S has passed since the last look and long enough for
+        the looks to take at most POLL_SHARE of the time."""
         now = time.perf_counter()
-        if now - self._polled_at >= self._poll_every:
+        if now - self._polled_at >= max(IN_FLIGHT_POLL_S, self._look_s / POLL_SHARE):
             self._polled_at = now
-            if not self._pull_in_flight():  # what a look that finds nothing costs this transport
-                self._poll_every = max(IN_FLIGHT_POLL_S, (time.perf_counter() - now) / POLL_SHARE)
+            if not self._pull_in_flight():
+                # what a look that finds nothing costs this transport: the fastest one, so that a look that stalled
+                # once does not space out all the others
+                took = time.perf_counter() - now
+                self._look_s = took if self._look_s == 0.0 else min(self._look_s, took)
 
     def _pull_in_flight(self) -> bool:
         """Load the newest verified version if there is one (True); a refused (corrupt) version keeps the old
