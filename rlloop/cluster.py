@@ -50,7 +50,7 @@ def sync_spec(cfg: Config, run_dir: Path) -> SyncSpec:
 class Cluster:
     def __init__(self, cfg: Config, run_dir: Path):
         self.cfg, self.remote, self.owns_ray = cfg, cfg.cluster.use_ray, False
-        self.pg = None
+        self.pg = self.mailbox = None
         self._warming: list = []  # the engines' warmup() calls in flight
         self._stepped = False  # whether the trainer ranks have taken a step
         self._local_queue = ThreadPoolExecutor(1, thread_name_prefix="rlloop-trainer")  # without Ray: trainer calls
@@ -113,6 +113,13 @@ class Cluster:
                 f"the Ray cluster cannot host the plan within {PLACEMENT_TIMEOUT_S}s; it has "
                 f"{ray.cluster_resources()}, the plan needs\n{plan.describe()}"
             ) from None
+
+        if cfg.sync.transport == "ray":
+            from rlloop.ray_sync import get_mailbox
+
+            # The run's mailbox is the driver's: a Ray actor lives as long as whoever created it, and one created by
+            # the first engine to ask would die with that engine, taking the trainer's next push down with it.
+            self.mailbox = get_mailbox(engine["sync"].run_id, engine["sync"].keep)
 
         def options(bundle: int, rollout: bool) -> dict:
             env = actor_env(cfg, cfg.cluster.cpus_per_actor, rollout, plan.cores(bundle))
@@ -345,8 +352,8 @@ class Cluster:
         # whatever they leave is swept at the next start.
         refs = [w.close.remote() for w in workers]
         ray.wait(refs, num_returns=len(refs), timeout=30)
-        for w in workers:
-            ray.kill(w)
+        for w in [*workers, *([self.mailbox] if self.mailbox is not None else [])]:
+            ray.kill(w)  # the mailbox too: a cluster rebuilt after a trainer's death starts with a new one
         if self.pg is not None:
             ray.util.remove_placement_group(self.pg)
         if self.owns_ray and ray.is_initialized():

@@ -12,7 +12,8 @@ The sender process owns the payload objects (Ray 2.56 removed `ray.put(_owner=..
 lost and a receiver sees no new version until a restarted sender pushes one (a delta receiver then gets a
 keyframe, since the new sender starts with one). Arrays returned by a pull are read-only views into the object
 store, kept alive by Ray as long as they are referenced. The mailbox is an ordinary (not detached) actor: it lives
-while the handle of whoever created it first (normally the sender) lives, and never outlives the job.
+as long as whoever created it first, so it never outlives the job; in a run that is the driver (rlloop.cluster), so
+that an engine or a trainer rank that dies does not take it along.
 """
 
 from __future__ import annotations
