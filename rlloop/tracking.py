@@ -29,12 +29,14 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 class Tracker:
-    """Logs one dict of metrics per step; resumes by dropping lines past the resumed step."""
+    """Logs one dict of metrics per step. A run that resumes from step `start_step` logs every later step again, so
+    their lines go; one that starts from step 0 (afresh, or rebuilt before its first checkpoint) logs all again,
+    the step-0 evaluation too."""
 
     def __init__(self, cfg: Config, run_dir: Path, start_step: int = 0):
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
-        kept = [m for m in read_metrics(self.path) if m["step"] <= start_step]
+        kept = [m for m in read_metrics(self.path) if m["step"] <= start_step] if start_step else []
         self.path.write_text("".join(json.dumps(m) + "\n" for m in kept))
         self.file = open(self.path, "a")
         self.wandb = self._start_wandb() if cfg.tracking.wandb else None

@@ -41,6 +41,18 @@ def test_metrics_jsonl_resume_curves_and_report(tmp_path):
     assert "5 steps" in report and "4.0x smaller" in report and "eval/tiny" in report
 
 
+def test_a_run_that_starts_over_before_its_first_checkpoint_logs_each_step_once(tmp_path):
+    """A trainer rank that dies before the first checkpoint has the cluster rebuilt from step 0, whose evaluation
+    runs again (as does a run started again in the same directory): its line, and the others, must not double."""
+    cfg = load_config(TINY, ["tracking.progress=false"])
+    for steps in ([1, 2, 3], [1, 2]):
+        tracker = Tracker(cfg, tmp_path)
+        tracker.log(0, {"eval/tiny": 0.25})
+        log_steps(tracker, steps)
+        tracker.close()
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").open()] == [0, 1, 2]
+
+
 def test_report_says_when_every_version_went_in_full():
     cfg = load_config(TINY, ["tracking.progress=false"])
     sync = {"sync/bytes": 40.2, "sync/full_bytes": 40.0, "sync/keyframe": 1.0}
