@@ -220,6 +220,13 @@ class Cluster:
         completions.sort(key=lambda c: (c.prompt_index, c.sample_index))
         return completions, merge_stats({e: stats for (e, _), (_, stats) in zip(calls, results)})
 
+    def _call_engines(self, method: str) -> list:
+        """`method()` on every engine at once; one that died (or hung) is rebuilt and called again."""
+        if not self.remote:
+            return self._call_all(self.engines, method, [()] * len(self.engines))
+        refs = [getattr(engine, method).remote() for engine in self.engines]
+        return [self._engine_result(e, ref, method, ()) for e, ref in enumerate(refs)]
+
     def _engine_result(self, e: int, ref, method: str, args: tuple):
         """The result of engine e's call; if the engine died (or hung past cluster.actor_timeout_s), it is rebuilt
         with the trainer's current weights and the call is made again on it: a sampled share comes out the same,
@@ -283,7 +290,7 @@ class Cluster:
         shards = [(shard_batch(batch, r, world),) for r in range(world)]
         freed = {}
         if self.cfg.cluster.colocate:  # the trainer's turn on the shared chips: the engines make room first
-            slept = self._call_all(self.engines, "sleep", [()] * len(self.engines))
+            slept = self._call_engines("sleep")
             freed = {
                 "rollout/device_bytes": float(sum(s["before"] for s in slept)),
                 "rollout/device_bytes_while_training": float(sum(s["after"] for s in slept)),
@@ -314,7 +321,7 @@ class Cluster:
         """Every engine loads the newest version (queued behind a generation in flight, as slime's async loop does);
         engine 0's receiver metrics plus each engine's version."""
         if self.cfg.cluster.colocate:  # the engines' turn: their cache and weights come back before they load
-            self._call_all(self.engines, "wake", [()] * len(self.engines))
+            self._call_engines("wake")
         if self.remote:
             refs = [engine.pull_weights.remote() for engine in self.engines]
             pulled = [self._engine_result(e, ref, "pull_weights", ()) for e, ref in enumerate(refs)]

@@ -1,0 +1,67 @@
+"""An engine that dies is rebuilt in place whichever of the driver's calls finds it dead, and the run goes on: the
+calls and settings that the end-to-end fault tests (tests/e2e/test_tiny_run.py, split engine and trainer, shm) do not
+reach. The engine is killed with `ray.kill`, as a SIGKILL would."""
+
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from rlloop.cluster import Cluster  # noqa: E402
+from rlloop.config import load_config  # noqa: E402
+from rollout import SamplingParams  # noqa: E402
+from trainer import TrainBatch  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("ray")  # starts Ray: one at a time (tests/conftest.py)
+
+TINY = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml"
+PROMPT, SHORT = [5, 6, 7], SamplingParams(max_new_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+def test_the_runs_mailbox_outlives_an_engine_that_dies(ray_cluster, tmp_path):
+    """Through the Ray transport the trainer's next push must still find the mailbox. A Ray actor lives as long as
+    whoever created it: the first engine to ask did, before the driver made it, and after that engine's death the
+    push failed as if the trainer had died (a rebuild of the whole cluster)."""
+    cfg = load_config(TINY, ["sync.transport=ray", "run.max_restarts=1", f"run.dir={tmp_path}"])
+    cluster = Cluster(cfg, cfg.run_dir)
+    try:
+        cluster.warmup()
+        ray.kill(cluster.engines[0])
+        out, _ = cluster.generate([PROMPT], 2, SHORT)  # on the rebuilt engine
+        assert cluster.restarts == 1 and len(out) == 2
+        assert cluster.sync_weights(version=1)["sync/rollout_version"] == 1
+    finally:
+        cluster.close()
+
+
+def test_a_colocated_engine_found_dead_by_its_sleep_or_wake_is_rebuilt(ray_cluster, tmp_path):
+    """Colocated, the engines are put to sleep before each training and woken before they load its weights. An engine
+    that either call finds dead was a ClusterError that ended the run, however many restarts were left."""
+    cfg = load_config(
+        TINY, ["cluster.colocate=true", "cluster.cpus_per_actor=2", "run.max_restarts=2", f"run.dir={tmp_path}"]
+    )
+    cluster = Cluster(cfg, cfg.run_dir)
+    try:
+        cluster.warmup()
+        out, _ = cluster.generate([PROMPT], 2, SHORT)
+        batch = TrainBatch([PROMPT] * 2, [c.token_ids for c in out], [1.0, -1.0])
+        ray.kill(cluster.engines[0])
+        cluster.start_train_step(batch, publish=1)()  # puts the engines to sleep first
+        assert cluster.restarts == 1
+        ray.kill(cluster.engines[0])
+        assert cluster.pull_weights()["sync/rollout_version"] == 1  # wakes them first
+        assert cluster.restarts == 2
+        assert cluster.generate([PROMPT], 2, SHORT)[0][0].weight_version == 1
+    finally:
+        cluster.close()
