@@ -79,9 +79,7 @@ class Cluster:
         self.placement: dict[str, str] = {}  # role -> Ray node id
         # run.debug leaves one role out (its bundles stay reserved, so the plan is the run's own)
         self.with_engines, self.with_trainers = cfg.run.debug != "train-only", cfg.run.debug != "rollout-only"
-        if not self.remote:
-            if world > 1:
-                raise ClusterError("cluster.train_chips > 1 needs Ray (cluster.use_ray: true)")
+        if not self.remote:  # one trainer rank (rlloop.config)
             self.engines = [RolloutWorker(**engine) for _ in range(cfg.cluster.rollout_engines * self.with_engines)]
             self.trainers = [TrainerWorker(**ranks[0])] if self.with_trainers else []
             for t in self.trainers:

@@ -230,6 +230,12 @@ class Config(Section):
                 "correction against the rollout log-probs, grpo.tis_cap (e.g. 2.0), not null"
             )
         c = self.cluster
+        if not c.use_ray and c.train_chips > 1:
+            raise ValueError(
+                f"cluster.train_chips={c.train_chips}: trainer ranks are Ray actors; set cluster.use_ray: true"
+            )
+        if not c.use_ray and self.sync.transport == "ray":
+            raise ValueError("sync.transport: ray moves weights through Ray's object store; set cluster.use_ray: true")
         if c.colocate and self.loop.mode != "sync":
             raise ValueError(
                 f"cluster.colocate: true takes turns on the chips, so it cannot overlap rollout and "

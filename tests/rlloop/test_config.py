@@ -57,6 +57,8 @@ BAD_OVERRIDES = [
     (["loop.mode=fully_async", "grpo.tis_cap=null"], "loop.mode=fully_async"),
     (["loop.mode=eventually"], "loop.mode"),
     (["cluster.rollout_engines=3"], "cluster.rollout_engines=3"),
+    (["cluster.use_ray=false"], "cluster.train_chips=2: trainer ranks are Ray actors"),
+    (["cluster.use_ray=false", "cluster.train_chips=1", "sync.transport=ray"], "sync.transport: ray moves weights"),
     (["cluster.colocate=true"], "a TPU chip serves one process at a time"),
     (["cluster.colocate=true", "cluster.device=gpu", "loop.mode=async"], "loop.mode must be sync"),
     (
