@@ -29,7 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="rollout-only: generate, score and save rollouts, no trainer; train-only: train on --replay, no engine",
     )
     p.add_argument("--replay", metavar="RUN_DIR/rollouts", help="the saved rollouts --debug train-only trains on")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # options may come before, between or after the overrides
 
 
 class Terminated(KeyboardInterrupt):
@@ -59,6 +59,16 @@ def check_references(cfg: Config) -> None:
     memory = plan_memory(cfg)
     if memory is not None:
         memory.check()
+    if cfg.run.replay is not None:  # --debug train-only: the saved rollouts of every step it is to train
+        from rlloop.tracking import rollouts_file
+
+        missing = [s for s in range(1, cfg.run.steps + 1) if not rollouts_file(cfg.run.replay, s).is_file()]
+        if missing:
+            raise ConfigError(
+                f"run.replay: {cfg.run.replay} has no rollouts of step {missing[0]}"
+                f"{f' (nor of {len(missing) - 1} more)' if len(missing) > 1 else ''}; run.steps={cfg.run.steps} can "
+                "train only the steps the run saved"
+            )
 
 
 def preflight(cfg: Config, dry_run: bool = False) -> tuple[Inputs | None, list[str]]:
@@ -137,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except CheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
+        return 1
+    except DataError as e:  # a replayed step's rollouts gone since the start
+        print(f"data error: {e}", file=sys.stderr)
         return 1
     except NonFiniteTraining as e:
         print(f"training error: {e}", file=sys.stderr)

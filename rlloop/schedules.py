@@ -21,6 +21,7 @@ chips work at the same time. docs/design.md §9.
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,6 +31,7 @@ from pathlib import Path
 from rlloop.config import LoopSection
 from rlloop.data import DataError
 from rlloop.rollout_manager import Group, RolloutManager, RolloutTally, StepRollout, sampling_seed
+from rlloop.tracking import rollouts_file
 
 
 class SyncRollout:
@@ -112,7 +114,10 @@ class FullyAsyncRollout:
     prompts (a third of each tiny run's groups were dropped)."""
 
     def __init__(self, manager: RolloutManager, loop: LoopSection, start: int = 0):
-        self.manager, self.max_staleness = manager, loop.max_staleness
+        # --debug rollout-only trains nothing, so its engines keep the one policy there is and no sample is stale
+        # (counted against step - 1, every one was from step 3 on, and `next` waited forever for a fresh group)
+        trains = manager.cfg.run.debug != "rollout-only"
+        self.manager, self.max_staleness = manager, loop.max_staleness if trains else math.inf
         self.want = manager.cfg.rollout.prompts_per_step
         self.version = start  # the newest weight version trained or seen on a sample
         self.asking = start + 1  # the step whose batch `next` takes now or next
@@ -220,7 +225,7 @@ class ReplayRollout:
         self.dir = Path(replay)
 
     def next(self, step: int) -> StepRollout:
-        path = self.dir / f"step_{step:06d}.jsonl"
+        path = rollouts_file(self.dir, step)
         if not path.is_file():
             raise DataError(f"run.replay: {path} is missing (the saved run has no rollouts of step {step})")
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -28,6 +28,12 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def rollouts_file(rollouts_dir: str | Path, step: int) -> Path:
+    """Where a step's saved samples go (tracking.save_rollouts, --debug rollout-only) and --debug train-only reads
+    them."""
+    return Path(rollouts_dir) / f"step_{step:06d}.jsonl"
+
+
 class Tracker:
     """Logs one dict of metrics per step. A run that resumes from step `start_step` logs every later step again, so
     their lines go; one that starts from step 0 (afresh, or rebuilt before its first checkpoint) logs all again,
@@ -89,7 +95,7 @@ class Tracker:
         if save:
             out = self.run_dir / "rollouts"
             out.mkdir(exist_ok=True)
-            (out / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            rollouts_file(out, step).write_text("".join(json.dumps(r) + "\n" for r in rows))
         if table_now:
             import wandb
 

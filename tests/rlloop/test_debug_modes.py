@@ -4,6 +4,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from rlloop.run import main
 
 TINY = str(Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml")
@@ -29,8 +31,10 @@ def test_train_only_replays_a_run_exactly(tmp_path):
     assert "sync/version" not in after[-1] and "perf/rollout_s" not in after[-1]
 
 
-def test_rollout_only_generates_scores_and_saves_without_a_trainer(tmp_path):
-    assert main([TINY, *COMMON, f"run.dir={tmp_path}", "--debug", "rollout-only"]) == 0
+@pytest.mark.parametrize("mode", ["sync", "async", "fully_async"])
+def test_rollout_only_generates_scores_and_saves_without_a_trainer(tmp_path, mode):
+    # (an option between the config and the overrides, as a user may type it)
+    assert main([TINY, "--debug", "rollout-only", *COMMON, f"run.dir={tmp_path}", f"loop.mode={mode}"]) == 0
     logged = rows(tmp_path)
     assert [r["step"] for r in logged] == [1, 2, 3]
     assert all("rollout/raw_reward" in r and not any(k.startswith("train/loss") for k in r) for r in logged)
@@ -44,3 +48,15 @@ def test_rollout_only_generates_scores_and_saves_without_a_trainer(tmp_path):
 def test_replay_without_train_only_is_a_config_error(tmp_path, capsys):
     assert main([TINY, f"run.dir={tmp_path}", "--replay", str(tmp_path)]) == 2
     assert "run.replay" in capsys.readouterr().err
+
+
+def test_train_only_on_fewer_saved_steps_than_run_steps_is_a_config_error(tmp_path, capsys):
+    """Found before anything starts, not at the missing step after the others have trained."""
+    saved = tmp_path / "rollouts"
+    saved.mkdir()
+    for step in (1, 2):
+        (saved / f"step_{step:06d}.jsonl").write_text("")
+    args = [TINY, *COMMON, f"run.dir={tmp_path / 'run'}", "--debug", "train-only", "--replay", str(saved)]
+    assert main(args) == 2
+    assert f"run.replay: {saved} has no rollouts of step 3;" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
