@@ -21,8 +21,8 @@ CPU_AFFINITY_ENV = "RLLOOP_CPUS"  # set by the Cluster on CPU hosts: the cores t
 # How often a generation with in-flight updates looks for new weights: at most every IN_FLIGHT_POLL_S, and no more
 # often than keeps the looks at POLL_SHARE of the engine's time. A version takes at least a train step (tens of ms on
 # the tiny model, seconds on real ones), while a decode dispatch can take under a millisecond: looking before every
-# one cost a fully_async engine on the tiny model ~7 % of its time through shm (~84 µs a look inside the busy actor)
-# and half of it through the Ray transport (a call to its mailbox actor, ~1.2 ms).
+# one cost a fully_async engine on the tiny model ~7 % of its time through shm (~84 µs a look inside the busy actor),
+# and about half of its time through the Ray transport (a call to its mailbox actor, ~1.2 ms).
 IN_FLIGHT_POLL_S = 0.01
 POLL_SHARE = 0.01
 
