@@ -87,6 +87,19 @@ def short_tmp():
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray of two CPUs for a module's tests (mark them `xdist_group("ray")`), unless one is running."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory):
     return make_tiny_hf_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", tie=True)

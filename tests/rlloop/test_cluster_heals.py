@@ -19,16 +19,6 @@ TINY = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml"
 PROMPT, SHORT = [5, 6, 7], SamplingParams(max_new_tokens=4)
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
 def test_the_runs_mailbox_outlives_an_engine_that_dies(ray_cluster, tmp_path):
     """Through the Ray transport the trainer's next push must still find the mailbox. A Ray actor lives as long as
     whoever created it: the first engine to ask did, before the driver made it, and after that engine's death the

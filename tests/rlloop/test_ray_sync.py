@@ -14,16 +14,6 @@ from weight_sync import Sender, encode_payload_into, payload_nbytes  # noqa: E40
 pytestmark = pytest.mark.xdist_group("ray")  # starts Ray: one at a time (tests/conftest.py)
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
 @pytest.fixture
 def run_id():
     return f"raytest-{uuid.uuid4().hex[:8]}"
