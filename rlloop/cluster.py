@@ -165,6 +165,14 @@ class Cluster:
         timeout = self.cfg.cluster.actor_start_timeout_s if start else self.cfg.cluster.actor_timeout_s
         try:
             return ray.get(refs, timeout=timeout)
+        except ray.exceptions.RayTaskError as e:
+            if not start:
+                raise
+            # An actor that cannot start is the host's or the config's doing (a sync.dir it cannot create, a model it
+            # cannot load): one line that says what, not a remote traceback.
+            role = "rollout" if workers[0] in self.engines else "trainer"
+            why = f"{type(e.cause).__name__}: {e.cause}"
+            raise ClusterError(f"a {role} actor could not start: {method}() raised {why}") from None
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
             role = "rollout" if workers[0] in self.engines else "trainer"
             error = ClusterError if role == "rollout" else TrainerDied

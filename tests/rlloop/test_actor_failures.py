@@ -1,6 +1,7 @@
-"""An engine that dies is rebuilt in place whichever of the driver's calls finds it dead, and the run goes on: the
-calls and settings that the end-to-end fault tests (tests/e2e/test_tiny_run.py, split engine and trainer, shm) do not
-reach. The engine is killed with `ray.kill`, as a SIGKILL would."""
+"""What the driver does with an actor that fails: an engine that dies is rebuilt in place whichever of the driver's
+calls finds it dead, and the run goes on (the calls and settings that the end-to-end fault tests in
+tests/e2e/test_tiny_run.py, split engine and trainer through shm, do not reach; the engine is killed with `ray.kill`,
+as a SIGKILL would); an actor that cannot start is one clear error."""
 
 from pathlib import Path
 
@@ -10,6 +11,7 @@ ray = pytest.importorskip("ray")
 
 from rlloop.cluster import Cluster  # noqa: E402
 from rlloop.config import load_config  # noqa: E402
+from rlloop.errors import ClusterError  # noqa: E402
 from rollout import SamplingParams  # noqa: E402
 from trainer import TrainBatch  # noqa: E402
 
@@ -55,3 +57,13 @@ def test_a_colocated_engine_found_dead_by_its_sleep_or_wake_is_rebuilt(ray_clust
         assert cluster.generate([PROMPT], 2, SHORT)[0][0].weight_version == 1
     finally:
         cluster.close()
+
+
+def test_an_actor_that_cannot_start_is_one_cluster_error_naming_why(ray_cluster, tmp_path):
+    """A sync.dir that cannot be made (here a file's path) fails the trainer's setup: a ClusterError that says which
+    actor, which call and the OSError, where a remote traceback came through before."""
+    (tmp_path / "file").touch()
+    cfg = load_config(TINY, ["sync.transport=disk", f"sync.dir={tmp_path / 'file'}", f"run.dir={tmp_path / 'run'}"])
+    why = r"a trainer actor could not start: setup\(\) raised NotADirectoryError: .*file"
+    with pytest.raises(ClusterError, match=why):
+        Cluster(cfg, cfg.run_dir)
