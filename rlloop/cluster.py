@@ -227,9 +227,14 @@ class Cluster:
         return completions, merge_stats({e: stats for (e, _), (_, stats) in zip(calls, results)})
 
     def _call_engines(self, method: str) -> list:
-        """`method()` on every engine at once; one that died (or hung) is rebuilt and called again."""
+        """`method()` on every engine at once; one that died (or hung) is rebuilt and called again. Without Ray, in
+        turn, each under its lock (a generation may be running on it from the rollout thread)."""
         if not self.remote:
-            return self._call_all(self.engines, method, [()] * len(self.engines))
+            results = []
+            for lock, engine in zip(self._engine_locks, self.engines):
+                with lock:
+                    results.append(getattr(engine, method)())
+            return results
         refs = [getattr(engine, method).remote() for engine in self.engines]
         return [self._engine_result(e, ref, method, ()) for e, ref in enumerate(refs)]
 
@@ -328,14 +333,7 @@ class Cluster:
         engine 0's receiver metrics plus each engine's version."""
         if self.cfg.cluster.colocate:  # the engines' turn: their cache and weights come back before they load
             self._call_engines("wake")
-        if self.remote:
-            refs = [engine.pull_weights.remote() for engine in self.engines]
-            pulled = [self._engine_result(e, ref, "pull_weights", ()) for e, ref in enumerate(refs)]
-        else:
-            pulled = []
-            for lock, engine in zip(self._engine_locks, self.engines):
-                with lock:
-                    pulled.append(engine.pull_weights())
+        pulled = self._call_engines("pull_weights")
         out = dict(pulled[0]) if pulled else {}
         if len(pulled) > 1:
             out |= {f"rollout/engine_{e}/version": m["sync/rollout_version"] for e, m in enumerate(pulled)}
