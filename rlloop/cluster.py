@@ -198,13 +198,25 @@ class Cluster:
             freeze_heap()
         return warm[0] if warm else {}  # the same programs everywhere
 
-    def generate(self, prompts: list[list[int]], n: int, sampling, in_flight_updates: bool = False):
+    def generate(
+        self, prompts: list[list[int]], n: int, sampling, in_flight_updates: bool = False, profile: str | None = None
+    ):
         """`n` completions per prompt, ordered as one engine returns them, and merged stats. Prompts go to the engine
         with the least pending work (longest first), so concurrent calls (eval during async generation) balance too;
-        engine i > 0 samples with seed mix_seed(seed, i), so shares never repeat each other's random streams."""
+        engine i > 0 samples with seed mix_seed(seed, i), so shares never repeat each other's random streams. With
+        `profile` (a directory), engine i traces its share into `profile`/engine{i}."""
         shares = self._assign(prompts, n, sampling.max_new_tokens)
         calls = [(e, idx) for e, idx in enumerate(shares) if idx]
-        args = [([prompts[i] for i in idx], n, _share_sampling(sampling, e), in_flight_updates) for e, idx in calls]
+        args = [
+            (
+                [prompts[i] for i in idx],
+                n,
+                _share_sampling(sampling, e),
+                in_flight_updates,
+                traced(profile, f"engine{e}"),
+            )
+            for e, idx in calls
+        ]
         try:
             if self.remote:
                 refs = [self.engines[e].generate.remote(*a) for (e, _), a in zip(calls, args)]
@@ -291,14 +303,17 @@ class Cluster:
                 self._pending[e] += (len(prompts[i]) + max_new) * n
         return [sorted(s) for s in shares]
 
-    def start_train_step(self, batch, publish: int | None = None) -> Callable[[], dict[str, float]]:
+    def start_train_step(
+        self, batch, publish: int | None = None, profile: str | None = None
+    ) -> Callable[[], dict[str, float]]:
         """Queue one train step on every rank, behind any step still running there; with `publish`, rank 0 then
         publishes the new weights as that version (if the step changed them), queued behind the step so that it costs
-        no round trip of its own. The returned function waits for the step's metrics."""
+        no round trip of its own; with `profile` (a directory), rank r traces its step into `profile`/trainer_rank{r}.
+        The returned function waits for the step's metrics."""
         from trainer import shard_batch
 
         world = len(self.trainers)
-        shards = [(shard_batch(batch, r, world),) for r in range(world)]
+        shards = [(shard_batch(batch, r, world), traced(profile, f"trainer_rank{r}")) for r in range(world)]
         freed = {}
         if self.cfg.cluster.colocate:  # the trainer's turn on the shared chips: the engines make room first
             slept = self._call_engines("sleep")
@@ -369,6 +384,10 @@ class Cluster:
             ray.util.remove_placement_group(self.pg)
         if self.owns_ray and ray.is_initialized():
             ray.shutdown()
+
+
+def traced(profile: str | None, worker: str) -> str | None:
+    return None if profile is None else str(Path(profile) / worker)
 
 
 def _share_sampling(sampling, engine: int):

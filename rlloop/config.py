@@ -66,6 +66,15 @@ class RunSection(Section):
     # trainer; train-only trains on the rollouts a run saved (`replay`: its rollouts/ directory) with no engine.
     debug: Literal["off", "rollout-only", "train-only"] = "off"
     replay: str | None = None
+    # Steps whose generation and training the engines (JAX's profiler) and trainer ranks (torch's) record into
+    # run_dir/profile/ (rlloop/profiling.py); pick ones after the first, whose compiles are done.
+    profile_steps: list[PositiveInt] = []
+
+    @model_validator(mode="after")
+    def _profile_within_run(self) -> RunSection:
+        if self.profile_steps and max(self.profile_steps) > self.steps:
+            raise ValueError(f"profile_steps {self.profile_steps} go past steps={self.steps}")
+        return self
 
 
 class ModelSection(Section):

@@ -39,6 +39,8 @@ def describe(err: dict, root: type[BaseModel], prefix: str = "") -> str:
         return f"{loc}: required key is missing"
     got, msg = err.get("input"), err["msg"].removeprefix("Value error, ")
     shown = isinstance(got, (str, int, float, list, tuple)) or got is None
-    # A section-level check (loc empty) gets the whole section as input: nothing worth echoing.
-    suffix = f", got {got!r}" if shown else (", got a mapping" if isinstance(got, dict) and loc else "")
+    # A section's own check (a value_error at the section's path, or at no path) gets the whole section as input:
+    # nothing worth echoing; a mapping where a value belongs is worth saying.
+    mapping = isinstance(got, dict) and loc and err["type"] != "value_error"
+    suffix = f", got {got!r}" if shown else (", got a mapping" if mapping else "")
     return (f"{loc}: " if loc else "") + msg + suffix

@@ -19,6 +19,7 @@ from rlloop.cluster import Cluster
 from rlloop.config import Config, to_yaml
 from rlloop.data import Inputs, load_inputs
 from rlloop.errors import TrainerDied
+from rlloop.profiling import profile_dir
 from rlloop.ray_session import ray_session
 from rlloop.rollout_manager import RolloutManager
 from rlloop.schedules import rollout_schedule
@@ -121,7 +122,9 @@ def start_training(cfg: Config, cluster: Cluster, step: int, samples):
     mode's engines load them now, the async modes' before (async) or while (fully_async) they generate. A step that
     applied no update (non-finite) publishes nothing, nor does --debug train-only, which has no engine. Returns the
     wait for its metrics, which counts `queued` seconds of the driver's in queueing as training."""
-    training = cluster.start_train_step(samples.to_train_batch(), publish=step if cluster.engines else None)
+    training = cluster.start_train_step(
+        samples.to_train_batch(), publish=step if cluster.engines else None, profile=profile_dir(cfg, step)
+    )
 
     def wait(queued: float) -> dict[str, float]:
         t0 = time.perf_counter()

@@ -21,6 +21,7 @@ from rlloop.advantages import group_advantages, overlong_penalty, zero_std_group
 from rlloop.config import Config
 from rlloop.data import Prompt, PromptData
 from rlloop.model import stop_token_ids
+from rlloop.profiling import profile_dir
 from rlloop.rewards import RewardScorer
 from rollout import Completion, SamplingParams, mix_seed
 
@@ -110,19 +111,29 @@ class RolloutManager:
             ignore_eos=r.ignore_eos,
         )
 
-    def generate(self, prompts: list[Prompt], n: int, sampling: SamplingParams, in_flight: bool = False) -> Generation:
-        completions, stats = self.cluster.generate([p.token_ids for p in prompts], n, sampling, in_flight)
+    def generate(
+        self,
+        prompts: list[Prompt],
+        n: int,
+        sampling: SamplingParams,
+        in_flight: bool = False,
+        profile: str | None = None,
+    ) -> Generation:
+        completions, stats = self.cluster.generate([p.token_ids for p in prompts], n, sampling, in_flight, profile)
         with self._scoring:  # the async loop modes score from two threads (the rollout thread and eval)
             texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
             answers = [prompts[c.prompt_index].answer for c in completions]
             rewards = np.asarray(self.scorer.score(texts, answers), np.float32)
         return Generation(completions, texts, rewards, stats)
 
-    def groups(self, prompts: list[Prompt], seed: int, in_flight: bool = False) -> tuple[list[Group], dict]:
-        """G scored samples of each prompt, as groups, and the generation's stats (wall seconds included)."""
+    def groups(
+        self, prompts: list[Prompt], seed: int, in_flight: bool = False, profile: str | None = None
+    ) -> tuple[list[Group], dict]:
+        """G scored samples of each prompt, as groups, and the generation's stats (wall seconds included); with
+        `profile`, the engines trace the generation there."""
         g = self.cfg.rollout.group_size
         t0 = time.perf_counter()
-        gen = self.generate(prompts, g, self.sampling(seed), in_flight)
+        gen = self.generate(prompts, g, self.sampling(seed), in_flight, profile)
         stats = {**gen.stats, "wall_s": time.perf_counter() - t0}
         groups = [
             Group(
@@ -145,7 +156,8 @@ class RolloutManager:
         for round_ in range(cfg.grpo.max_sampling_rounds if cfg.grpo.dynamic_sampling else 1):
             prompts = self.data.next_batch(top_up(want, len(kept), drawn))
             drawn += len(prompts)
-            groups, stats = self.groups(prompts, sampling_seed(cfg.run.seed, step, round_))
+            seed = sampling_seed(cfg.run.seed, step, round_)
+            groups, stats = self.groups(prompts, seed, profile=profile_dir(cfg, step))
             tally.add(groups, stats)
             kept += [grp for grp in groups if not (cfg.grpo.dynamic_sampling and grp.zero_std)]
             if len(kept) >= want:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from rlloop.config import LoopSection
 from rlloop.data import DataError
+from rlloop.profiling import profile_dir
 from rlloop.rollout_manager import Group, RolloutManager, RolloutTally, StepRollout, sampling_seed
 from rlloop.tracking import rollouts_file
 
@@ -120,6 +121,7 @@ class FullyAsyncRollout:
         self.manager, self.max_staleness = manager, loop.max_staleness if trains else math.inf
         self.want = manager.cfg.rollout.prompts_per_step
         self.version = start  # the newest weight version trained or seen on a sample
+        self.first = start + 1  # the first step this run trains
         self.asking = start + 1  # the step whose batch `next` takes now or next
         self.starving = False  # `next` waits on an empty buffer: a chunk starts whatever its staleness
         self.buffer: deque[Group] = deque()
@@ -145,7 +147,9 @@ class FullyAsyncRollout:
                     self.in_flight_cursor = self.manager.data.state_dict()
                     prompts = self.manager.data.next_batch(self.want)
                 chunk += 1
-                groups, stats = self.manager.groups(prompts, sampling_seed(cfg.run.seed, -chunk), True)
+                # the chunk step `first + chunk - 1` takes, unless groups were dropped (rlloop/profiling.py)
+                profile = profile_dir(cfg, self.first + chunk - 1)
+                groups, stats = self.manager.groups(prompts, sampling_seed(cfg.run.seed, -chunk), True, profile)
                 with self.cond:
                     self.tally.add(groups, stats)
                     self.version = max([self.version] + [c.last_weight_version for g in groups for c in g.completions])

@@ -14,6 +14,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from rlloop.profiling import jax_trace, torch_trace
 from rollout import EngineConfig
 from trainer import TrainerConfig
 
@@ -134,6 +135,7 @@ class RolloutWorker:
         if backend == "jax":
             use_compile_cache(compile_cache_dir)
         self.engine = make_engine(backend, engine, device=device)
+        self.trace = jax_trace if backend == "jax" else torch_trace
         self.receiver = sync.receiver()
         self.version = 0
         self._polled_at = float("-inf")  # when _poll_in_flight last looked
@@ -145,14 +147,16 @@ class RolloutWorker:
         return seconds
 
     def generate(
-        self, prompts: list[list[int]], n: int, sampling, in_flight_updates: bool = False
+        self, prompts: list[list[int]], n: int, sampling, in_flight_updates: bool = False, profile: str | None = None
     ) -> tuple[list, dict]:
         """Completions and the engine's stats (plus `busy_s`, this call's wall time in the actor). With
-        `in_flight_updates`, newly pushed weights are loaded between decode dispatches (fully async RL)."""
+        `in_flight_updates`, newly pushed weights are loaded between decode dispatches (fully async RL); with
+        `profile`, the call is traced there (rlloop/profiling.py)."""
         t0 = time.perf_counter()
         self._polled_at = float("-inf")  # the first dispatch always looks: a version waiting now starts every row
         hook = self._poll_in_flight if in_flight_updates else None
-        completions = self.engine.generate(prompts, n, sampling, between_dispatches=hook)
+        with self.trace(profile):
+            completions = self.engine.generate(prompts, n, sampling, between_dispatches=hook)
         return completions, {**self.engine.stats(), "busy_s": time.perf_counter() - t0}
 
     def _poll_in_flight(self) -> None:
@@ -235,10 +239,12 @@ class TrainerWorker:
             self.sender = self.sync.sender()
         freeze_heap()
 
-    def train_step(self, batch) -> dict[str, float]:
+    def train_step(self, batch, profile: str | None = None) -> dict[str, float]:
+        """One optimizer step on this rank's share of the batch; with `profile`, traced there (rlloop/profiling.py)."""
         t0 = time.perf_counter()
         self.updated = False  # until this step has changed the weights: a step that raises publishes nothing either
-        metrics = self.trainer.train_step(batch)
+        with torch_trace(profile):
+            metrics = self.trainer.train_step(batch)
         self.steps += 1
         self.updated = metrics["train/skipped_steps"] < metrics["train/minibatches"]
         if self.steps == 1:

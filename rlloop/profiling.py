@@ -1,0 +1,91 @@
+"""`run.profile_steps`: the chosen steps' generation and training recorded by each framework's own profiler.
+
+For a step in `run.profile_steps`, `run_dir/profile/step_N/` gets
+- `engine{e}/`: JAX's profiler over that engine's generate calls for the step (`plugins/profile/<time>/` with a
+  `*.xplane.pb` for TensorBoard / XProf and a `perfetto_trace.json.gz` for ui.perfetto.dev); a `transformers` engine
+  writes torch's files instead, as below;
+- `trainer_rank{r}.json`: torch's profiler over that rank's train step, a Chrome trace (Perfetto, chrome://tracing),
+  and `trainer_rank{r}.txt`, its ops ranked by their own time.
+
+The paths are plain strings so that the workers, which may run on other nodes of a Ray cluster, write where the
+checkpoints go. In `loop.mode: fully_async` generation runs in chunks, not steps: step N's is the N-th chunk after the
+start, the one that step takes unless groups were dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the workers use the tracers alone
+    from rlloop.config import Config
+
+log = logging.getLogger(__name__)
+
+TOP_OPS = 40  # rows of the .txt summary
+
+
+def profile_dir(cfg: Config, step: int) -> str | None:
+    """Where step `step`'s traces go, or None when it is not one to profile."""
+    return str(cfg.run_dir / "profile" / f"step_{step:06d}") if step in cfg.run.profile_steps else None
+
+
+# Each profiler records one thing at a time per process: JAX's raises on a second trace, and two of torch's at once
+# (an engine and a trainer in one process, `cluster.use_ray: false`, async modes) crashed the process.
+_JAX_BUSY, _TORCH_BUSY = threading.Lock(), threading.Lock()
+
+
+@contextlib.contextmanager
+def _alone(busy: threading.Lock, path: str):
+    """Whether `path` may be traced: not while this process traces something else with the same profiler (then
+    the call runs untraced, with a warning)."""
+    if not busy.acquire(blocking=False):
+        log.warning("not profiled: %s (this process's profiler is recording another call)", path)
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        busy.release()
+
+
+@contextlib.contextmanager
+def jax_trace(path: str | None):
+    """JAX's profiler into the directory `path` (nothing when None)."""
+    if path is None:
+        yield
+        return
+    import jax
+
+    with _alone(_JAX_BUSY, path) as alone:
+        if not alone:
+            yield
+            return
+        with jax.profiler.trace(path, create_perfetto_trace=True):
+            yield
+
+
+@contextlib.contextmanager
+def torch_trace(path: str | None):
+    """torch's profiler (CPU, and CUDA where there is one): `path`.json, a Chrome trace, and `path`.txt, the ops
+    by self time (nothing when None)."""
+    if path is None:
+        yield
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with _alone(_TORCH_BUSY, path) as alone:
+        if not alone:
+            yield
+            return
+        with profile(activities=activities) as prof:
+            yield
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(f"{path}.json")
+    by = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    Path(f"{path}.txt").write_text(prof.key_averages().table(sort_by=by, row_limit=TOP_OPS) + "\n")

@@ -1,0 +1,46 @@
+"""`run.profile_steps`: the chosen steps' generation (JAX's profiler) and training (torch's) leave traces in
+run_dir/profile/, and nothing else does; a profiler busy in the same process leaves a call untraced, not crashed."""
+
+import gzip
+import json
+from pathlib import Path
+
+from rlloop.profiling import torch_trace
+from rlloop.run import main
+
+TINY = str(Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml")
+
+
+def test_a_profiled_step_leaves_the_engines_and_the_trainers_traces(tmp_path):
+    args = ["run.steps=2", "run.eval_every=0", "run.save_every=0", "rollout.prompts_per_step=4"]
+    args += ["cluster.use_ray=false", "tracking.progress=false", "run.profile_steps=[2]", f"run.dir={tmp_path}"]
+    assert main([TINY, *args]) == 0
+    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["step_000002"]
+    step = tmp_path / "profile" / "step_000002"
+
+    trace = json.loads((step / "trainer_rank0.json").read_text())
+    ops = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+    assert {"aten::mm", "Optimizer.step#AdamW.step"} <= ops  # the forward/backward and the optimizer step
+    assert "aten::mm" in (step / "trainer_rank0.txt").read_text()
+
+    (engine_trace,) = (step / "engine0").glob("plugins/profile/*/perfetto_trace.json.gz")
+    events = json.loads(gzip.decompress(engine_trace.read_bytes()))["traceEvents"]
+    programs = {e["name"] for e in events if e.get("name", "").startswith("PjitFunction(")}
+    assert {"PjitFunction(prefill_program)", "PjitFunction(decode_program)"} <= programs
+
+
+def test_a_call_traced_while_the_profiler_records_another_runs_untraced(tmp_path, caplog):
+    import torch
+
+    outer, inner = tmp_path / "outer", tmp_path / "inner"
+    with torch_trace(str(outer)):
+        with torch_trace(str(inner)):  # two torch profilers at once crashed the process
+            x = torch.ones(8, 8) @ torch.ones(8, 8)
+    assert float(x.sum()) == 512.0
+    assert Path(f"{outer}.json").is_file() and not Path(f"{inner}.json").exists()
+    assert "not profiled" in caplog.text and str(inner) in caplog.text
+
+
+def test_profile_steps_past_the_run_is_a_config_error(tmp_path, capsys):
+    assert main([TINY, f"run.dir={tmp_path}", "run.steps=3", "run.profile_steps=[2,4]"]) == 2
+    assert "run: profile_steps [2, 4] go past steps=3" in capsys.readouterr().err
