@@ -39,53 +39,63 @@ _JAX_BUSY, _TORCH_BUSY = threading.Lock(), threading.Lock()
 
 
 @contextlib.contextmanager
-def _alone(busy: threading.Lock, path: str):
-    """Whether `path` may be traced: not while this process traces something else with the same profiler (then
-    the call runs untraced, with a warning)."""
+def _traced(busy: threading.Lock, path: str | None, start, stop):
+    """Run the body traced into `path`: `start()` returns the profiler, `stop(profiler)` ends it and writes its
+    files. Untraced, with a warning, while this process's profiler records another call; a profiler that cannot
+    start or a trace that cannot be written is a warning too: profiling never fails a step."""
+    if path is None:
+        yield
+        return
     if not busy.acquire(blocking=False):
         log.warning("not profiled: %s (this process's profiler is recording another call)", path)
-        yield False
+        yield
         return
     try:
-        yield True
+        try:
+            profiler = start()
+        except Exception as e:
+            log.warning("not profiled: %s (%s: %s)", path, type(e).__name__, e)
+            yield
+            return
+        try:
+            yield
+        finally:  # a step that raised is traced too, up to where it failed
+            try:
+                stop(profiler)
+            except Exception as e:
+                log.warning("profile %s not written: %s: %s", path, type(e).__name__, e)
     finally:
         busy.release()
 
 
-@contextlib.contextmanager
 def jax_trace(path: str | None):
     """JAX's profiler into the directory `path` (nothing when None)."""
-    if path is None:
-        yield
-        return
     import jax
 
-    with _alone(_JAX_BUSY, path) as alone:
-        if not alone:
-            yield
-            return
-        with jax.profiler.trace(path, create_perfetto_trace=True):
-            yield
+    def start():
+        jax.profiler.start_trace(path, create_perfetto_trace=True)
+
+    return _traced(_JAX_BUSY, path, start, lambda _: jax.profiler.stop_trace())
 
 
-@contextlib.contextmanager
 def torch_trace(path: str | None):
     """torch's profiler (CPU, and CUDA where there is one): `path`.json, a Chrome trace, and `path`.txt, the ops
     by self time (nothing when None)."""
-    if path is None:
-        yield
-        return
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with _alone(_TORCH_BUSY, path) as alone:
-        if not alone:
-            yield
-            return
-        with profile(activities=activities) as prof:
-            yield
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(f"{path}.json")
-    by = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    Path(f"{path}.txt").write_text(prof.key_averages().table(sort_by=by, row_limit=TOP_OPS) + "\n")
+    cuda = torch.cuda.is_available()
+
+    def start():
+        profiler = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+        profiler.start()
+        return profiler
+
+    def stop(profiler):
+        profiler.stop()
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(f"{path}.json")
+        by = "self_device_time_total" if cuda else "self_cpu_time_total"
+        Path(f"{path}.txt").write_text(profiler.key_averages().table(sort_by=by, row_limit=TOP_OPS) + "\n")
+
+    return _traced(_TORCH_BUSY, path, start, stop)

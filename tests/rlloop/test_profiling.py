@@ -5,7 +5,9 @@ import gzip
 import json
 from pathlib import Path
 
-from rlloop.profiling import torch_trace
+import pytest
+
+from rlloop.profiling import jax_trace, torch_trace
 from rlloop.run import main
 
 TINY = str(Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml")
@@ -39,6 +41,17 @@ def test_a_call_traced_while_the_profiler_records_another_runs_untraced(tmp_path
     assert float(x.sum()) == 512.0
     assert Path(f"{outer}.json").is_file() and not Path(f"{inner}.json").exists()
     assert "not profiled" in caplog.text and str(inner) in caplog.text
+
+
+@pytest.mark.parametrize("trace", [jax_trace, torch_trace], ids=["jax", "torch"])
+def test_a_trace_that_cannot_be_written_is_a_warning_not_a_failed_call(tmp_path, caplog, trace):
+    import jax.numpy as jnp
+
+    (tmp_path / "a_file").write_text("")
+    with trace(str(tmp_path / "a_file" / "trace")):  # a directory cannot be made under a file
+        x = jnp.ones((8, 8)) @ jnp.ones((8, 8))
+    assert float(x.sum()) == 512.0
+    assert "a_file/trace" in caplog.text and ("not written" in caplog.text or "not profiled" in caplog.text)
 
 
 def test_profile_steps_past_the_run_is_a_config_error(tmp_path, capsys):
