@@ -168,8 +168,11 @@ class RolloutManager:
         """Shape rewards (overlong), compute group advantages and the step's rollout metrics."""
         cfg = self.cfg
         metrics = tally.metrics()
+        # the trainer taking step `step` holds version step - 1; --debug rollout-only has none, and its engines the
+        # initial weights throughout
+        holds = 0 if cfg.run.debug == "rollout-only" else step - 1
         if not groups:  # every group was uninformative: train on nothing rather than on noise
-            return StepRollout(None, metrics | rollout_metrics([], step))
+            return StepRollout(None, metrics | rollout_metrics([], holds))
         completions = [c for grp in groups for c in grp.completions]
         raw = np.concatenate([grp.rewards for grp in groups])
         lengths = np.array([len(c.token_ids) for c in completions])
@@ -185,7 +188,7 @@ class RolloutManager:
             rewards=rewards,
             advantages=group_advantages(rewards, cfg.rollout.group_size, std_scale=cfg.grpo.std_scale),
         )
-        metrics |= rollout_metrics(completions, step)
+        metrics |= rollout_metrics(completions, holds)
         metrics["rollout/groups_kept"] = len(groups)
         return StepRollout(samples, metrics)
 
@@ -276,9 +279,9 @@ class RolloutTally:
         }
 
 
-def rollout_metrics(completions: list[Completion], step: int) -> dict:
-    """Lengths, truncation and weight versions of the samples trained on at `step`. Staleness is in versions: the
-    trainer holds version step - 1, a sample started on `weight_version`."""
+def rollout_metrics(completions: list[Completion], trainer_version: int) -> dict:
+    """Lengths, truncation and weight versions of a step's samples. Staleness is in versions: the trainer that takes
+    them holds `trainer_version`, a sample started on `weight_version`."""
     if not completions:
         return {
             "rollout/response_len/mean": 0.0,
@@ -287,7 +290,7 @@ def rollout_metrics(completions: list[Completion], step: int) -> dict:
             "rollout/weight_version": -1.0,
         }
     lengths = np.array([len(c.token_ids) for c in completions])
-    staleness = np.array([step - 1 - c.weight_version for c in completions])
+    staleness = np.array([trainer_version - c.weight_version for c in completions])
     return {
         "rollout/response_len/mean": float(lengths.mean()),
         "rollout/response_len/max": float(lengths.max()),

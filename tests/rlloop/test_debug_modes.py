@@ -43,6 +43,7 @@ def test_rollout_only_generates_scores_and_saves_without_a_trainer(tmp_path, mod
     assert not (tmp_path / "checkpoints").exists()
     # the engine never got new weights: every step sampled from the initial policy
     assert {r["weight_version"] for r in saved} == {0}
+    assert [r["rollout/staleness/max"] for r in logged] == [0, 0, 0]  # no trainer is ahead of them
 
 
 def test_replay_without_train_only_is_a_config_error(tmp_path, capsys):
