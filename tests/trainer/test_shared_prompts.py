@@ -176,8 +176,10 @@ def assert_same_attention(segments: torch.Tensor, mask: torch.Tensor) -> None:
     want, want_grads = attention_and_input_grads(segments, shared_prompt_mask(segments, "sdpa", torch.float32))
     got, got_grads = attention_and_input_grads(segments, mask)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    # fp32 reassociation only: the split's backward sums its parts in another order than the dense mask's. Up to
+    # 1e-6 of the largest gradient on AVX-512 CPUs, 1.14e-6 on an AVX2-only Zen 1; a wrong mask or merge is O(1).
     for g, w in zip(got_grads, want_grads):
-        torch.testing.assert_close(g, w, atol=1e-6 * float(w.abs().max()), rtol=0)
+        torch.testing.assert_close(g, w, atol=4e-6 * float(w.abs().max()), rtol=0)
 
 
 def test_attention_in_blocks_equals_the_dense_mask():
