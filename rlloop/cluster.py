@@ -21,6 +21,7 @@ from typing import Callable
 from rlloop.config import Config
 from rlloop.errors import ClusterError, TrainerDied
 from rlloop.placement import actor_env, actor_options, check_cluster_fits, check_one_node_fits, plan_placement
+from rlloop.profiling import engine_trace, rank_trace
 from rlloop.ray_session import local_ray, start_ray
 from rlloop.workers import RolloutWorker, SyncSpec, TrainerWorker, freeze_heap
 from rollout import mix_seed
@@ -208,13 +209,7 @@ class Cluster:
         shares = self._assign(prompts, n, sampling.max_new_tokens)
         calls = [(e, idx) for e, idx in enumerate(shares) if idx]
         args = [
-            (
-                [prompts[i] for i in idx],
-                n,
-                _share_sampling(sampling, e),
-                in_flight_updates,
-                traced(profile, f"engine{e}"),
-            )
+            ([prompts[i] for i in idx], n, _share_sampling(sampling, e), in_flight_updates, engine_trace(profile, e))
             for e, idx in calls
         ]
         try:
@@ -313,7 +308,7 @@ class Cluster:
         from trainer import shard_batch
 
         world = len(self.trainers)
-        shards = [(shard_batch(batch, r, world), traced(profile, f"trainer_rank{r}")) for r in range(world)]
+        shards = [(shard_batch(batch, r, world), rank_trace(profile, r)) for r in range(world)]
         freed = {}
         if self.cfg.cluster.colocate:  # the trainer's turn on the shared chips: the engines make room first
             slept = self._call_engines("sleep")
@@ -384,10 +379,6 @@ class Cluster:
             ray.util.remove_placement_group(self.pg)
         if self.owns_ray and ray.is_initialized():
             ray.shutdown()
-
-
-def traced(profile: str | None, worker: str) -> str | None:
-    return None if profile is None else str(Path(profile) / worker)
 
 
 def _share_sampling(sampling, engine: int):

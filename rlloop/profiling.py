@@ -33,6 +33,16 @@ def profile_dir(cfg: Config, step: int) -> str | None:
     return str(cfg.run_dir / "profile" / f"step_{step:06d}") if step in cfg.run.profile_steps else None
 
 
+def engine_trace(profile: str | None, engine: int) -> str | None:
+    """Engine `engine`'s part of a step's profile directory."""
+    return None if profile is None else str(Path(profile) / f"engine{engine}")
+
+
+def rank_trace(profile: str | None, rank: int) -> str | None:
+    """Trainer rank `rank`'s part of a step's profile directory."""
+    return None if profile is None else str(Path(profile) / f"trainer_rank{rank}")
+
+
 # Each profiler records one thing at a time per process: JAX's raises on a second trace, and two of torch's at once
 # (an engine and a trainer in one process, `cluster.use_ray: false`, async modes) crashed the process.
 _JAX_BUSY, _TORCH_BUSY = threading.Lock(), threading.Lock()
