@@ -25,8 +25,8 @@ def test_a_profiled_step_leaves_the_engines_and_the_trainers_traces(tmp_path):
     assert {"aten::mm", "Optimizer.step#AdamW.step"} <= ops  # the forward/backward and the optimizer step
     assert "aten::mm" in (step / "trainer_rank0.txt").read_text()
 
-    (engine_trace,) = (step / "engine0").glob("plugins/profile/*/perfetto_trace.json.gz")
-    events = json.loads(gzip.decompress(engine_trace.read_bytes()))["traceEvents"]
+    (perfetto,) = (step / "engine0").glob("plugins/profile/*/perfetto_trace.json.gz")
+    events = json.loads(gzip.decompress(perfetto.read_bytes()))["traceEvents"]
     programs = {e["name"] for e in events if e.get("name", "").startswith("PjitFunction(")}
     assert {"PjitFunction(prefill_program)", "PjitFunction(decode_program)"} <= programs
 
