@@ -115,8 +115,12 @@ def params_from_named_arrays(
 
     def get(param: Param, name: str) -> np.ndarray:
         # Cast before transposing (a cheaper copy in bf16) and make the result contiguous for the device transfer.
-        arr = np.asarray(named[name]).astype(np_dtype, copy=False)
-        return np.ascontiguousarray(arr.T if param.transposed else arr)
+        src = np.asarray(named[name])
+        arr = src.astype(np_dtype, copy=False)
+        arr = np.ascontiguousarray(arr.T if param.transposed else arr)
+        # Never the caller's memory: a pulled version may be a view of a sync buffer that later versions overwrite
+        # (weight_sync), and on CPU device_put can keep using a host array in place.
+        return arr.copy() if np.may_share_memory(arr, src) else arr
 
     weights = build_weights(cfg, get)
     return with_head_copy(weights) if head_copy else weights
