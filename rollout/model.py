@@ -217,7 +217,8 @@ def _chunked_attention(
     data (no recompile) and the bytes read follow the longest live sequence."""
     b, n_kv, g, hd = q.shape
     dtype = q.dtype  # the activations'; the cache may hold them in fp32 (rollout.cost.cache_dtype)
-    max_len, chunk = v_cache.shape[2], DECODE_CHUNK
+    max_len = v_cache.shape[2]
+    chunk = min(DECODE_CHUNK, max_len)  # a cache shorter than a chunk is one chunk (decode_chunks counts 1)
     q = q.astype(F32) * hd**-0.5
 
     def body(i, carry):
