@@ -262,6 +262,34 @@ def test_release_frees_device_memory_and_resume_recompiles_nothing(tiny_qwen3_di
     assert compile_count() == before
 
 
+def test_loaded_weights_never_alias_the_arrays_they_came_from(tiny_qwen3_dir):
+    """weight_sync's shm receiver hands out views of a buffer that the sender's next versions overwrite, and on CPU
+    device_put may keep a host array as it is: the engine holds its own copy, so overwriting the arrays it loaded
+    changes none of its tokens."""
+    prompts = _prompts(np.random.default_rng(11), 3)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    eng = small_engine(tiny_qwen3_dir)
+    want = [c.token_ids for c in eng.generate(prompts, 1, greedy)]
+    named = {k: np.array(v) for k, v in load_safetensors_dir(str(tiny_qwen3_dir)).items()}
+    eng.load_weights(named, version=1)
+    for arr in named.values():  # the next version lands in the same memory
+        arr[...] = 0
+    assert [c.token_ids for c in eng.generate(prompts, 1, greedy)] == want
+
+
+@pytest.mark.parametrize("mode", ["chunked", "paged"])
+def test_decode_attention_on_a_cache_shorter_than_a_chunk(tiny_qwen3_dir, mode):
+    """A 64-position cache is one page and shorter than a decode chunk (128): `chunked` and `paged` read it in one
+    chunk of its own length (they failed to compile) and generate what `whole` does."""
+    prompts = _prompts(np.random.default_rng(12), 3)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+    want = small_engine(tiny_qwen3_dir, decode_attention="whole").generate(prompts, 2, sampling)
+    got = small_engine(tiny_qwen3_dir, decode_attention=mode).generate(prompts, 2, sampling)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5, rtol=0)
+
+
 def test_decode_attention_paged_chunked_and_whole_generate_the_same(tiny_qwen3_dir, hf):
     """`decode_attention` picks how a 320-position cache is held and read (CPU's rule: in 64-position pages; TPU's:
     one buffer by chunks; a GPU's: whole): the same greedy tokens, those of HF, and log-probs equal to float
