@@ -115,16 +115,16 @@ def _layer_matmul_params(cfg: ModelConfig) -> int:
     return 2 * d * cfg.q_size + 2 * d * cfg.kv_size + 3 * d * cfg.intermediate_size  # q, o; k, v; gate, up, down
 
 
-def generate_flops(cfg: ModelConfig, prefill_tokens: int, sequences: Iterable[tuple[int, int]]) -> float:
-    """FLOPs of one generate call: `prefill_tokens` prompt tokens through the layers (no LM head), then for each
-    (prompt length lp, generated k) sequence causal attention over its lp - 1 prefilled tokens and k decode tokens
-    through every matmul, the LM head included, each attending to its whole context."""
+def generate_flops(cfg: ModelConfig, prefills: Iterable[int], sequences: Iterable[tuple[int, int]]) -> float:
+    """FLOPs of one generate call: each prefill of n prompt tokens (a prompt's all but its last, once for all its
+    samples: they copy its KV) through the layers (no LM head) with causal attention, then for each (prompt length
+    lp, generated k) sequence k decode tokens through every matmul, the LM head included, each attending to its
+    whole context."""
     body = cfg.num_layers * _layer_matmul_params(cfg)
     head = cfg.vocab_size * cfg.hidden_size
     attn = 4 * cfg.num_layers * cfg.q_size
-    flops = 2.0 * body * prefill_tokens
+    flops = sum(2.0 * body * n + attn * n * (n + 1) / 2 for n in prefills)
     for lp, k in sequences:
-        flops += attn * (lp - 1) * lp / 2  # prefill of lp - 1 tokens
         flops += (2.0 * (body + head)) * k + attn * (k * lp + k * (k - 1) / 2)
     return flops
 

@@ -244,6 +244,7 @@ class JaxEngine:
             prefill_s=0.0,
             decode_s=0.0,
             prefill_tokens=0,
+            prefill_lens=[],  # tokens of each prefill, for the FLOPs
             prefill_padded=0,
             decode_rows=0,
             decode_emitted=0,
@@ -315,6 +316,7 @@ class JaxEngine:
 
     def _admit(self, adm: Admission, state: DecodeState, max_new: int, st: dict) -> None:
         """Prefill each new prompt once (all but its last token), fan its KV out, and arm the slots for decode."""
+        st["prefill_lens"] += [len(p) - 1 for _, p in adm.prefill]
         for batch in pack_prefills([(s, p[:-1]) for s, p in adm.prefill], self.prefill_buckets, self.cfg.max_batch):
             self._run_prefill(batch)
             st["prefill_tokens"] += batch.real_tokens
@@ -333,7 +335,7 @@ class JaxEngine:
     def _record_stats(self, st: dict, done: list[Completion], prompts, t_start: float, compiles_before: int) -> None:
         gen = sum(len(c.token_ids) for c in done)
         flops = cost.generate_flops(
-            self.model_cfg, st["prefill_tokens"], ((len(prompts[c.prompt_index]), len(c.token_ids)) for c in done)
+            self.model_cfg, st["prefill_lens"], ((len(prompts[c.prompt_index]), len(c.token_ids)) for c in done)
         )
         busy = st["prefill_s"] + st["decode_s"]
         wall = time.perf_counter() - t_start

@@ -166,7 +166,7 @@ def bench_trainer(path: Path, args) -> dict:
     # what generating the responses computes (the layers over every token, the LM head over the scored ones, the same
     # attention), and the backward twice that.
     mc = ModelConfig.from_dir(str(path))
-    flops = 3.0 * generate_flops(mc, rows * (args.prompt_len - 1), [(args.prompt_len, args.new_tokens)] * rows)
+    flops = 3.0 * generate_flops(mc, [args.prompt_len - 1] * rows, [(args.prompt_len, args.new_tokens)] * rows)
     return {
         "device": device,
         "step_s": seconds,

@@ -186,7 +186,7 @@ def step_work(cfg, batches, rl: dict, skip: int) -> dict:
         trained = sum(lens) + resp_mean * g * len(lens)
         train = train_flops(mc, [(lp, [resp_mean] * g) for lp in lens])
         # Each prompt prefilled once (GRPO fan-out copies its KV), then every sample decoded.
-        gen_flops = generate_flops(mc, sum(lens) - len(lens), [(lp, resp_mean) for lp in lens for _ in range(g)])
+        gen_flops = generate_flops(mc, [lp - 1 for lp in lens], [(lp, resp_mean) for lp in lens for _ in range(g)])
         # All rows decode together: one pass over the weights per decode step, each row's KV as the engine reads it.
         gen_bytes = decode_bytes(mc, itemsize, resp_max, g * len(lens), max_len, max(lens) + resp_max, kv_itemsize)
         per_step.append((trained, train, gen_flops, gen_bytes))

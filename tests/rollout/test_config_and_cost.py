@@ -112,3 +112,26 @@ def test_train_flops_are_the_matmuls_of_a_training_pass(tmp_path):
         per_pair = 3 * 4 * cfg.num_layers * cfg.q_size  # q.k and p.v, forward and backward
         causal = counted - per_pair * length * length + per_pair * length * (length + 1) / 2
         assert cost.train_flops(cfg, [(prompt, [response])]) == causal
+
+
+def test_generate_flops_count_each_prefill_once_against_the_flop_counter(tmp_path):
+    """A prefill of n tokens is the layers' matmuls and causal attention over them (torch's counter on the model's
+    forward, eager attention's square cut to the causal half); a prompt's samples share its one prefill (GRPO fan-out
+    copies its KV), so each sample after the first adds only its decode."""
+    import torch
+    import transformers
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from rollout import cost
+
+    path = make_tiny_hf_model(tmp_path / "qwen3", "qwen3")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    cfg = ModelConfig.from_dir(str(path))
+    n = 13
+    with FlopCounterMode(display=False) as counter:
+        model.model(torch.randint(3, cfg.vocab_size, (1, n)))
+    counted = sum(counter.get_flop_counts()["Global"].values())
+    per_pair = 4 * cfg.num_layers * cfg.q_size
+    assert cost.generate_flops(cfg, [n], []) == counted - per_pair * n * n + per_pair * n * (n + 1) / 2
+    one, four = (cost.generate_flops(cfg, [n], [(n + 1, 5)] * g) for g in (1, 4))
+    assert four - one == 3 * cost.generate_flops(cfg, [], [(n + 1, 5)])
