@@ -128,6 +128,12 @@ class FullyAsyncRollout:
         self.tally = RolloutTally()  # what was generated since the last batch was taken
         self.in_flight_cursor: dict | None = None
         self.dropped_stale = self.dropped_zero_std = 0
+        # DAPO's dynamic sampling: a step that has seen `max_sampling_rounds` chunks in a row keep no group (every
+        # group agreed on its reward) trains on what it has, as `collect` does after its rounds, rather than wait
+        # for ever on a policy that no longer disagrees with itself
+        grpo = manager.cfg.grpo
+        self.give_up_after = grpo.max_sampling_rounds if grpo.dynamic_sampling else math.inf
+        self.barren = 0  # chunks in a row, since `next` began to wait, that kept no group
         self.error: BaseException | None = None
         self.stopping = False
         self.cond = threading.Condition()
@@ -153,11 +159,14 @@ class FullyAsyncRollout:
                 with self.cond:
                     self.tally.add(groups, stats)
                     self.version = max([self.version] + [c.last_weight_version for g in groups for c in g.completions])
+                    kept = 0
                     for grp in groups:
                         if cfg.grpo.dynamic_sampling and grp.zero_std:
                             self.dropped_zero_std += 1
                         else:
                             self.buffer.append(grp)
+                            kept += 1
+                    self.barren = 0 if kept else self.barren + 1
                     self.in_flight_cursor = None
                     self.cond.notify_all()
         except BaseException as e:  # surfaced in the trainer's thread by next()
@@ -173,17 +182,20 @@ class FullyAsyncRollout:
         return self.starving or last_step - 1 - self.version <= self.max_staleness
 
     def next(self, step: int) -> StepRollout:
-        """The oldest `prompts_per_step` fresh groups; blocks until the producer has them."""
+        """The oldest `prompts_per_step` fresh groups; blocks until the producer has them, or with dynamic sampling
+        until `max_sampling_rounds` chunks in a row kept none (then fewer, or none: the step trains short or not)."""
         taken: list[Group] = []
         with self.cond:
-            self.asking = step
+            self.asking, self.barren = step, 0
             while len(taken) < self.want:
                 self.starving = not self.buffer
                 self.cond.notify_all()
-                self.cond.wait_for(lambda: self.buffer or self.error is not None)
+                self.cond.wait_for(lambda: self.buffer or self.error is not None or self.barren >= self.give_up_after)
                 self.starving = False
                 if self.error is not None:
                     raise self.error
+                if not self.buffer:  # dynamic sampling found nothing to learn from in its rounds
+                    break
                 grp = self.buffer.popleft()
                 self.cond.notify_all()  # room in the buffer: the producer may go on
                 if step - 1 - grp.first_version > self.max_staleness:  # the trainer holds version step - 1

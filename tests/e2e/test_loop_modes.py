@@ -88,6 +88,28 @@ def test_fully_async_generates_no_chunk_only_to_drop_it(tmp_path):
     assert max(m["rollout/staleness/max"] for m in metrics) == 1  # it still runs ahead as far as allowed
 
 
+@pytest.mark.parametrize("mode", ["sync", "fully_async"])
+def test_dynamic_sampling_on_a_policy_whose_groups_all_agree_trains_nothing_and_ends(tmp_path, mode):
+    """Every group scores the same (a saturated policy, a wrong answer key): dynamic sampling keeps none. After
+    `grpo.max_sampling_rounds` rounds (fully_async: chunks in a row) a step trains on nothing, and the run goes on to
+    its end; fully_async used to wait for a kept group for ever."""
+    overrides = [
+        f"loop.mode={mode}",
+        "grpo.dynamic_sampling=true",
+        "grpo.max_sampling_rounds=2",
+        "reward.fn=tests.rlloop.reward_fns:constant",
+        "run.steps=3",
+        "run.save_every=0",
+    ]
+    train(load_config(TINY, LOCAL + [*overrides, f"run.dir={tmp_path}"]))
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert not any("train/loss" in m for m in metrics)
+    assert metrics[-1]["rollout/raw_reward"] == 1.0
+    if mode == "fully_async":
+        assert metrics[-1]["rollout/zero_std_groups_dropped"] >= 3 * 2 * 4  # steps x rounds x prompts_per_step
+
+
 def assert_breakdown_fits(metrics: list[dict]) -> None:
     """A step's breakdown is the driver's time inside that step: no wait is counted in two steps."""
     for m in metrics:

@@ -8,6 +8,11 @@ def exact(response: str, answer: str) -> float:
     return 1.0 if response.strip() == answer else 0.0
 
 
+def constant(response: str, answer: str) -> float:
+    """Every response scores the same: no group carries a signal."""
+    return 1.0
+
+
 def raises(response: str, answer: str) -> float:
     if "boom" in response:
         raise RuntimeError("reward function failed")
