@@ -9,6 +9,8 @@ spent (then the batch trains short).
 
 from __future__ import annotations
 
+import itertools
+import logging
 import math
 import threading
 import time
@@ -24,6 +26,8 @@ from rlloop.model import stop_token_ids
 from rlloop.profiling import profile_dir
 from rlloop.rewards import RewardScorer
 from rollout import Completion, SamplingParams, mix_seed
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -173,6 +177,15 @@ class RolloutManager:
         holds = 0 if cfg.run.debug == "rollout-only" else step - 1
         if not groups:  # every group was uninformative: train on nothing rather than on noise
             return StepRollout(None, metrics | rollout_metrics([], holds))
+        if len(groups) * cfg.rollout.group_size < cfg.cluster.train_chips:
+            # a batch cut short by dynamic sampling that would leave a trainer rank without a sample
+            log.warning(
+                "step %d kept %d groups, too few for %d trainer ranks: it trains on nothing",
+                step,
+                len(groups),
+                cfg.cluster.train_chips,
+            )
+            return StepRollout(None, metrics | rollout_metrics([], holds) | {"rollout/groups_kept": len(groups)})
         completions = [c for grp in groups for c in grp.completions]
         raw = np.concatenate([grp.rewards for grp in groups])
         lengths = np.array([len(c.token_ids) for c in completions])
@@ -197,8 +210,9 @@ class RolloutManager:
         (in the async loop modes the engines may not have loaded them yet)."""
         self.cluster.pull_weights()
         data, cfg = self.eval_data, self.cfg.eval
-        n = min(len(data), cfg.max_prompts or len(data))
-        prompts = [p for p in (data.get(i) for i in range(n)) if p is not None]
+        # the first max_prompts rows that fit data.max_prompt_len (load_inputs checked that some do)
+        fitting = filter(None, map(data.get, range(len(data))))
+        prompts = list(itertools.islice(fitting, cfg.max_prompts or len(data)))
         gen = self.generate(prompts, cfg.samples, self.sampling(seed=self.cfg.run.seed, temperature=cfg.temperature))
         return {f"eval/{self.eval_name}": float((gen.rewards > 0).mean())}
 

@@ -1,5 +1,6 @@
 """RolloutManager.collect on the real tiny model: grouping, DAPO dynamic sampling, overlong shaping, the train batch."""
 
+import json
 from contextlib import closing
 from pathlib import Path
 
@@ -11,9 +12,10 @@ from rlloop.advantages import group_advantages
 from rlloop.cluster import Cluster
 from rlloop.config import load_config
 from rlloop.data import load_datasets
-from rlloop.rollout_manager import RolloutManager, sampling_seed, top_up
+from rlloop.rollout_manager import RolloutManager, RolloutTally, sampling_seed, top_up
 
-TINY = str(Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml")
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "examples" / "grpo_dapo_tiny.yaml")
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +71,38 @@ def test_dynamic_sampling_keeps_only_informative_groups(setup):
     assert len(groups) == metrics["rollout/groups_kept"] <= 12
     assert all(g.std() > 0 for g in groups)
     assert 0 < metrics["rollout/zero_std_ratio"] < 1  # some groups were dropped, and some kept
+
+
+def test_a_short_batch_too_small_for_the_trainer_ranks_trains_nothing(setup):
+    """Dynamic sampling may keep fewer samples than there are trainer ranks (2-sample groups, 4 ranks): each rank
+    needs one, so the step trains on nothing rather than fail the run; one more group is enough."""
+    cluster, tok = setup
+    overrides = ["rollout.backend=hf", "cluster.use_ray=true", "cluster.train_chips=4", "rollout.group_size=2"]
+    cfg = load_config(TINY, [*overrides, "rollout.prompts_per_step=4", "grpo.dynamic_sampling=true"])
+    data, _ = load_datasets(cfg, tok)
+    with closing(RolloutManager(cfg, cluster, tok, data)) as rollout:
+        groups, stats = rollout.groups(data.next_batch(2), seed=3)
+        tally = RolloutTally()
+        tally.add(groups, stats)
+        short = rollout.batch(1, groups[:1], tally)
+        assert short.samples is None and short.metrics["rollout/groups_kept"] == 1
+        assert len(rollout.batch(1, groups, tally).samples.completions) == 4
+
+
+def test_evaluation_takes_the_first_max_prompts_that_fit(setup, tmp_path):
+    """Eval rows longer than data.max_prompt_len are skipped, not counted against eval.max_prompts: with the first
+    two rows too long, the evaluation still scores two prompts (it had none, and failed, before)."""
+    cluster, tok = setup
+    rows = [json.loads(line) for line in (ROOT / "rlloop/assets/tiny/data/eval.jsonl").read_text().splitlines()[:4]]
+    for row in rows[:2]:
+        row["prompt"][0]["content"] *= 4  # > 128 characters: longer than the tiny recipe's max_prompt_len
+    path = tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(TINY, ["rollout.backend=hf", "cluster.use_ray=false", f"eval.path={path}", "eval.max_prompts=2"])
+    data, eval_data = load_datasets(cfg, tok)
+    with closing(RolloutManager(cfg, cluster, tok, data, eval_data)) as rollout:
+        score = rollout.evaluate()[f"eval/{cfg.eval.name}"]
+    assert eval_data.dropped == 2 and score in {k / (2 * cfg.eval.samples) for k in range(2 * cfg.eval.samples + 1)}
 
 
 def test_overlong_shaping_penalises_truncated_responses(setup):
