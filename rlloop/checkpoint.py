@@ -71,6 +71,17 @@ def verify(ckpt: Path) -> str | None:
     return None
 
 
+def checkpoint_marks(run_dir: Path) -> frozenset[tuple[str, int, int]]:
+    """Each completed checkpoint's name and its state file's inode and write time: what tells the checkpoints a run
+    wrote from an earlier run's in the same directory. A save may reuse a name, but it writes the new state file
+    while the old one still exists, so never under the old inode."""
+    marks = set()
+    for p in _completed(run_dir):
+        st = (p / "state.json").stat()
+        marks.add((p.name, st.st_ino, st.st_mtime_ns))
+    return frozenset(marks)
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest intact checkpoint; each newer one that fails `verify` is skipped with a warning naming it."""
     completed = _completed(run_dir)

@@ -14,7 +14,7 @@ import time
 from contextlib import ExitStack, closing, contextmanager
 from pathlib import Path
 
-from rlloop.checkpoint import latest_checkpoint, load_state, save_checkpoint
+from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, load_state, save_checkpoint
 from rlloop.cluster import Cluster
 from rlloop.config import Config, to_yaml
 from rlloop.data import Inputs, load_inputs
@@ -30,13 +30,17 @@ log = logging.getLogger(__name__)
 
 def train(cfg: Config, resume: bool = False, inputs: Inputs | None = None) -> Path:
     """Run (or with `resume`, continue) the recipe on `inputs` (loaded and checked here unless the caller has).
-    A trainer rank that dies costs a rebuild of the cluster from the last checkpoint, with the same data order, up
-    to `run.max_restarts` times (engines heal in place)."""
+    A trainer rank that dies costs a rebuild of the cluster from the run's last checkpoint (from the start before
+    its first), with the same data order, up to `run.max_restarts` times (engines heal in place)."""
     inputs = inputs or load_inputs(cfg)
+    # A fresh run in a directory that holds an earlier run's checkpoints leaves them until its first save; a rebuild
+    # before then starts over, not from the earlier run's step.
+    inherited = frozenset() if resume else checkpoint_marks(cfg.run_dir)
     with ray_session(cfg):  # a rebuilt cluster's actors start in the same Ray
         for restarts in range(cfg.run.max_restarts + 1):
+            own = resume or bool(checkpoint_marks(cfg.run_dir) - inherited)
             try:
-                return run_recipe(cfg, inputs, resume=resume or restarts > 0, trainer_restarts=restarts)
+                return run_recipe(cfg, inputs, resume=own, trainer_restarts=restarts)
             except TrainerDied as e:
                 if restarts == cfg.run.max_restarts:
                     raise
@@ -51,7 +55,8 @@ def run_recipe(cfg: Config, inputs: Inputs, resume: bool = False, trainer_restar
     tokenizer, data, eval_data = inputs.tokenizer, inputs.data, inputs.eval_data
     inputs.rewind()  # a checkpoint, if any, sets the position below
     ckpt = latest_checkpoint(run_dir) if resume else None
-    start = load_state(ckpt)["step"] if ckpt else 0
+    state = load_state(ckpt) if ckpt else {"step": 0}
+    start = state["step"]
     with ExitStack() as stack:  # closed in reverse: rollout thread, tracker, reward workers, cluster (actors, Ray)
         cluster = stack.enter_context(closing(Cluster(cfg, run_dir)))
         rollout = stack.enter_context(closing(RolloutManager(cfg, cluster, tokenizer, data, eval_data)))
@@ -60,7 +65,8 @@ def run_recipe(cfg: Config, inputs: Inputs, resume: bool = False, trainer_restar
         (run_dir / "warmup.json").write_text(json.dumps(cluster.warmup(), indent=1))
         if ckpt:  # model, optimizer and RNG from the checkpoint; the engine gets those weights; same data order
             cluster.load(str(ckpt / "trainer"))
-            data.load_state_dict(load_state(ckpt)["data"])
+            if state["data"]:  # empty when --debug train-only replays saved rollouts: it draws no prompts
+                data.load_state_dict(state["data"])
             cluster.sync_weights(version=start)
         evaluating = eval_data is not None and cfg.run.eval_every > 0 and bool(cluster.engines)
         if evaluating and start == 0:

@@ -1,13 +1,13 @@
 """Run checkpoints survive what disks and crashes do: a full disk mid-save leaves the previous checkpoint intact
 and loadable, a corrupt or truncated checkpoint is never loaded (resume takes the newest intact one and says so),
-and a fresh run in an old run's directory does not prune its own new checkpoint."""
+and a fresh run in an old run's directory does not prune its own new checkpoint, nor takes the old run's for its own."""
 
 import json
 import subprocess
 
 import pytest
 
-from rlloop.checkpoint import CheckpointError, latest_checkpoint, save_checkpoint, verify
+from rlloop.checkpoint import CheckpointError, checkpoint_marks, latest_checkpoint, save_checkpoint, verify
 from rlloop.errors import TrainerDied
 
 
@@ -90,3 +90,15 @@ def test_a_fresh_run_in_an_old_directory_keeps_its_own_checkpoints(tmp_path):
     kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert kept == ["step_000002", "step_000003"]
     assert json.loads((tmp_path / "checkpoints" / "step_000003" / "state.json").read_text())["step"] == 3
+
+
+def test_a_fresh_run_tells_its_own_checkpoints_from_an_earlier_runs(tmp_path):
+    """What `train` rebuilds a dead trainer from: before its first save a fresh run has no checkpoint of its own (the
+    earlier run's step 6 is not one), after it it has, even where its save reused the earlier run's name."""
+    for step in (2, 6):  # an earlier run
+        save_checkpoint(tmp_path, step, {}, trainer_writing(256))
+    inherited = checkpoint_marks(tmp_path)
+    assert len(inherited) == 2 and not checkpoint_marks(tmp_path) - inherited
+    save_checkpoint(tmp_path, 2, {}, trainer_writing(256))  # this run's step 2, under the old one's name
+    assert checkpoint_marks(tmp_path) - inherited
+    assert latest_checkpoint(tmp_path).name == "step_000002"  # and the earlier run's step 6 is gone

@@ -18,11 +18,13 @@ def rows(run_dir: Path) -> list[dict]:
 
 
 def test_train_only_replays_a_run_exactly(tmp_path):
+    """Across a resume too: the replay stops after step 2's checkpoint and continues from it (a replayed run's
+    checkpoint has no prompt cursor to restore)."""
     original, replay = tmp_path / "original", tmp_path / "replay"
     assert main([TINY, *COMMON, f"run.dir={original}", "tracking.save_rollouts=true"]) == 0
-    assert (
-        main([TINY, *COMMON, f"run.dir={replay}", "--debug", "train-only", "--replay", str(original / "rollouts")]) == 0
-    )
+    replaying = [TINY, *COMMON, f"run.dir={replay}", "--debug", "train-only", "--replay", str(original / "rollouts")]
+    assert main([*replaying, "run.steps=2", "run.save_every=1"]) == 0
+    assert main([*replaying, "--resume"]) == 0
     before, after = rows(original), rows(replay)
     assert [r["step"] for r in after] == [1, 2, 3]
     for key in ("train/loss", "train/grad_norm", "train/entropy", "train/logprob_abs_diff", "train/tokens"):
