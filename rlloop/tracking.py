@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import uuid
 from pathlib import Path
@@ -20,6 +21,7 @@ CURVES = [
     "perf/step_s",
     "sync/bytes",
 ]
+log = logging.getLogger(__name__)
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -45,23 +47,26 @@ class Tracker:
         kept = [m for m in read_metrics(self.path) if m["step"] <= start_step] if start_step else []
         self.path.write_text("".join(json.dumps(m) + "\n" for m in kept))
         self.file = open(self.path, "a")
-        self.wandb = self._start_wandb() if cfg.tracking.wandb else None
+        self.wandb = self._start_wandb(start_step) if cfg.tracking.wandb else None
         self.bar = None
         if cfg.tracking.progress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=cfg.run.steps, initial=start_step, desc=cfg.run.name, unit="step", dynamic_ncols=True)
 
-    def _start_wandb(self):
+    def _start_wandb(self, start_step: int):
+        """The W&B run: the one this directory's run logged to when it resumes from a checkpoint, else a new one. W&B
+        ignores a step below the last it has, so a run starting from step 0 in the old one would log nothing until it
+        passed the old run's last step."""
         import wandb
 
         mode = self.cfg.tracking.mode
         if mode == "auto":
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
         id_file = self.run_dir / "wandb_id"
-        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
+        run_id = id_file.read_text().strip() if start_step and id_file.exists() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
-        return wandb.init(
+        run = wandb.init(
             project=self.cfg.tracking.project,
             entity=self.cfg.tracking.entity,
             name=self.cfg.run.name,
@@ -71,6 +76,16 @@ class Tracker:
             mode=mode,
             config=self.cfg.model_dump(mode="json"),
         )
+        if run.step > start_step + 1:  # W&B keeps what it had and has no rewind to offer outside a preview
+            log.warning(
+                "W&B run %s already has steps up to %d: it keeps those and ignores this run's steps %d-%d; "
+                "metrics.jsonl holds the resumed run's values",
+                run_id,
+                run.step - 1,
+                start_step + 1,
+                run.step - 1,
+            )
+        return run
 
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step, **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}

@@ -72,6 +72,20 @@ def test_wandb_goes_offline_without_an_api_key(tmp_path, monkeypatch):
     assert len(runs) == 1 and (tmp_path / "wandb_id").read_text() in runs[0].name
 
 
+def test_wandb_run_is_continued_on_resume_and_new_for_a_run_from_step_0(tmp_path, monkeypatch):
+    """W&B ignores steps below the last it has: a run that starts over from step 0 in this directory (afresh, or
+    rebuilt before its first checkpoint) gets a run of its own; one resumed from a checkpoint continues its run."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    cfg = load_config(TINY, ["tracking.progress=false", "tracking.wandb=true"])
+    ids = []
+    for start in (0, 2, 0):
+        tracker = Tracker(cfg, tmp_path, start_step=start)
+        log_steps(tracker, [start + 1])
+        tracker.close()
+        ids.append((tmp_path / "wandb_id").read_text())
+    assert ids[1] == ids[0] and ids[2] != ids[0]
+
+
 def test_wandb_gets_sample_tables_and_no_secret_is_written(tmp_path, monkeypatch):
     """A real (local, 2-step) run offline: a table of the step's completions every tracking.sample_every steps, and
     the tokens in the environment appear in none of the run's files."""
