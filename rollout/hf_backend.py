@@ -106,6 +106,7 @@ class HFEngine(RolloutEngine):
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        self.resume()  # a released (colocated) model comes back to its device first, as the JAX engine's does
         # One row per sample, in (prompt_index, sample_index) order, so results come back already ordered.
         rows = [(p, s) for p in range(len(prompts)) for s in range(n)]
         start = time.perf_counter()
