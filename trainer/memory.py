@@ -1,7 +1,8 @@
 """What a trainer rank will hold, estimated before anything is allocated (imports no torch, so the driver can plan).
 
     state        parameters in the model dtype, fp32 masters (bf16 under ddp), fp32 gradients, AdamW's two fp32
-                 moments: 16 (fp32) or 18 (bf16) bytes per parameter, divided over the ranks under fsdp
+                 moments: 16 (fp32) or 18 (bf16) bytes per parameter, divided over the ranks under fsdp; with a KL
+                 term, the reference model's copy of the parameters too
     activations  what one micro-batch keeps for its backward: with gradient checkpointing each layer's input
                  (tokens x hidden) plus one layer's recomputation; without, every layer's intermediates
                  (~16 x hidden + 3 x intermediate values per token per layer, flash-style attention: nothing per
@@ -39,6 +40,8 @@ def trainer_memory(
     per_param = item + (4 if cfg.dtype != "float32" else 0) + 4 + 8  # params, masters, grads, AdamW m and v
     if sharded:
         per_param = 16  # the shards are the fp32 masters; compute-dtype copies exist one layer at a time
+    if cfg.loss.kl_coef != 0.0:  # the KL term's frozen reference model: the model's copy (fp32 shards under fsdp)
+        per_param += 4 if sharded else item
     state = params * per_param // (world_size if sharded else 1)
     tokens = cfg.micro_batch_tokens
     per_layer = tokens * (16 * hidden + 3 * intermediate) * item

@@ -340,8 +340,8 @@ class Trainer:
     # ------------------------------------------------------------------ colocation
 
     def offload(self) -> None:
-        """Move parameters, fp32 masters and AdamW state to host memory, so a colocated engine can use the
-        accelerator; `reload()` brings them back. On CPU there is nothing to move."""
+        """Move parameters (the reference model's too), fp32 masters and AdamW state to host memory, so a colocated
+        engine can use the accelerator; `reload()` brings them back. On CPU there is nothing to move."""
         self._move_state(torch.device("cpu"))
 
     def reload(self) -> None:
@@ -352,6 +352,8 @@ class Trainer:
             return
         with torch.no_grad():
             self.model.to(device)  # in place: the optimizer keeps pointing at the same Parameters
+            if self.ref_scorer is not None:  # the KL term's frozen reference copy
+                self.ref_scorer.to(device)
             for m in self.masters:
                 m.data = m.data.to(device)
             for state in self.optimizer.state.values():
@@ -375,9 +377,11 @@ class Trainer:
         return {n: to_numpy(t) for n, t in full_tensors(self.model, self.export_dtype, keep=keep)}
 
     def state_nbytes(self) -> dict[str, int]:
-        """Bytes this rank holds for parameters (and fp32 masters), gradients and AdamW state: what fsdp shards."""
+        """Bytes this rank holds for parameters (and fp32 masters, and a KL term's reference model), gradients and
+        AdamW state: what fsdp shards."""
         masters = [] if self.masters is self.params else self.masters
-        params = sum(local(p).nbytes for p in [*self.model.parameters(), *masters])
+        reference = [] if self.ref_scorer is None else list(self.ref_scorer.parameters())
+        params = sum(local(p).nbytes for p in [*self.model.parameters(), *masters, *reference])
         grads = sum(local(m.grad).nbytes for m in self.masters if m.grad is not None)
         optim = sum(  # AdamW's moments; its 0-dim step counters are left out
             local(v).nbytes

@@ -25,9 +25,10 @@ def test_the_engine_allocates_what_the_plan_says(dtype):
     assert engine.device_bytes() == plan_memory(cfg).engine["total"]  # JAX's live arrays: weights + KV cache
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_trainer_holds_the_state_the_plan_says(dtype):
-    cfg = load_config(TINY, [f"model.dtype={dtype}"])
+@pytest.mark.parametrize("dtype,kl_coef", [("float32", 0.0), ("bfloat16", 0.0), ("bfloat16", 0.05)])
+def test_the_trainer_holds_the_state_the_plan_says(dtype, kl_coef):
+    """With a KL term the trainer also holds a frozen reference copy of the model."""
+    cfg = load_config(TINY, [f"model.dtype={dtype}", f"grpo.kl_coef={kl_coef}"])
     trainer = Trainer(cfg.trainer_config())
     trainer.train_step(TrainBatch([[5, 6, 7]] * 4, [[8, 9]] * 4, [1.0, -1.0, 0.5, -0.5]))
     held = trainer.state_nbytes()  # after the step: gradients already released, so add the fp32 ones back
