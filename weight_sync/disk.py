@@ -103,11 +103,15 @@ class DiskSender(Sender):
         final = self.run_dir / f"v{manifest.version:012d}"
         tmp = self.run_dir / f".tmp-v{manifest.version:012d}-{os.getpid()}"
         tmp.mkdir()
-        fill_checksums(manifest, blobs)
-        save_file(dict(blobs), tmp / WEIGHTS)
-        body = {"manifest": asdict(manifest), "safetensors_header_xxh3": _header_checksum(tmp / WEIGHTS)}
-        (tmp / MANIFEST).write_bytes(_canonical({**body, "xxh3": checksum(_canonical(body))}))
-        os.rename(tmp, final)
+        try:
+            fill_checksums(manifest, blobs)
+            save_file(dict(blobs), tmp / WEIGHTS)
+            body = {"manifest": asdict(manifest), "safetensors_header_xxh3": _header_checksum(tmp / WEIGHTS)}
+            (tmp / MANIFEST).write_bytes(_canonical({**body, "xxh3": checksum(_canonical(body))}))
+            os.rename(tmp, final)
+        except BaseException:  # a full disk: nothing half-written stays to block the version's next try
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         for old in _versions(self.run_dir)[: -self.keep]:
             shutil.rmtree(self.run_dir / f"v{old:012d}", ignore_errors=True)
         return (final / WEIGHTS).stat().st_size + (final / MANIFEST).stat().st_size

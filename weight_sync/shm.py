@@ -153,10 +153,14 @@ class ShmSender(Sender):
         for i in (0, 1):
             segment_path(run_id, f"buf{i}").unlink(missing_ok=True)
         # Built under a temporary name, locked, then renamed into place: nobody sees an unlocked, live control file.
+        # Locked on the descriptor that creates it, before anything else: another process's remove_stale_segments
+        # must never find our file unlocked (it would take it for a dead writer's and unlink it).
         tmp = segment_path(run_id, f"ctl.{os.getpid()}.tmp")
-        self._ctl_map = _map(tmp, _CTL_SIZE, create=True)
-        self._lock_fd = os.open(tmp, os.O_RDONLY)
+        self._lock_fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)  # held for our lifetime: this is how others know we are alive
+        os.ftruncate(self._lock_fd, _CTL_SIZE)
+        self._ctl_map = mmap.mmap(self._lock_fd, _CTL_SIZE)
+        self._owner = os.getpid()  # a forked child inherits this object (and the exit hooks) but not the segments
         self._ctl = np.frombuffer(self._ctl_map, np.uint64)
         self._ctl[_PID_F] = os.getpid()
         self._ctl[_INSTANCE_F] = int.from_bytes(os.urandom(8), "little") >> 1
@@ -203,7 +207,7 @@ class ShmSender(Sender):
 
     def close(self) -> None:
         """Remove this run's segments. Safe to call twice; readers' existing views stay valid (unlinked pages)."""
-        if getattr(self, "_closed", True):
+        if getattr(self, "_closed", True) or self._owner != os.getpid():
             return
         self._closed = True
         _live_senders.discard(self)

@@ -103,6 +103,26 @@ def test_sigterm_removes_segments(run_id):
     assert _segments(run_id) == []
 
 
+def test_a_forked_child_that_is_terminated_leaves_its_parents_segments(run_id):
+    """A child forked from the writer inherits its sender and its SIGTERM and exit hooks, not its segments: when the
+    child is terminated the parent's receivers still get every version."""
+    import os
+
+    sender, receiver = make_sender("shm", run_id=run_id), make_receiver("shm", run_id=run_id)
+    with sender, receiver:
+        sender.push({"w": np.full(8, 1.0, np.float32)}, 1)
+        child = os.fork()
+        if child == 0:  # the child: killed by SIGTERM through the inherited handler, else exits
+            os.kill(os.getpid(), signal.SIGTERM)
+            os._exit(3)
+        _, status = os.waitpid(child, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+        assert f"rlloop_{run_id}_ctl" in _segments(run_id)
+        sender.push({"w": np.full(8, 2.0, np.float32)}, 2)
+        version, got = receiver.pull()
+        assert version == 2 and (got["w"] == 2.0).all()
+
+
 def test_normal_exit_without_close_removes_segments(run_id):
     proc = _start_writer(run_id, "exit")
     proc.wait(timeout=30)

@@ -203,6 +203,32 @@ def test_disk_prunes_old_versions(run_id, tmp_path):
     assert receiver.pull()[1]["w"].tolist() == [4] * 4
 
 
+def test_disk_push_that_fails_midway_leaves_nothing_and_the_version_can_be_pushed_again(run_id, tmp_path, monkeypatch):
+    """A full disk mid-write: the receiver keeps the last version, nothing half-written stays in the directory, and
+    pushing the same version again works (its leftover temporary directory blocked it)."""
+    import weight_sync.disk as disk
+
+    sender, receiver = _pair("disk", run_id, tmp_path)
+    sender.push({"w": np.full(1000, 1.0, np.float32)}, 1)
+    receiver.pull()
+
+    def write_half_then_fail(tensors, path):
+        open(path, "wb").write(b"\0" * 100)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(disk, "save_file", write_half_then_fail)
+    with pytest.raises(OSError):
+        sender.push({"w": np.full(1000, 2.0, np.float32)}, 2)
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / run_id).iterdir() if p.name.startswith((".tmp-v", "v"))) == [
+        "v000000000001"
+    ]
+    assert receiver.pull() is None  # nothing newer than what it has
+    sender.push({"w": np.full(1000, 2.0, np.float32)}, 2)
+    version, got = receiver.pull()
+    assert version == 2 and (got["w"] == 2.0).all()
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_bad_input_names_the_problem(transport, run_id, tmp_path):
     sender, receiver = _pair(transport, run_id, tmp_path)
