@@ -26,6 +26,7 @@ from rollout import EngineConfig
 from rollout.buckets import validate_buckets
 from rollout.types import DType
 from trainer import LossConfig, TrainerConfig
+from trainer.config import resolve_parallel
 
 log = logging.getLogger(__name__)
 
@@ -271,6 +272,12 @@ class Config(Section):
                 f"cluster.rollout_engines={self.cluster.rollout_engines}"
             )
         r, t, p = self.rollout, self.train, self.data.max_prompt_len
+        if t.compile == "model" and resolve_parallel(t.parallel, c.train_chips) == "fsdp":
+            raise ValueError(
+                f"train.compile=model compiles the whole decoder as one graph, but fsdp (train.parallel={t.parallel} "
+                f"with cluster.train_chips={c.train_chips}) shards it layer by layer: use train.compile=layers, or "
+                "train.parallel=ddp"
+            )
         samples, shares = r.prompts_per_step * r.group_size, c.train_chips * t.minibatches
         if samples % shares:  # ranks would get unequal shares, and optimizer steps unequal minibatches
             raise ValueError(
@@ -290,7 +297,7 @@ class Config(Section):
         ):
             try:
                 if getattr(r, f"{kind}_buckets"):
-                    validate_buckets(f"rollout.{kind}_buckets", getattr(r, f"{kind}_buckets"), limit)
+                    validate_buckets(f"rollout.{kind}_buckets", getattr(r, f"{kind}_buckets"), limit, kind == "decode")
             except ValueError as e:
                 raise ValueError(f"{e} ({why})") from None
         # The components' own checks (cross-field ones too) at load time, not in an actor minutes later.

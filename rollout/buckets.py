@@ -28,13 +28,16 @@ def default_decode_buckets(max_batch: int, smallest: int = 8) -> tuple[int, ...]
     return tuple(_powers_of_two(min(smallest, max_batch), max_batch))
 
 
-def validate_buckets(name: str, buckets: tuple[int, ...], limit: int) -> tuple[int, ...]:
-    """Sorted, deduplicated buckets; ValueError naming the field if any is non-positive or above `limit`."""
+def validate_buckets(name: str, buckets: tuple[int, ...], limit: int, ends_at_limit: bool = False) -> tuple[int, ...]:
+    """Sorted, deduplicated buckets; ValueError naming the field if any is non-positive or above `limit`, or with
+    `ends_at_limit` (decode buckets: every slot must fit a decode step) if the largest is not `limit`."""
     buckets = tuple(sorted(set(int(b) for b in buckets)))
     if not buckets or buckets[0] < 1:
         raise ValueError(f"{name} must be non-empty positive sizes, got {buckets}")
     if buckets[-1] > limit:
         raise ValueError(f"{name} has {buckets[-1]}, above its limit {limit}")
+    if ends_at_limit and buckets[-1] != limit:
+        raise ValueError(f"{name} must end at {limit}, got {list(buckets)}")
     return buckets
 
 

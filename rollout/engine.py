@@ -56,10 +56,8 @@ class JaxEngine:
             "prefill_buckets", cfg.prefill_buckets or default_prefill_buckets(cfg.max_seq_len - 1), cfg.max_seq_len - 1
         )
         self.decode_buckets = validate_buckets(
-            "decode_buckets", cfg.decode_buckets or default_decode_buckets(cfg.max_batch), cfg.max_batch
+            "decode_buckets", cfg.decode_buckets or default_decode_buckets(cfg.max_batch), cfg.max_batch, True
         )
-        if self.decode_buckets[-1] != cfg.max_batch:
-            raise ValueError(f"decode_buckets must end at max_batch={cfg.max_batch}, got {self.decode_buckets}")
         self.mesh = make_mesh(cfg.tp)
         self._itemsize = jnp.dtype(cfg.dtype).itemsize
         self.platform = self.mesh.devices.flat[0].platform  # cpu, gpu or tpu: picks the cache dtype and its reads

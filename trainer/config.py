@@ -122,3 +122,11 @@ class TrainerConfig:
         if self.pad_to_multiple_of is not None:
             return self.pad_to_multiple_of
         return BF16_CPU_PAD if self.dtype == "bfloat16" and self.device == "cpu" else 1
+
+
+def resolve_parallel(parallel: str, world_size: int) -> str:
+    """`TrainerConfig.parallel` over `world_size` ranks: `auto` is fsdp with several; one rank has nothing to shard,
+    so every mode is the plain model."""
+    if world_size == 1:
+        return "ddp"
+    return "fsdp" if parallel == "auto" else parallel

@@ -52,13 +52,6 @@ class LogprobModel(torch.nn.Module):
         return response_logprobs(self.model, mb, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
 
-def resolve_parallel(parallel: str, world_size: int) -> str:
-    """`auto` is fsdp with several ranks; one rank has nothing to shard, so every mode is the plain model."""
-    if world_size == 1:
-        return "ddp"
-    return "fsdp" if parallel == "auto" else parallel
-
-
 def compile_decoder(model: torch.nn.Module, scope: str, sharded: bool) -> None:
     """`TrainerConfig.compile`: torch.compile in place, with dynamic shapes since every batch has other lengths, each
     decoder layer (`scope` "layers": the classes HF names in `_no_split_modules`) or the whole decoder ("model"; not

@@ -23,7 +23,7 @@ import transformers
 
 from trainer import checkpoint
 from trainer.batching import MicroBatch, TrainBatch, collate, plan_micro_batches, split_minibatches, validate_batch
-from trainer.config import TrainerConfig
+from trainer.config import TrainerConfig, resolve_parallel
 from trainer.cpu_flash import use_cpu_sdpa
 from trainer.distributed import all_reduce_, all_reduce_grads_, broadcast_params_, init_distributed, resolve_device
 from trainer.logprobs import lm_head_on_tensor_cores
@@ -35,7 +35,6 @@ from trainer.parallel import (
     even_out,
     full_tensors,
     local,
-    resolve_parallel,
     shard_fsdp,
     to_numpy,
     whole,
