@@ -242,7 +242,10 @@ class Trainer:
     @torch.no_grad()
     def _score(self, scorer: LogprobModel, mbs: list[MicroBatch]) -> list[torch.Tensor]:
         padded, real = self._even_out(mbs)
-        return [scorer(mb, self.cfg.temperature)[0] for mb in padded][:real]
+        scored = [scorer(mb, self.cfg.temperature)[0] for mb in padded][:real]
+        if self.parallel == "fsdp":  # FSDP2 reshards the root unit after a backward; a forward alone leaves it
+            scorer.reshard()  # gathered: the KL reference would hold its embedding and LM head whole on every rank
+        return scored
 
     def _accumulate_gradients(
         self,
