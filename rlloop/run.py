@@ -32,6 +32,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_intermixed_args(argv)  # options may come before, between or after the overrides
 
 
+def resume_command(args: argparse.Namespace) -> str:
+    """What continues this run: the same config, overrides and debug mode, with --resume."""
+    flags = [f"--{k} {v}" for k, v in (("debug", args.debug), ("replay", args.replay)) if v]
+    return " ".join(["python -m rlloop.run", args.config, *args.overrides, *flags, "--resume"])
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM (`ray job stop`, a scheduler preempting the job, `kill`): unwound and cleaned up like Ctrl-C."""
 
@@ -156,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt as e:
         what = "terminated" if isinstance(e, Terminated) else "interrupted"
-        hint = f"python -m rlloop.run {args.config} {' '.join(args.overrides)} --resume".replace("  ", " ")
-        print(f"\n{what}; continue with: {hint}", file=sys.stderr)
+        print(f"\n{what}; continue with: {resume_command(args)}", file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130
     print(f"done: {run_dir}/metrics.jsonl, curves.png, report.md")
     return 0

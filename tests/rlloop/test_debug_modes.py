@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rlloop.run import main
+from rlloop.run import main, parse_args, resume_command
 
 TINY = str(Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml")
 COMMON = ["run.steps=3", "run.eval_every=0", "rollout.prompts_per_step=4", "cluster.use_ray=false"]
@@ -46,6 +46,14 @@ def test_rollout_only_generates_scores_and_saves_without_a_trainer(tmp_path, mod
     # the engine never got new weights: every step sampled from the initial policy
     assert {r["weight_version"] for r in saved} == {0}
     assert [r["rollout/staleness/max"] for r in logged] == [0, 0, 0]  # no trainer is ahead of them
+
+
+def test_the_resume_command_printed_on_ctrl_c_keeps_the_debug_mode():
+    """Without its --debug and --replay, the printed command would resume a replayed run as a normal one."""
+    argv = [TINY, "run.steps=3", "--debug", "train-only", "--replay", "runs/a/rollouts"]
+    command = resume_command(parse_args(argv))
+    assert command == f"python -m rlloop.run {TINY} run.steps=3 --debug train-only --replay runs/a/rollouts --resume"
+    assert parse_args(command.split()[3:]).replay == "runs/a/rollouts"
 
 
 def test_replay_without_train_only_is_a_config_error(tmp_path, capsys):
