@@ -33,8 +33,17 @@ if mode == "midpush":
         time.sleep(120)
     shm.encode_payload_into = write_half_then_hang
     sender.push({"w": np.full(1 << 16, 2.0, np.float32)}, 2)
+if mode == "fork":  # a child inherits the sender and its SIGTERM and exit hooks; it is terminated
+    import os, signal
+    child = os.fork()
+    if child == 0:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os._exit(3)
+    _, status = os.waitpid(child, 0)
+    if not os.WIFSIGNALED(status):
+        sys.exit(f"the child was not terminated: status {status}")
 print("ready", flush=True)
-if mode == "wait":
+if mode in ("wait", "fork"):
     time.sleep(120)
 """
 
@@ -103,27 +112,19 @@ def test_sigterm_removes_segments(run_id):
     assert _segments(run_id) == []
 
 
-def test_a_forked_child_that_exits_leaves_its_parents_segments(run_id):
-    """A child forked from the writer inherits its sender and the SIGTERM and exit hooks that close every sender, not
-    its segments: after the child has run them the parent's receivers still get every version."""
-    import os
-
-    from weight_sync.shm import _close_all_senders
-
-    sender, receiver = make_sender("shm", run_id=run_id), make_receiver("shm", run_id=run_id)
-    with sender, receiver:
-        sender.push({"w": np.full(8, 1.0, np.float32)}, 1)
-        child = os.fork()
-        if child == 0:  # what the child's hooks run when it is terminated or exits; never back into pytest
-            try:
-                _close_all_senders()
-            finally:
-                os._exit(0)
-        os.waitpid(child, 0)
-        assert f"rlloop_{run_id}_ctl" in _segments(run_id)
-        sender.push({"w": np.full(8, 2.0, np.float32)}, 2)
-        version, got = receiver.pull()
-        assert version == 2 and (got["w"] == 2.0).all()
+def test_a_forked_child_that_is_terminated_leaves_its_parents_segments(run_id):
+    """A child forked from the writer inherits its sender and the hooks that close every sender on SIGTERM and at
+    exit, not its segments: after the child is terminated the writer's version is still there to pull."""
+    proc = _start_writer(run_id, "fork")
+    try:
+        assert _segments(run_id) == [f"rlloop_{run_id}_buf0", f"rlloop_{run_id}_ctl"]
+        with make_receiver("shm", run_id=run_id) as receiver:
+            version, got = receiver.pull()
+            assert version == 1 and (got["w"] == 1.0).all()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert _segments(run_id) == []  # the writer's own SIGTERM still removes them
 
 
 def test_normal_exit_without_close_removes_segments(run_id):
