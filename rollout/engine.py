@@ -259,6 +259,8 @@ class JaxEngine:
                 t0 = time.perf_counter()
                 self._admit(adm, state, max_new, st)
                 started_at[adm.slots] = self.weight_version
+                for src, dst in adm.copies:  # a copied prompt KV is as old as its source's: the version it started on
+                    started_at[dst] = started_at[src]
                 jax.block_until_ready(self.cache)
                 st["prefill_s"] += time.perf_counter() - t0
             b = pick_bucket(self.decode_buckets, sched.extent())

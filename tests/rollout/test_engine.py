@@ -177,6 +177,27 @@ def test_weights_loaded_between_dispatches_apply_in_flight(tmp_path, tiny_qwen3_
         assert c.token_ids == _hf_greedy(new, prompts[c.prompt_index], 12, eos=None)
 
 
+def test_a_sample_that_copies_a_running_siblings_prompt_kv_records_the_version_that_computed_it(tiny_qwen3_dir):
+    """Two slots, three samples of one prompt: sample 0 stops at its first token, so sample 2 takes its slot while
+    sample 1 still runs, after version 7 has been loaded, and copies sample 1's prompt KV, which version 3 computed.
+    Its weight_version (where staleness is counted from) is 3, not 7; its last token is 7's."""
+    eng = small_engine(tiny_qwen3_dir, max_batch=2, decode_buckets=(2,), steps_per_dispatch=1)
+    named = load_safetensors_dir(str(tiny_qwen3_dir))
+    eng.load_weights(named, version=3)
+    calls = []
+
+    def load_version_7_before_the_second_dispatch():
+        calls.append(len(calls))
+        if len(calls) == 2:
+            eng.load_weights(named, version=7)
+
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, stop_token_ids=list(range(0, 128, 9)), seed=0)
+    out = eng.generate([[5, 9, 17, 33, 40]], 3, sampling, between_dispatches=load_version_7_before_the_second_dispatch)
+    assert len(out[0].token_ids) == 1 < len(out[1].token_ids)  # the scenario: sample 1 ran on when 2 was admitted
+    assert (out[1].weight_version, out[1].last_weight_version) == (3, 7)
+    assert (out[2].weight_version, out[2].last_weight_version) == (3, 7)
+
+
 def test_engine_from_config_only_dir_waits_for_weights(tmp_path, hf, tiny_qwen3_dir):
     cfg_only = tmp_path / "cfg_only"
     cfg_only.mkdir()
