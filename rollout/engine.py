@@ -241,8 +241,7 @@ class JaxEngine:
         st = dict(
             prefill_s=0.0,
             decode_s=0.0,
-            prefill_tokens=0,
-            prefill_lens=[],  # tokens of each prefill, for the FLOPs
+            prefill_lens=[],  # tokens of each prefill (a prompt's all but its last)
             prefill_padded=0,
             decode_rows=0,
             decode_emitted=0,
@@ -319,7 +318,6 @@ class JaxEngine:
         st["prefill_lens"] += [len(p) - 1 for _, p in adm.prefill]
         for batch in pack_prefills([(s, p[:-1]) for s, p in adm.prefill], self.prefill_buckets, self.cfg.max_batch):
             self._run_prefill(batch)
-            st["prefill_tokens"] += batch.real_tokens
             st["prefill_padded"] += batch.tokens.size
             st["bytes"] += cost.prefill_bytes(
                 self.model_cfg, self._itemsize, batch.tokens.size, self._cache_dtype.itemsize
@@ -337,20 +335,21 @@ class JaxEngine:
         flops = cost.generate_flops(
             self.model_cfg, st["prefill_lens"], ((len(prompts[c.prompt_index]), len(c.token_ids)) for c in done)
         )
+        prefill_tokens = sum(st["prefill_lens"])
         busy = st["prefill_s"] + st["decode_s"]
         wall = time.perf_counter() - t_start
         padded = st["prefill_padded"] + st["decode_rows"]
         self._stats = dict(
             compiles=float(compile_count() - compiles_before),
             total_compiles=float(compile_count()),
-            pad_frac=(padded - st["prefill_tokens"] - st["decode_emitted"]) / max(padded, 1),
+            pad_frac=(padded - prefill_tokens - st["decode_emitted"]) / max(padded, 1),
             prefill_s=st["prefill_s"],
             decode_s=st["decode_s"],
             wall_s=wall,
             tok_s=gen / max(wall, 1e-9),
             gen_tokens=float(gen),
             prompt_tokens=float(sum(len(prompts[c.prompt_index]) for c in done)),
-            prefill_tokens=float(st["prefill_tokens"]),
+            prefill_tokens=float(prefill_tokens),
             dispatches=float(st["dispatches"]),
             copy_rows=float(st["copy_rows"]),
             flops=flops,

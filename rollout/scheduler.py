@@ -34,7 +34,6 @@ class PrefillBatch:
     positions: np.ndarray
     segments: np.ndarray
     slots: np.ndarray
-    real_tokens: int
 
 
 @dataclass
@@ -102,8 +101,7 @@ def pack_prefills(
         batches.append(current)
     out = []
     for group in batches:
-        real = sum(len(t) for _, t in group)
-        size = pick_bucket(buckets, real)
+        size = pick_bucket(buckets, sum(len(t) for _, t in group))
         tokens = np.zeros(size, np.int32)
         positions = np.zeros(size, np.int32)
         segments = np.full(size, -1, np.int32)
@@ -116,5 +114,5 @@ def pack_prefills(
             segments[at : at + n] = seg
             slots[at : at + n] = slot
             at += n
-        out.append(PrefillBatch(tokens, positions, segments, slots, real))
+        out.append(PrefillBatch(tokens, positions, segments, slots))
     return out
