@@ -2,10 +2,11 @@
 must reproduce the numbers recorded in `tests/e2e/golden/tiny_3_steps.jsonl`, so numerical drift (a sampler, loss
 or advantage change that still learns, a library upgrade) shows up here and not only as "it learns a bit less".
 
-Tolerant across CPUs: XLA and torch sum in a different order on AVX2 and AVX-512, so continuous values get rel 1e-3;
-sampling draws are fixed by the seed, and a draw that lands within ~1e-6 of a probability boundary is the one way a
-sampled token (hence a reward or a length) could differ. After an intended numerical change, regenerate with
-`RLLOOP_UPDATE_GOLDEN=1 python -m pytest tests/e2e/test_golden_metrics.py` and say why in the commit.
+Tolerant across CPUs where it must be: XLA and torch sum in a different order on AVX2 and AVX-512, so continuous
+values get rel 1e-3. What the sampled tokens decide (rewards, lengths, token counts, held-out accuracy) is exact: the
+draws are fixed by the seed, and only a draw within ~1e-6 of a probability boundary could flip a token. After an
+intended numerical change, regenerate with `RLLOOP_UPDATE_GOLDEN=1 python -m pytest tests/e2e/test_golden_metrics.py`
+and say why in the commit.
 """
 
 import json
@@ -36,6 +37,15 @@ KEYS = [
     "train/tokens",
     "sync/changed_frac",
 ]
+# Counted from the sampled tokens: one token more or less shows here, as it may not in rel 1e-3 of a loss.
+SAMPLED = {
+    "eval/tiny_arith",
+    "rollout/raw_reward",
+    "rollout/response_len/mean",
+    "rollout/tokens",
+    "rollout/zero_std_ratio",
+    "train/tokens",
+}
 
 
 def test_a_short_tiny_run_reproduces_the_golden_metrics(tmp_path):
@@ -52,4 +62,5 @@ def test_a_short_tiny_run_reproduces_the_golden_metrics(tmp_path):
         for key in w:
             # logprob_abs_diff is a difference of two nearly equal fp32 numbers: only its size is golden
             tolerance = dict(abs=1e-5) if key == "train/logprob_abs_diff" else dict(rel=1e-3, abs=1e-6)
-            assert g[key] == pytest.approx(w[key], **tolerance), f"step {w['step']} {key}: {g[key]} != {w[key]}"
+            want = w[key] if key in SAMPLED else pytest.approx(w[key], **tolerance)
+            assert g[key] == want, f"step {w['step']} {key}: {g[key]} != {w[key]}"

@@ -367,7 +367,8 @@ def reward_modules(tmp_path_factory):
 def scorer(reward_modules):
     from rlloop.rewards import RewardScorer
 
-    s = RewardScorer("bad_rewards:score", timeout_s=1.0, failure_reward=-7.0, workers=1)
+    # After the hang kills the pool, its neighbours wait for a fresh worker (spawn, imports): 3 s holds on a busy host.
+    s = RewardScorer("bad_rewards:score", timeout_s=3.0, failure_reward=-7.0, workers=1)
     yield s
     s.close()
 

@@ -19,7 +19,6 @@ def test_device_check_runs_every_part_on_cpu(capsys, monkeypatch):
     assert report["engine"]["reads_whole_cache"] and report["engine"]["cache_len"] == 16
     assert long["chunked"]["cache_len"] == long["whole"]["cache_len"] == 384  # filled by the responses
     assert long["whole"]["reads_whole_cache"] and not long["chunked"]["reads_whole_cache"]
-    assert long["whole_over_chunked"] == long["whole"]["tok_s"] / long["chunked"]["tok_s"]
     assert 0 < report["trainer"]["mfu"] < 1
     assert report["tiny"]["steps"] == 2 and report["tiny"]["compiles"] == 0
     assert report["tiny"]["logprob_abs_diff"] < 1e-4  # fp32 on CPU: engine and trainer agree

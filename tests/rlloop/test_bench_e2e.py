@@ -61,14 +61,12 @@ def test_rlloop_half():
     for key in ("rollout", "train", "sync"):
         assert positive(rl["breakdown_s"][key]), key
     assert math.isfinite(rl["breakdown_s"]["other"])  # the remainder: tiny, may round either way
-    assert sum(rl["breakdown_s"].values()) == pytest.approx(rl["s_per_step"])
     assert len(rl["step_s"]) == len(rl["rewards"]) == 2 and all(positive(s) for s in rl["step_s"])
     assert all(-1.0 <= r <= 1.0 for r in rl["rewards"])  # DAPO's verifier: +1 / -1 per sample
     assert rl["compiles"] == 0
     roof = tiny["roofline"]
     for key in ("params", "trained_tokens", "train_flops", "gen_flops", "decode_bytes", "bound_s", "train_s"):
         assert positive(roof[key]), key
-    assert roof["bound_s"] == pytest.approx(roof["train_s"] + max(roof["gen_compute_s"], roof["gen_memory_s"]))
     assert positive(tiny["rlloop_sync_over_bound"])
     assert "trl" not in tiny and not any(k.startswith("trl_over") for k in tiny)
 

@@ -111,7 +111,7 @@ def test_a_failing_sample_in_a_chunk_fails_alone(fn, culprit, want, counter):
     responses[13] = culprit
     try:
         assert scorer.score(["ok"] * 4, ["1"] * 4) == [want] * 4
-        assert scorer._chunk_size(40) == 16
+        assert scorer._chunk_size(40) > 1  # the culprit has chunk-mates (16 unless the host is slow)
         scores = scorer.score(responses, ["1"] * 40)
         assert scores == [want] * 13 + [-1.0] + [want] * 26
         assert (scorer.errors, scorer.timeouts) == ((1, 0) if counter == "errors" else (0, 1))

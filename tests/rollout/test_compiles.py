@@ -1,6 +1,7 @@
 """Steady state compiles nothing: after warmup, hundreds of requests of random shapes and settings (and a weight
 swap) run on the programs built in warmup. The counter itself is checked to see compiles."""
 
+import jax
 import numpy as np
 
 from rollout.buckets import default_decode_buckets, default_prefill_buckets
@@ -55,11 +56,18 @@ def test_zero_compiles_after_warmup_over_200_requests(tiny_qwen3_dir):
     assert {c.weight_version for c in out} == {1}
 
 
-def test_compile_counter_sees_an_unwarmed_bucket(tiny_qwen3_dir):
-    eng = small_engine(tiny_qwen3_dir, prefill_buckets=(16, 32), decode_buckets=(3, 8))  # decode/3: never built
-    eng.generate([[5, 6, 7]], 1, SamplingParams(max_new_tokens=2))
-    assert eng.stats()["compiles"] >= 1
-    assert eng.stats()["total_compiles"] >= eng.stats()["compiles"]
+def test_compile_counter_sees_each_program_a_request_builds(tiny_qwen3_dir):
+    """Warmed, nothing compiles; with JAX's caches cleared, each request compiles exactly the programs it is the first
+    to need (prompt [5, 6, 7]: prefill bucket 16; n samples: decode bucket >= n, copy bucket >= n - 1 siblings)."""
+    eng = small_engine(tiny_qwen3_dir, prefill_buckets=(16, 32), decode_buckets=(3, 8))
+    eng.warmup()
+    sp = SamplingParams(max_new_tokens=2)
+    eng.generate([[5, 6, 7]], 8, sp)
+    assert eng.stats()["compiles"] == 0
+    jax.clear_caches()
+    for n, built in [(1, 2), (2, 1), (4, 1), (8, 1), (8, 0)]:  # prefill/16 + decode/3, copy/3, decode/8, copy/8
+        eng.generate([[5, 6, 7]], n, sp)
+        assert eng.stats()["compiles"] == built, n
 
 
 def test_default_buckets_follow_design():

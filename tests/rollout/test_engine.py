@@ -217,7 +217,7 @@ def test_bad_requests_name_the_limit(engine):
         engine.generate([[3] * 33], 1, sp)
     with pytest.raises(ValueError, match="max_seq_len 64"):
         engine.generate([[3] * 30], 1, SamplingParams(max_new_tokens=40))
-    with pytest.raises(ValueError, match="n"):
+    with pytest.raises(ValueError, match=r"n \(samples per prompt\) must be >= 1, got 0"):
         engine.generate([[3]], 0, sp)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         engine.generate([[3], []], 1, sp)

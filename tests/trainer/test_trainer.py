@@ -2,6 +2,9 @@
 resume is bit-exact, exports are named and typed as HF saves them, bad batches fail cleanly."""
 
 import math
+import os
+import pickle
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -157,6 +160,34 @@ def test_load_rejects_incomplete_checkpoint(tmp_path, tiny_qwen3_dir):
     trainer = Trainer(TrainerConfig(tiny_qwen3_dir))
     with pytest.raises(ValueError, match="trainer_state.pt"):
         trainer.load(tiny_qwen3_dir)  # an HF directory, not a trainer checkpoint
+
+
+class _RunsCode:
+    """A pickle that runs a shell command when it is loaded."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_load_refuses_state_that_would_run_code_or_was_written_by_another_parallel_mode(tmp_path, tiny_qwen3_dir):
+    trainer = Trainer(TrainerConfig(tiny_qwen3_dir))
+    trainer.save(tmp_path / "ckpt")
+    state_path = tmp_path / "ckpt" / "trainer_state.pt"
+    state = torch.load(state_path, weights_only=True)
+
+    torch.save({**state, "step": _RunsCode(tmp_path / "ran")}, state_path)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        trainer.load(tmp_path / "ckpt")
+    assert not (tmp_path / "ran").exists()
+
+    torch.save({**state, "parallel": "fsdp"}, state_path)  # what a checkpoint of two fsdp ranks records
+    with pytest.raises(
+        ValueError, match=r"written with train.parallel=fsdp; .* \(set train.parallel=fsdp to resume it\)"
+    ):
+        trainer.load(tmp_path / "ckpt")
 
 
 @pytest.mark.parametrize("tie", [True, False])
