@@ -175,17 +175,18 @@ class RolloutManager:
         # the trainer taking step `step` holds version step - 1; --debug rollout-only has none, and its engines the
         # initial weights throughout
         holds = 0 if cfg.run.debug == "rollout-only" else step - 1
-        if not groups:  # every group was uninformative: train on nothing rather than on noise
-            return StepRollout(None, metrics | rollout_metrics([], holds))
+        metrics["rollout/groups_kept"] = len(groups)
+        # No group kept (every one uninformative; train_chips >= 1): train on nothing rather than on noise. So too
+        # for a batch cut short by dynamic sampling that would leave a trainer rank without a sample.
         if len(groups) * cfg.rollout.group_size < cfg.cluster.train_chips:
-            # a batch cut short by dynamic sampling that would leave a trainer rank without a sample
-            log.warning(
-                "step %d kept %d groups, too few for %d trainer ranks: it trains on nothing",
-                step,
-                len(groups),
-                cfg.cluster.train_chips,
-            )
-            return StepRollout(None, metrics | rollout_metrics([], holds) | {"rollout/groups_kept": len(groups)})
+            if groups:
+                log.warning(
+                    "step %d kept %d groups, too few for %d trainer ranks: it trains on nothing",
+                    step,
+                    len(groups),
+                    cfg.cluster.train_chips,
+                )
+            return StepRollout(None, metrics | rollout_metrics([], holds))
         completions = [c for grp in groups for c in grp.completions]
         raw = np.concatenate([grp.rewards for grp in groups])
         lengths = np.array([len(c.token_ids) for c in completions])
@@ -201,9 +202,7 @@ class RolloutManager:
             rewards=rewards,
             advantages=group_advantages(rewards, cfg.rollout.group_size, std_scale=cfg.grpo.std_scale),
         )
-        metrics |= rollout_metrics(completions, holds)
-        metrics["rollout/groups_kept"] = len(groups)
-        return StepRollout(samples, metrics)
+        return StepRollout(samples, metrics | rollout_metrics(completions, holds))
 
     def evaluate(self) -> dict[str, float]:
         """Mean accuracy (reward > 0) over `eval.samples` completions for each eval prompt, on the newest weights

@@ -108,6 +108,8 @@ def test_dynamic_sampling_on_a_policy_whose_groups_all_agree_trains_nothing_and_
     assert metrics[-1]["rollout/raw_reward"] == 1.0
     if mode == "fully_async":
         assert metrics[-1]["rollout/zero_std_groups_dropped"] >= 3 * 2 * 4  # steps x rounds x prompts_per_step
+    else:
+        assert all(m["rollout/zero_std_ratio"] == 1.0 and m["rollout/groups_kept"] == 0 for m in metrics)
 
 
 def assert_breakdown_fits(metrics: list[dict]) -> None:
@@ -163,6 +165,7 @@ def test_two_engines_generate_every_prompt_once_and_hold_the_same_version(tmp_pa
     for m in metrics:
         assert m["rollout/engine_0/version"] == m["rollout/engine_1/version"] == m["step"]
         assert m["rollout/engine_0/tok_per_s"] > 0 and m["rollout/engine_1/tok_per_s"] > 0  # both did work
+    assert len(trained_rows(tmp_path / "run")) == 3
     for rows in trained_rows(tmp_path / "run").values():
         assert sorted((r["prompt_index"], r["prompt"][-1]["content"]) for r in rows[::8]) == sorted(
             {(r["prompt_index"], r["prompt"][-1]["content"]) for r in rows}

@@ -73,7 +73,7 @@ def test_dynamic_sampling_keeps_only_informative_groups(setup):
     assert 0 < metrics["rollout/zero_std_ratio"] < 1  # some groups were dropped, and some kept
 
 
-def test_a_short_batch_too_small_for_the_trainer_ranks_trains_nothing(setup):
+def test_a_short_batch_too_small_for_the_trainer_ranks_trains_nothing(setup, caplog):
     """Dynamic sampling may keep fewer samples than there are trainer ranks (2-sample groups, 4 ranks): each rank
     needs one, so the step trains on nothing rather than fail the run; one more group is enough."""
     cluster, tok = setup
@@ -86,23 +86,31 @@ def test_a_short_batch_too_small_for_the_trainer_ranks_trains_nothing(setup):
         tally.add(groups, stats)
         short = rollout.batch(1, groups[:1], tally)
         assert short.samples is None and short.metrics["rollout/groups_kept"] == 1
+        assert "step 1 kept 1 groups, too few for 4 trainer ranks: it trains on nothing" in caplog.text
         assert len(rollout.batch(1, groups, tally).samples.completions) == 4
 
 
 def test_evaluation_takes_the_first_max_prompts_that_fit(setup, tmp_path):
     """Eval rows longer than data.max_prompt_len are skipped, not counted against eval.max_prompts: with the first
-    two rows too long, the evaluation still scores two prompts (it had none, and failed, before)."""
+    two rows too long, the evaluation scores rows 2 and 3, as an eval file of those two rows alone does (it had no
+    prompt, and failed, before)."""
     cluster, tok = setup
     rows = [json.loads(line) for line in (ROOT / "rlloop/assets/tiny/data/eval.jsonl").read_text().splitlines()[:4]]
     for row in rows[:2]:
         row["prompt"][0]["content"] *= 4  # > 128 characters: longer than the tiny recipe's max_prompt_len
-    path = tmp_path / "eval.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = load_config(TINY, ["rollout.backend=hf", "cluster.use_ray=false", f"eval.path={path}", "eval.max_prompts=2"])
-    data, eval_data = load_datasets(cfg, tok)
-    with closing(RolloutManager(cfg, cluster, tok, data, eval_data)) as rollout:
-        score = rollout.evaluate()[f"eval/{cfg.eval.name}"]
-    assert eval_data.dropped == 2 and score in {k / (2 * cfg.eval.samples) for k in range(2 * cfg.eval.samples + 1)}
+
+    def evaluate(rows: list[dict], name: str) -> tuple[float, int]:
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        overrides = ["rollout.backend=hf", "cluster.use_ray=false", f"eval.path={path}", "eval.max_prompts=2"]
+        cfg = load_config(TINY, overrides)
+        data, eval_data = load_datasets(cfg, tok)
+        with closing(RolloutManager(cfg, cluster, tok, data, eval_data)) as rollout:
+            return rollout.evaluate()[f"eval/{cfg.eval.name}"], eval_data.dropped
+
+    (score, dropped), (alone, _), (one, _) = (evaluate(r, f"eval_{len(r)}.jsonl") for r in (rows, rows[2:], rows[3:]))
+    assert dropped == 2 and score == alone
+    assert alone != one  # the score tells one prompt from two
 
 
 def test_overlong_shaping_penalises_truncated_responses(setup):

@@ -204,9 +204,10 @@ def test_fsdp_checkpoint_round_trips_bit_exactly(two_rank_results, tiny_qwen3_di
         assert json.loads((two_rank_results / f"fsdp_resumed_step_rank{r}.json").read_text()) is True
     # The HF directory beside the shards is the exported policy.
     hf = transformers.AutoModelForCausalLM.from_pretrained(two_rank_results / "checkpoint", dtype=torch.float32)
-    for name, tensor in hf.state_dict().items():
-        if name in saved:
-            assert np.array_equal(tensor.numpy(), saved[name]), name
+    hf_state = hf.state_dict()
+    assert saved.keys() <= hf_state.keys()  # every trained parameter is in the exported policy
+    for name, value in saved.items():
+        assert np.array_equal(hf_state[name].numpy(), value), name
 
 
 def test_fsdp_export_goes_through_weight_sync_bit_exactly(two_rank_results, tmp_path):
