@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import uuid
 from pathlib import Path
 
@@ -36,6 +35,16 @@ def rollouts_file(rollouts_dir: str | Path, step: int) -> Path:
     return Path(rollouts_dir) / f"step_{step:06d}.jsonl"
 
 
+def wandb_mode(setting: str) -> str:
+    """tracking.mode as W&B takes it: `auto` is online where W&B has an API key (WANDB_API_KEY, or the ~/.netrc
+    entry `wandb login` writes), offline otherwise."""
+    if setting != "auto":
+        return setting
+    import wandb
+
+    return "online" if wandb.login(prompt=False, verify=False) else "offline"
+
+
 class Tracker:
     """Logs one dict of metrics per step. A run that resumes from step `start_step` logs every later step again, so
     their lines go; one that starts from step 0 (afresh, or rebuilt before its first checkpoint) logs all again,
@@ -60,9 +69,13 @@ class Tracker:
         passed the old run's last step."""
         import wandb
 
-        mode = self.cfg.tracking.mode
-        if mode == "auto":
-            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        mode = wandb_mode(self.cfg.tracking.mode)
+        if mode == "offline" and self.cfg.tracking.mode == "auto":
+            log.warning(
+                "W&B runs offline: no API key (WANDB_API_KEY or `wandb login`); upload later with "
+                "`wandb sync %s/wandb/offline-run-*`",
+                self.run_dir,
+            )
         id_file = self.run_dir / "wandb_id"
         run_id = id_file.read_text().strip() if start_step and id_file.exists() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)

@@ -1,7 +1,12 @@
 """Tracking: metrics.jsonl one line per step (trimmed on resume), curves and report, W&B offline without a key."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from rlloop.config import load_config
 from rlloop.tracking import Tracker, make_report
@@ -63,6 +68,7 @@ def test_report_says_when_every_version_went_in_full():
 def test_wandb_goes_offline_without_an_api_key(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no_netrc"))  # nor a `wandb login`
     cfg = load_config(TINY, ["tracking.progress=false", "tracking.wandb=true"])
     tracker = Tracker(cfg, tmp_path)
     assert tracker.wandb.settings.mode == "offline"
@@ -70,6 +76,22 @@ def test_wandb_goes_offline_without_an_api_key(tmp_path, monkeypatch):
     tracker.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and (tmp_path / "wandb_id").read_text() in runs[0].name
+
+
+@pytest.mark.parametrize("key_in", ["netrc", "env", "nowhere"])
+def test_auto_mode_goes_online_where_wandb_has_a_key(tmp_path, key_in):
+    """`wandb login` stores its key in ~/.netrc, not in the environment. In a fresh process: W&B keeps its login."""
+    netrc = tmp_path / "netrc"
+    key = "k" * 40
+    if key_in == "netrc":
+        netrc.write_text(f"machine api.wandb.ai\n  login user\n  password {key}\n")
+        netrc.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | {"NETRC": str(netrc)}
+    if key_in == "env":
+        env["WANDB_API_KEY"] = key
+    code = "from rlloop.tracking import wandb_mode; print(wandb_mode('auto'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split()[-1] == ("offline" if key_in == "nowhere" else "online"), out.stderr[-2000:]
 
 
 def test_wandb_run_is_continued_on_resume_and_new_for_a_run_from_step_0(tmp_path, monkeypatch):
