@@ -25,6 +25,7 @@ flock on its control segment, which the kernel releases when the process dies ho
 from __future__ import annotations
 
 import atexit
+import errno
 import fcntl
 import mmap
 import os
@@ -62,11 +63,27 @@ def _map(path: Path, size: int | None = None, create: bool = False) -> mmap.mmap
     """Map a /dev/shm file read-write; with `size`, grow it to at least that many bytes first."""
     fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
     try:
-        if size is not None and os.fstat(fd).st_size < size:
-            os.ftruncate(fd, size)
+        if size is not None and (have := os.fstat(fd).st_size) < size:
+            _reserve(fd, have, size)
         return mmap.mmap(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
+
+
+def _reserve(fd: int, have: int, size: int) -> None:
+    """Grow a segment to `size` bytes with its pages reserved. A file merely truncated to size holds none: tmpfs
+    would find itself full at some write through the map and kill the writer with SIGBUS (a container's /dev/shm is
+    64 MB unless it is given more)."""
+    st = os.statvfs(SHM_DIR)
+    free = st.f_bavail * st.f_frsize
+    if size - have > free:
+        raise OSError(
+            errno.ENOSPC,
+            f"{SHM_DIR} has {free / 1e9:.2f} GB free, and this weight version needs {(size - have) / 1e9:.2f} GB more "
+            f"(two buffers of its size in all): give the host or container a larger {SHM_DIR} (`docker run "
+            f"--shm-size`, a memory-backed emptyDir on Kubernetes) or sync through disk",
+        )
+    os.posix_fallocate(fd, have, size - have)
 
 
 def _close_map(m: mmap.mmap | None) -> None:

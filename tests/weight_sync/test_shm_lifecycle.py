@@ -1,6 +1,7 @@
 """Segments of a killed writer: never a half-written version for readers, removed at the next start, and removed on
 normal exit and on SIGTERM."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from weight_sync import make_receiver, make_sender
-from weight_sync.shm import remove_stale_segments
+from weight_sync.shm import SHM_DIR, _map, remove_stale_segments, segment_path
 
 # The writer process. In "midpush" mode it publishes version 1, then writes half of version 2 and stops there (the
 # hook stands in for the moment a SIGKILL lands; the real encode_payload_into produces the bytes).
@@ -214,3 +215,19 @@ def test_push_that_fails_midway_is_never_shown_and_the_next_push_works(run_id, m
         sender.push({"w": np.full(1000, 3.0, np.float32)}, 3)  # rewrites the buffer the failed push left odd
         version, got = receiver.pull()
         assert version == 3 and (got["w"] == 3.0).all()
+
+
+def test_a_version_larger_than_the_free_shared_memory_is_refused_before_any_write(run_id):
+    """Rather than a SIGBUS at some write through the map, once tmpfs is found full."""
+    st = os.statvfs(SHM_DIR)
+    too_big = st.f_bavail * st.f_frsize + (1 << 30)
+    path = segment_path(run_id, "buf0")
+    try:
+        with pytest.raises(OSError, match=r"/dev/shm has .* GB free, and this weight version needs .* GB more"):
+            _map(path, too_big, create=True)
+        assert path.stat().st_size == 0  # nothing reserved
+        m = _map(path, 1 << 20)  # what fits is reserved and mapped
+        assert len(m) == 1 << 20 and os.stat(path).st_blocks * 512 >= 1 << 20
+        m.close()
+    finally:
+        path.unlink(missing_ok=True)
