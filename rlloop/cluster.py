@@ -9,7 +9,6 @@ the end: rlloop/ray_session.py, held by the loop across its clusters, or by a `C
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import re
@@ -19,12 +18,12 @@ from pathlib import Path
 from typing import Callable
 
 from rlloop.config import Config
+from rlloop.engine_shares import batches_in, merge_stats, share_sampling
 from rlloop.errors import ClusterError, TrainerDied
 from rlloop.placement import actor_env, actor_options, check_cluster_fits, check_one_node_fits, plan_placement
 from rlloop.profiling import engine_trace, rank_trace
 from rlloop.ray_session import local_ray, start_ray
 from rlloop.workers import RolloutWorker, SyncSpec, TrainerWorker, freeze_heap
-from rollout import mix_seed
 
 PLACEMENT_TIMEOUT_S = 120
 log = logging.getLogger(__name__)
@@ -209,13 +208,16 @@ class Cluster:
         shares = self._assign(prompts, n, sampling.max_new_tokens)
         calls = [(e, idx) for e, idx in enumerate(shares) if idx]
         args = [
-            ([prompts[i] for i in idx], n, _share_sampling(sampling, e), in_flight_updates, engine_trace(profile, e))
+            ([prompts[i] for i in idx], n, share_sampling(sampling, e), in_flight_updates, engine_trace(profile, e))
             for e, idx in calls
         ]
         try:
             if self.remote:
                 refs = [self.engines[e].generate.remote(*a) for (e, _), a in zip(calls, args)]
-                results = [self._engine_result(e, ref, "generate", a) for (e, _), a, ref in zip(calls, args, refs)]
+                results = [
+                    self._engine_result(e, ref, "generate", a, batches_in(len(idx) * n, self.cfg.rollout.max_batch))
+                    for (e, idx), a, ref in zip(calls, args, refs)
+                ]
             else:
                 results = []
                 for (e, _), a in zip(calls, args):
@@ -245,15 +247,16 @@ class Cluster:
         refs = [getattr(engine, method).remote() for engine in self.engines]
         return [self._engine_result(e, ref, method, ()) for e, ref in enumerate(refs)]
 
-    def _engine_result(self, e: int, ref, method: str, args: tuple):
-        """The result of engine e's call; if the engine died (or hung past cluster.actor_timeout_s), it is rebuilt
-        with the trainer's current weights and the call is made again on it: a sampled share comes out the same,
-        since its seeds depend only on the request."""
+    def _engine_result(self, e: int, ref, method: str, args: tuple, batches: int = 1):
+        """The result of engine e's call; if the engine died (or hung past cluster.actor_timeout_s, for each of the
+        `batches` full batches a generation holds), it is rebuilt with the trainer's current weights and the call is
+        made again on it: a sampled share comes out the same, since its seeds depend only on the request."""
         import ray
 
+        timeout = self.cfg.cluster.actor_timeout_s
         while True:
             try:
-                return ray.get(ref, timeout=self.cfg.cluster.actor_timeout_s)
+                return ray.get(ref, timeout=timeout and timeout * batches)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e_info:
                 self._restart_engine(e, f"{method}(): {type(e_info).__name__}")
                 ref = getattr(self.engines[e], method).remote(*args)
@@ -379,26 +382,3 @@ class Cluster:
             ray.util.remove_placement_group(self.pg)
         if self.owns_ray and ray.is_initialized():
             ray.shutdown()
-
-
-def _share_sampling(sampling, engine: int):
-    return sampling if engine == 0 else dataclasses.replace(sampling, seed=mix_seed(sampling.seed, engine))
-
-
-def merge_stats(per_engine: dict[int, dict]) -> dict[str, float]:
-    """One generate call's stats over its engines: counts add up, `busy_s` is the slowest engine's, and with several
-    engines each one's tokens/s and busy seconds are kept as rollout/engine_N/*."""
-    stats = list(per_engine.values())
-    tokens = [s.get("gen_tokens", s.get("tokens", 0.0)) for s in stats]
-    merged = {
-        "compiles": sum(s.get("compiles", 0.0) for s in stats),
-        "pad_frac": stats[0].get("pad_frac", 0.0)
-        if len(stats) == 1
-        else sum(s.get("pad_frac", 0.0) * t for s, t in zip(stats, tokens)) / max(sum(tokens), 1.0),
-        "busy_s": max(s.get("busy_s", 0.0) for s in stats),
-    }
-    if len(per_engine) > 1 or next(iter(per_engine)) > 0:
-        for e, s in per_engine.items():
-            merged[f"rollout/engine_{e}/tok_per_s"] = s.get("tok_s", 0.0)
-            merged[f"rollout/engine_{e}/busy_s"] = s.get("busy_s", 0.0)
-    return merged

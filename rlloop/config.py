@@ -102,6 +102,7 @@ class EvalSection(Section):
     samples: PositiveInt = 16  # completions per prompt; the score is mean accuracy
     max_prompts: PositiveInt | None = None
     temperature: Annotated[float, Field(ge=0)] = 1.0
+    top_p: Prob | None = None  # None: rollout.top_p
 
 
 class RewardSection(Section):
@@ -173,7 +174,9 @@ class ClusterSection(Section):
     # Memory of one chip, for the memory plan checked at start (rlloop/memory.py); None: the host's RAM on CPU,
     # unchecked on accelerators. E.g. 141 for an H200, 192 for a TPU v7x chip.
     device_memory_gb: Annotated[float, Field(gt=0)] | None = None
-    actor_timeout_s: Annotated[float, Field(gt=0)] | None = 1800.0  # an actor call taking longer counts as dead
+    # an actor call taking longer counts as dead (a generation gets this for each full batch of rollout.max_batch
+    # sequences it holds: a large evaluation is not a hang)
+    actor_timeout_s: Annotated[float, Field(gt=0)] | None = 1800.0
     # The same for an actor's start: process, imports, model load (setup), checkpoint load, warmup compiles, the
     # first train step (optimizer state; train.compile's compile). Kept apart so that a short actor_timeout_s (a hang
     # noticed fast) does not take a slow start for a hang.

@@ -14,6 +14,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,11 +104,11 @@ class RolloutManager:
         self._scoring = threading.Lock()
         self.eval_name = cfg.eval.name or (Path(cfg.eval.path).stem if cfg.eval.path else None)
 
-    def sampling(self, seed: int, temperature: float | None = None) -> SamplingParams:
+    def sampling(self, seed: int, temperature: float | None = None, top_p: float | None = None) -> SamplingParams:
         r = self.cfg.rollout
         return SamplingParams(
             temperature=r.temperature if temperature is None else temperature,
-            top_p=r.top_p,
+            top_p=r.top_p if top_p is None else top_p,
             top_k=r.top_k,
             max_new_tokens=r.max_response_len,
             stop_token_ids=() if r.ignore_eos else self.stop_ids,
@@ -205,14 +206,16 @@ class RolloutManager:
         return StepRollout(samples, metrics | rollout_metrics(completions, holds))
 
     def evaluate(self) -> dict[str, float]:
-        """Mean accuracy (reward > 0) over `eval.samples` completions for each eval prompt, on the newest weights
-        (in the async loop modes the engines may not have loaded them yet)."""
+        """Mean accuracy (reward > 0) over `eval.samples` completions for each distinct eval prompt, on the newest
+        weights (in the async loop modes the engines may not have loaded them yet). A file that repeats its rows (some
+        copies of AIME 2024 hold each problem 32 times, for one sample each) costs no more than one that does not."""
         self.cluster.pull_weights()
         data, cfg = self.eval_data, self.cfg.eval
-        # the first max_prompts rows that fit data.max_prompt_len (load_inputs checked that some do)
+        # the first max_prompts distinct rows that fit data.max_prompt_len (load_inputs checked that some do)
         fitting = filter(None, map(data.get, range(len(data))))
-        prompts = list(itertools.islice(fitting, cfg.max_prompts or len(data)))
-        gen = self.generate(prompts, cfg.samples, self.sampling(seed=self.cfg.run.seed, temperature=cfg.temperature))
+        prompts = list(itertools.islice(distinct(fitting), cfg.max_prompts or len(data)))
+        sampling = self.sampling(seed=self.cfg.run.seed, temperature=cfg.temperature, top_p=cfg.top_p)
+        gen = self.generate(prompts, cfg.samples, sampling)
         return {f"eval/{self.eval_name}": float((gen.rewards > 0).mean())}
 
     def counters(self) -> dict[str, float]:
@@ -225,6 +228,15 @@ class RolloutManager:
 
     def close(self) -> None:
         self.scorer.close()
+
+
+def distinct(prompts: Iterable[Prompt]) -> Iterator[Prompt]:
+    """Each prompt once: the first of the rows with its tokens and answer."""
+    seen = set()
+    for p in prompts:
+        if (key := (tuple(p.token_ids), p.answer)) not in seen:
+            seen.add(key)
+            yield p
 
 
 def sampling_seed(run_seed: int, step: int, round_: int = 0) -> int:

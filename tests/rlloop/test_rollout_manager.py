@@ -11,8 +11,8 @@ from transformers import AutoTokenizer
 from rlloop.advantages import group_advantages
 from rlloop.cluster import Cluster
 from rlloop.config import load_config
-from rlloop.data import load_datasets
-from rlloop.rollout_manager import RolloutManager, RolloutTally, sampling_seed, top_up
+from rlloop.data import Prompt, load_datasets
+from rlloop.rollout_manager import RolloutManager, RolloutTally, distinct, sampling_seed, top_up
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "grpo_dapo_tiny.yaml")
@@ -111,6 +111,14 @@ def test_evaluation_takes_the_first_max_prompts_that_fit(setup, tmp_path):
     (score, dropped), (alone, _), (one, _) = (evaluate(r, f"eval_{len(r)}.jsonl") for r in (rows, rows[2:], rows[3:]))
     assert dropped == 2 and score == alone
     assert alone != one  # the score tells one prompt from two
+
+
+def test_evaluation_takes_each_distinct_prompt_once():
+    """A file that repeats its rows (as some AIME copies do, 32 times) costs what one without the repeats costs: the
+    same prompt with another answer is another question."""
+    rows = [([1, 2], "3"), ([1, 2], "3"), ([4], "5"), ([1, 2], "4"), ([4], "5"), ([1, 2, 3], "3")]
+    prompts = [Prompt(i, ids, answer, []) for i, (ids, answer) in enumerate(rows)]
+    assert [p.index for p in distinct(prompts)] == [0, 2, 3, 5]
 
 
 def test_overlong_shaping_penalises_truncated_responses(setup):
