@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlloop.config import Config, ConfigError
+from rlloop.placement import ENGINE_GPU_MEM_FRACTION
 from rollout.cost import cache_dtype, engine_memory, kv_bytes_per_token, param_count
 from rollout.model_config import ModelConfig
 from rollout.weight_table import copies_tied_head
@@ -108,12 +109,16 @@ def plan_memory(cfg: Config) -> MemoryPlan | None:
                 f"rollout.max_batch, rollout.max_response_len or train.micro_batch_tokens"
             )
         return plan
-    if engine["total"] > device:
+    # On a GPU of its own the engine has JAX's share of it (placement.actor_env)
+    usable, share = device, ""
+    if c.device == "gpu" and not c.colocate:
+        usable, share = int(device * ENGINE_GPU_MEM_FRACTION), f" ({ENGINE_GPU_MEM_FRACTION:g} of it: JAX's share)"
+    if engine["total"] > usable:
         per_row = engine_cfg.max_seq_len * kv_bytes_per_token(shape, kv_item) // engine_cfg.tp
-        rows = (device - engine["weights"]) // per_row
+        rows = (usable - engine["weights"]) // per_row
         plan.fixes["rollout"] = (
-            f"rollout: {engine['total'] / GB:.1f} GB per chip exceeds {device / GB:.1f} GB by "
-            f"{(engine['total'] - device) / GB:.1f} GB; rollout.max_batch <= {rows} fits, or fewer positions per "
+            f"rollout: {engine['total'] / GB:.1f} GB per chip exceeds {usable / GB:.1f} GB{share} by "
+            f"{(engine['total'] - usable) / GB:.1f} GB; rollout.max_batch <= {rows} fits, or fewer positions per "
             f"row (rollout.max_response_len, data.max_prompt_len), or more chips per engine (cluster.rollout_chips "
             f"/ cluster.rollout_engines)"
         )

@@ -191,6 +191,11 @@ def cpu_engine_xla_flags(devices: int, cores: int) -> str:
     )
 
 
+# The share of a GPU of its own that the engine's JAX takes at start (what vLLM's gpu_memory_utilization defaults to):
+# the rest is CUDA's context and cuBLAS/cuDNN workspaces. The memory plan checks the engine against this share.
+ENGINE_GPU_MEM_FRACTION = 0.9
+
+
 def actor_env(cfg: Config, threads: int, rollout: bool, cores: range) -> dict[str, str]:
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     env.update({"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"})
@@ -206,6 +211,9 @@ def actor_env(cfg: Config, threads: int, rollout: bool, cores: range) -> dict[st
         # engine's release() must return its cache and weights to CUDA for the trainer sharing the GPU to use.
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
         env["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
+    elif cfg.cluster.device == "gpu" and rollout:
+        # A GPU of its own: JAX's pool, allocated at start, is all the engine can use (75% unless told otherwise).
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(ENGINE_GPU_MEM_FRACTION)
     return env
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from rlloop.config import load_config
 from rlloop.memory import plan_memory
+from rlloop.placement import actor_env
 from rlloop.run import main
 from trainer import TrainBatch, Trainer
 
@@ -52,6 +53,21 @@ def test_the_reference_recipe_fits_a_tpu_v7x_chip_and_not_an_h200(capsys):
     # and the suggested fix does fit, one more row does not
     assert not plan_memory(load_config(REAL, ["cluster.device_memory_gb=141", "rollout.max_batch=201"])).fixes
     assert plan_memory(load_config(REAL, ["cluster.device_memory_gb=141", "rollout.max_batch=202"])).fixes
+
+
+def test_an_engine_on_a_gpu_of_its_own_has_jax_s_share_of_it(capsys):
+    """178 GB of engine fits a 190-GB chip, but not 0.9 x 190 = 171 GB: what JAX takes of a GPU at start (its
+    XLA_PYTHON_CLIENT_MEM_FRACTION, set for the engine's actor); colocated, the engine allocates as it goes."""
+    gpu = ["cluster.device_memory_gb=190", "cluster.device=gpu"]
+    assert not plan_memory(load_config(REAL, ["cluster.device_memory_gb=190"])).fixes
+    assert not plan_memory(load_config(REAL, [*gpu, "cluster.colocate=true"])).fixes.get("rollout")
+    fix = plan_memory(load_config(REAL, gpu)).fixes["rollout"]
+    assert "exceeds 171.0 GB (0.9 of it: JAX's share)" in fix
+    rows = int(fix.split("rollout.max_batch <= ")[1].split()[0])
+    assert not plan_memory(load_config(REAL, [*gpu, f"rollout.max_batch={rows}"])).fixes.get("rollout")
+    assert plan_memory(load_config(REAL, [*gpu, f"rollout.max_batch={rows + 1}"])).fixes.get("rollout")
+    env = actor_env(load_config(REAL, gpu), threads=1, rollout=True, cores=range(1))
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.9"
 
 
 def test_a_trainer_that_does_not_fit_names_its_keys(capsys):
