@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import gc
 import os
 import time
@@ -117,6 +118,21 @@ def use_compile_cache(path: str | None) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+def over_every_tensorcore(engine: EngineConfig) -> EngineConfig:
+    """On a TPU whose chips show JAX their two TensorCores as two devices (v7x), the engine's mesh is every device of
+    its chips (those Ray made visible to it): `tp` counts chips. The memory plan holds either way: a chip's share
+    of the weights and cache is the same bytes, split in two."""
+    chips = os.environ.get("TPU_VISIBLE_CHIPS")
+    if not chips:
+        return engine
+    import jax
+
+    if jax.default_backend() != "tpu":
+        return engine
+    per_chip = jax.local_device_count() // len(chips.split(","))
+    return dataclasses.replace(engine, tp=engine.tp * max(1, per_chip))
+
+
 class RolloutWorker:
     def __init__(
         self,
@@ -134,6 +150,7 @@ class RolloutWorker:
 
         if backend == "jax":
             use_compile_cache(compile_cache_dir)
+            engine = over_every_tensorcore(engine)
         self.engine = make_engine(backend, engine, device=device)
         self.trace = jax_trace if backend == "jax" else torch_trace
         self.receiver = sync.receiver()

@@ -122,3 +122,17 @@ def test_an_in_flight_generation_starts_on_the_version_pushed_just_before_it(tin
         sender.close()
         worker.close()
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("devices, tp", [(4, 4), (2, 2)])  # v7x: two TensorCores a chip, two devices; v6e: one
+def test_a_tpu_engine_spans_every_device_of_its_chips(monkeypatch, devices, tp):
+    """Two chips made visible by Ray: the engine's mesh is every device JAX shows of them (TPU hardware faked)."""
+    import jax
+
+    monkeypatch.setenv("TPU_VISIBLE_CHIPS", "2,3")
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(jax, "local_device_count", lambda: devices)
+    engine = EngineConfig(model_path="unused", tp=2)
+    assert rlloop.workers.over_every_tensorcore(engine).tp == tp
+    monkeypatch.delenv("TPU_VISIBLE_CHIPS")  # not placed by Ray: the chips it was given are all it knows of
+    assert rlloop.workers.over_every_tensorcore(engine).tp == 2
