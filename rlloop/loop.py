@@ -36,6 +36,8 @@ def train(cfg: Config, resume: bool = False, inputs: Inputs | None = None) -> Pa
     # A fresh run in a directory that holds an earlier run's checkpoints leaves them until its first save; a rebuild
     # before then starts over, not from the earlier run's step.
     inherited = frozenset() if resume else checkpoint_marks(cfg.run_dir)
+    if resume and not checkpoint_marks(cfg.run_dir):
+        log.warning("--resume: %s holds no checkpoint; the run starts from step 0", cfg.run_dir / "checkpoints")
     with ray_session(cfg):  # a rebuilt cluster's actors start in the same Ray
         for restarts in range(cfg.run.max_restarts + 1):
             own = resume or bool(checkpoint_marks(cfg.run_dir) - inherited)

@@ -9,6 +9,7 @@ interrupted (Ctrl-C) and 143 terminated (SIGTERM), both after cleaning up: conti
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -52,6 +53,13 @@ def debug_overrides(args: argparse.Namespace) -> list[str]:
     return out + ([f"run.replay={os.path.abspath(args.replay)}"] if args.replay else [])
 
 
+def ray_job_working_dir() -> str | None:
+    """Where this process runs when it is a `ray job submit --working-dir` entrypoint (Ray's unpacked copy, this
+    directory), else None."""
+    job = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
+    return os.getcwd() if job.get("runtime_env", {}).get("working_dir") else None
+
+
 def check_references(cfg: Config) -> None:
     """Problems we can find before starting anything heavy, reported like config errors."""
     from rlloop.rewards import resolve
@@ -60,6 +68,13 @@ def check_references(cfg: Config) -> None:
         resolve(cfg.reward.fn)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if not cfg.run_dir.is_absolute() and (temp_copy := ray_job_working_dir()):
+        raise ConfigError(
+            f"run.dir {cfg.run.dir!r} is relative, and this Ray job runs in Ray's temporary copy of its working_dir "
+            f"({temp_copy}), which Ray deletes: checkpoints written there are lost, and --resume would start over. "
+            f"Give an absolute path on storage that lasts (and that every node sees, on several nodes), e.g. "
+            f"run.dir=/mnt/runs/{{name}}"
+        )
     from rlloop.memory import plan_memory
 
     memory = plan_memory(cfg)
@@ -110,6 +125,13 @@ def dry_run(cfg: Config, notes: list[str] = ()) -> None:
         f"loop: {cfg.loop.mode}"
     )
     print("\n".join("# " + line for line in plan.describe().splitlines()))
+    if not cfg.run_dir.is_absolute() and (temp_copy := ray_job_working_dir()):
+        raise ConfigError(
+            f"run.dir {cfg.run.dir!r} is relative, and this Ray job runs in Ray's temporary copy of its working_dir "
+            f"({temp_copy}), which Ray deletes: checkpoints written there are lost, and --resume would start over. "
+            f"Give an absolute path on storage that lasts (and that every node sees, on several nodes), e.g. "
+            f"run.dir=/mnt/runs/{{name}}"
+        )
     from rlloop.memory import plan_memory
 
     memory = plan_memory(cfg)

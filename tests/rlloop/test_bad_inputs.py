@@ -144,6 +144,21 @@ def test_unreadable_config_file(how, capsys, tmp_path, monkeypatch):
     run(capsys, tmp_path, config=target, named=["c.yaml: cannot read it", "Permission denied"])
 
 
+def test_a_ray_job_with_a_relative_run_dir_is_refused(capsys, tmp_path, monkeypatch):
+    """`ray job submit --working-dir` runs the entrypoint in Ray's temporary copy of that directory: a relative
+    run.dir would put the checkpoints where Ray deletes them."""
+    job = {"runtime_env": {"working_dir": "gcs://_ray_pkg_0123456789abcdef.zip"}}
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(job))
+    monkeypatch.chdir(tmp_path)
+    assert main([TINY, "run.dir=runs/{name}", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "run.dir 'runs/{name}' is relative, and this Ray job runs in Ray's temporary copy" in err
+    assert str(tmp_path) in err and not (tmp_path / "runs").exists()
+    assert main([TINY, f"run.dir={tmp_path / 'runs' / '{name}'}", "--dry-run"]) == 0
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR")  # not a job (or one without a working_dir): relative is fine
+    assert main([TINY, "run.dir=runs/{name}", "--dry-run"]) == 0
+
+
 def test_unknown_flag_is_an_argparse_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         main([TINY, "--train.lr=1"])
