@@ -1,9 +1,8 @@
 """The typed run config: YAML files (with `inherit:`) + dotted command-line overrides -> a validated `Config`.
 
-OmegaConf reads and merges the YAML and the `a.b=c` overrides; pydantic checks every key, type and range. Any problem
-becomes one `ConfigError` naming the key path and what is allowed; `rlloop.run` turns it into exit code 2.
-Relative paths in a file (`model.path`, `data.path`, ...) resolve against that file's directory when they exist there,
-so `examples/grpo_dapo_tiny.yaml` works from any working directory.
+rlloop/config_files.py reads and merges the YAML and the `a.b=c` overrides (OmegaConf); pydantic checks every key, type
+and range here. Any problem becomes one `ConfigError` naming the key path and what is allowed; `rlloop.run` turns it
+into exit code 2.
 
 One source of truth per knob: each component owns its typed config (`rollout.EngineConfig`, `trainer.TrainerConfig`,
 `trainer.LossConfig`), and the YAML sections `rollout:`, `train:` and `grpo:` are made from those fields (`knobs_of`),
@@ -18,10 +17,10 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from rlloop.config_errors import ConfigError, describe
+from rlloop.config_files import read_config
 from rollout import EngineConfig
 from rollout.buckets import validate_buckets
 from rollout.types import DType
@@ -350,69 +349,9 @@ class Config(Section):
         return LossConfig(**component_kwargs(self.grpo, LossConfig))
 
 
-PATH_KEYS = ("model.path", "model.tokenizer", "data.path", "eval.path")
-
-
-def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
-    """One YAML file merged over the file it `inherit`s from, with its relative paths made absolute."""
-    path = path.resolve()
-    by = f" (inherited by {seen[-1]})" if seen else ""
-    if path.is_dir():
-        raise ConfigError(f"config file {path}{by} is a directory; expected a YAML file (examples/grpo_dapo.yaml)")
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}{by}")
-    if path in seen:
-        raise ConfigError(f"inherit: cycle through {path}")
-    try:  # read first, so that an unreadable file is not reported as bad YAML
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {path}{by}: cannot read it: {e}") from None
-    try:
-        node = OmegaConf.to_container(OmegaConf.create(text)) if text.strip() else {}
-    except Exception as e:  # OmegaConf's own errors, yaml.YAMLError and friends
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(node, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level")
-    for key in PATH_KEYS:
-        section, name = key.split(".")
-        value = (node.get(section) or {}).get(name) if isinstance(node.get(section), dict) else None
-        if isinstance(value, str) and not Path(value).is_absolute() and (path.parent / value).exists():
-            node[section][name] = str((path.parent / value).resolve())
-    parent = node.pop("inherit", None)
-    if parent is None:
-        return node
-    if not isinstance(parent, str):
-        raise ConfigError(f"inherit: expected a file path, got {parent!r}")
-    base = _load_yaml(path.parent / parent, seen + (path,))
-    return OmegaConf.to_container(OmegaConf.merge(base, node))
-
-
-def _check_override(item: str) -> None:
-    """`a.b.c=value`: a key of non-empty dotted names, then `=`; the value may itself hold `=`."""
-    key = item.split("=", 1)[0]
-    if item[:1] in ("+", "~"):
-        raise ConfigError(f"override {item!r}: write plain key.path=value (no Hydra-style {item[0]!r} prefix)")
-    if "=" not in item or not key:
-        raise ConfigError(f"override {item!r}: expected key.path=value, e.g. train.lr=2e-6")
-    if any(not part or part != part.strip() for part in key.split(".")):
-        raise ConfigError(f"override {item!r}: key {key!r} has an empty or space-padded part; expected key.path=value")
-
-
 def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     """Read `path` (following `inherit:`), apply `a.b=c` overrides, validate. Raises ConfigError."""
-    raw = _load_yaml(Path(path))
-    merged = OmegaConf.create(raw)
-    for item in overrides:  # one at a time, so that an error names the override that caused it
-        _check_override(item)
-        try:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
-        except Exception as e:  # OmegaConf's errors, and yaml's or TypeError for values it cannot parse or merge
-            reason = " ".join(str(e).split()) or type(e).__name__
-            raise ConfigError(f"override {item!r}: {reason}") from None
-    try:
-        data = OmegaConf.to_container(merged, resolve=True)
-    except OmegaConfBaseException as e:  # e.g. an ${interpolation} that points nowhere
-        raise ConfigError(f"config: {' '.join(str(e).split())}") from None
+    data = read_config(Path(path), overrides)
     try:
         return Config.model_validate(data)
     except ValidationError as e:

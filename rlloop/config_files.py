@@ -1,0 +1,76 @@
+"""Reading a run config: YAML files, each merged over the file it `inherit`s from, then dotted command-line overrides,
+into one plain dict (OmegaConf). Relative paths in a file resolve against that file's directory when they exist
+there, so `examples/grpo_dapo_tiny.yaml` works from any working directory. rlloop.config validates the result."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rlloop.config_errors import ConfigError
+
+PATH_KEYS = ("model.path", "model.tokenizer", "data.path", "eval.path")
+
+
+def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """One YAML file merged over the file it `inherit`s from, with its relative paths made absolute."""
+    path = path.resolve()
+    by = f" (inherited by {seen[-1]})" if seen else ""
+    if path.is_dir():
+        raise ConfigError(f"config file {path}{by} is a directory; expected a YAML file (examples/grpo_dapo.yaml)")
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}{by}")
+    if path in seen:
+        raise ConfigError(f"inherit: cycle through {path}")
+    try:  # read first, so that an unreadable file is not reported as bad YAML
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path}{by}: cannot read it: {e}") from None
+    try:
+        node = OmegaConf.to_container(OmegaConf.create(text)) if text.strip() else {}
+    except Exception as e:  # OmegaConf's own errors, yaml.YAMLError and friends
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(node, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        value = (node.get(section) or {}).get(name) if isinstance(node.get(section), dict) else None
+        if isinstance(value, str) and not Path(value).is_absolute() and (path.parent / value).exists():
+            node[section][name] = str((path.parent / value).resolve())
+    parent = node.pop("inherit", None)
+    if parent is None:
+        return node
+    if not isinstance(parent, str):
+        raise ConfigError(f"inherit: expected a file path, got {parent!r}")
+    base = _load_yaml(path.parent / parent, seen + (path,))
+    return OmegaConf.to_container(OmegaConf.merge(base, node))
+
+
+def _check_override(item: str) -> None:
+    """`a.b.c=value`: a key of non-empty dotted names, then `=`; the value may itself hold `=`."""
+    key = item.split("=", 1)[0]
+    if item[:1] in ("+", "~"):
+        raise ConfigError(f"override {item!r}: write plain key.path=value (no Hydra-style {item[0]!r} prefix)")
+    if "=" not in item or not key:
+        raise ConfigError(f"override {item!r}: expected key.path=value, e.g. train.lr=2e-6")
+    if any(not part or part != part.strip() for part in key.split(".")):
+        raise ConfigError(f"override {item!r}: key {key!r} has an empty or space-padded part; expected key.path=value")
+
+
+def read_config(path: Path, overrides: list[str] = ()) -> dict:
+    """The plain dict of `path` (following `inherit:`) with the `a.b=c` overrides applied, one at a time so that an
+    error names the override that caused it. Raises ConfigError; the keys are validated by rlloop.config."""
+    merged = OmegaConf.create(_load_yaml(path))
+    for item in overrides:
+        _check_override(item)
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        except Exception as e:  # OmegaConf's errors, and yaml's or TypeError for values it cannot parse or merge
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise ConfigError(f"override {item!r}: {reason}") from None
+    try:
+        return OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as e:  # e.g. an ${interpolation} that points nowhere
+        raise ConfigError(f"config: {' '.join(str(e).split())}") from None
