@@ -121,7 +121,8 @@ class Cluster:
 
         def options(bundle: int, rollout: bool) -> dict:
             env = actor_env(cfg, cfg.cluster.cpus_per_actor, rollout, plan.cores(bundle))
-            return actor_options(plan, bundle, self.pg, env, role="rollout" if rollout else "trainer")
+            runtime_env = cfg.cluster.rollout_runtime_env if rollout else cfg.cluster.trainer_runtime_env
+            return actor_options(plan, bundle, self.pg, env, "rollout" if rollout else "trainer", runtime_env)
 
         # Kept to rebuild an engine that dies (run.max_restarts): the same bundle, environment and config.
         self._engine_spec = [(options(b, True), engine) for b in plan.rollout_bundles if self.with_engines]

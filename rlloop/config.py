@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from omegaconf import OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
@@ -184,6 +184,11 @@ class ClusterSection(Section):
     # {node_a: 0.01} with `ray start --resources='{"node_a": 1}'` on that node.
     rollout_resources: dict[str, Annotated[float, Field(gt=0)]] = {}
     trainer_resources: dict[str, Annotated[float, Field(gt=0)]] = {}
+    # Ray runtime_env of each role's actors, over rlloop's (whose env_vars theirs override): an environment of its own,
+    # e.g. {py_executable: /opt/jax-tpu/bin/python} for the engine and torch_tpu's for the trainer, since jax[tpu] and
+    # torch_tpu pin different libtpu versions (README, TPU install).
+    rollout_runtime_env: dict[str, Any] = {}
+    trainer_runtime_env: dict[str, Any] = {}
 
 
 class LoopSection(Section):

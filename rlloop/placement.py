@@ -138,18 +138,23 @@ def colocated_plan(cluster: ClusterSection, accel: str | None, cpus: float, same
     )
 
 
-def actor_options(plan: Placement, bundle: int, pg, env: dict[str, str] | None = None, role: str = "") -> dict:
+def actor_options(
+    plan: Placement, bundle: int, pg, env: dict[str, str] | None = None, role: str = "", runtime_env: dict | None = None
+) -> dict:
     """`ray.remote(...).options(**this)` for the actor of `bundle` in the placement group `pg` made from `plan`
-    (`role` "rollout" or "trainer" picks a colocated plan's share of the bundle)."""
+    (`role` "rollout" or "trainer" picks a colocated plan's share of the bundle), in `runtime_env` (the role's
+    cluster.*_runtime_env) with `env` under its env_vars."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     request = {"rollout": plan.rollout_request, "trainer": plan.trainer_request}.get(role)
     res = dict(request if request is not None else plan.bundles[bundle])
+    runtime_env = dict(runtime_env or {})
+    runtime_env["env_vars"] = {**(env or {}), **runtime_env.get("env_vars", {})}
     return {
         "num_cpus": res.pop("CPU", 0),
         "num_gpus": res.pop("GPU", 0),
         "resources": res,
-        "runtime_env": {"env_vars": env or {}},
+        "runtime_env": runtime_env,
         "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, bundle),
     }
 

@@ -1,5 +1,6 @@
 """Placement on a fake 4-chip TPU host: the recipe's 2 + 2 split gives each actor its own chips."""
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,48 @@ def test_recipe_plan_splits_four_chips_two_and_two(fake_tpu_host):
         assert set.union(*chips) == {"0", "1", "2", "3"}  # disjoint, all four used
     finally:
         remove_placement_group(pg)
+
+
+@ray.remote
+def environment(*names: str) -> tuple[str, ...]:
+    import os
+    import sys
+
+    return (sys.executable, *(os.environ.get(n, "") for n in names))
+
+
+def test_each_role_runs_in_its_own_runtime_env(fake_tpu_host, tmp_path):
+    """cluster.rollout_runtime_env / trainer_runtime_env: an interpreter of the role's own (jax[tpu] and torch_tpu
+    want different libtpu versions; here a link to this one) and env_vars over rlloop's."""
+    python = tmp_path / "engine-env" / "python"
+    python.parent.mkdir()
+    python.symlink_to(sys.executable)
+    cfg = load_config(
+        REAL,
+        [
+            f"cluster.rollout_runtime_env={{py_executable: {python}, env_vars: {{OMP_NUM_THREADS: '7'}}}}",
+            "cluster.trainer_runtime_env={env_vars: {ROLE: trainer}}",
+        ],
+    )
+    plan = plan_placement(cfg.cluster, same_host=True)
+    pg = placement_group(plan.bundles, strategy=plan.strategy)
+    ours = {"OMP_NUM_THREADS": "1", "RLLOOP_CPUS": "0"}
+    try:
+        ray.get(pg.ready(), timeout=60)
+        runs = [
+            environment.options(**actor_options(plan, b, pg, ours, role, env)).remote(
+                "OMP_NUM_THREADS", "RLLOOP_CPUS", "ROLE"
+            )
+            for b, role, env in [
+                (plan.rollout_bundles[0], "rollout", cfg.cluster.rollout_runtime_env),
+                (plan.trainer_bundles[0], "trainer", cfg.cluster.trainer_runtime_env),
+            ]
+        ]
+        engine, rank = ray.get(runs, timeout=120)
+    finally:
+        remove_placement_group(pg)
+    assert engine == (str(python), "7", "0", "")  # its interpreter; its OMP_NUM_THREADS over ours
+    assert rank == (sys.executable, "1", "0", "trainer")
 
 
 def test_a_plan_larger_than_the_host_does_not_fit(fake_tpu_host):
