@@ -184,9 +184,9 @@ class Cluster:
                     if ref in waiting:
                         ray.kill(w)
             how = "died" if isinstance(e, ray.exceptions.RayActorError) else f"hung (no answer in {timeout:g} s)"
-            raise error(
-                f"a {role} actor {how} during {method}(); the last checkpoint is intact: rerun with --resume.\n{e}"
-            ) from None
+            # the loop rebuilds after a dead trainer rank, and says how to go on when it can no more
+            advice = "" if error is TrainerDied else "; the last checkpoint is intact: rerun with --resume."
+            raise error(f"a {role} actor {how} during {method}(){advice}\n{e}") from None
 
     # ------------------------------------------------------------------ what the loop calls
     def warmup(self) -> dict[str, float]:
@@ -379,6 +379,10 @@ class Cluster:
         ray.wait(refs, num_returns=len(refs), timeout=30)
         for w in [*workers, *([self.mailbox] if self.mailbox is not None else [])]:
             ray.kill(w)  # the mailbox too: a cluster rebuilt after a trainer's death starts with a new one
+        if self.cfg.sync.transport == "shm":  # a rank killed outright (the run's last death) left its segments
+            from weight_sync.shm import remove_stale_segments
+
+            remove_stale_segments()
         if self.pg is not None:
             ray.util.remove_placement_group(self.pg)
         if self.owns_ray and ray.is_initialized():

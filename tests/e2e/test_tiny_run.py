@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,14 @@ TINY = str(ROOT / "examples" / "grpo_dapo_tiny.yaml")
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def logged_so_far(run_dir: Path) -> list[dict]:
+    """The metrics of a run still running: none before its first line, and none while a line is half-written."""
+    try:
+        return metrics(run_dir)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
 
 
 def shm_segments(run_dir: Path) -> set[str]:
@@ -275,12 +284,47 @@ def latest_step(run_dir: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def untouched_run(tmp_path_factory) -> list[dict]:
+def untouched_dir(tmp_path_factory) -> Path:
     """The run every fault below is compared against: the same run in this process, without Ray, which computes the
     same numbers (one thread per role either way) and starts in seconds rather than a minute."""
     run_dir = tmp_path_factory.mktemp("untouched")
     train(load_config(TINY, [f"run.dir={run_dir}", *KILL_ARGS, "cluster.use_ray=false"]))
-    return metrics(run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def untouched_run(untouched_dir) -> list[dict]:
+    return metrics(untouched_dir)
+
+
+class Output:
+    """A running driver's output, read as it comes (a pipe nobody reads fills up and blocks the driver)."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.lines, self.notes = proc, [], []  # notes: what the test did, for a failure's message
+        self.reader = threading.Thread(target=lambda: self.lines.extend(proc.stdout), daemon=True)
+        self.reader.start()
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, done, what: str) -> None:
+        deadline = time.monotonic() + 300
+        while not done():
+            assert self.proc.poll() is None and time.monotonic() < deadline, (
+                f"never saw {what}:\n" + "".join(self.notes + self.lines)[-6000:]
+            )
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """Stop the run as Ctrl-C does, so that its Ray goes too (after a failed check)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.reader.join()
 
 
 def actor_pids(actor: str) -> set[str]:
@@ -296,56 +340,25 @@ def faults_mid_run(
     healed. Checks that the run heals into the same numbers, step by step, and leaves nothing behind (`temp`: its
     $TMPDIR, and its Ray's); returns its output and metrics."""
     restarts = [f"run.max_restarts={len(FAULTS) + kill_mid_heal}"]
-    proc = run_cli(f"run.dir={tmp_path}", *KILL_ARGS, *HANG, *restarts, env={"TMPDIR": str(temp)})
-    lines: list[str] = []
-
-    def read() -> None:  # as it comes: a pipe nobody reads fills up and blocks the driver
-        for line in proc.stdout:
-            lines.append(line)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-
-    sent: list[str] = []  # the signals this test sent, for a failure's message
-
-    def wait_for(done, what: str) -> None:
-        deadline = time.monotonic() + 300
-        while not done():
-            assert proc.poll() is None and time.monotonic() < deadline, (
-                f"never saw {what}:\n" + "".join(sent + lines)[-6000:]
-            )
-            time.sleep(0.2)
-
-    def send(sig: signal.Signals, pids: set[str]) -> None:
-        assert pids, f"no ray::{actor} process to send {sig.name}"
-        for pid in pids:
-            os.kill(int(pid), sig)
-        sent.append(f"{sig.name} to pids {pids} at checkpoint {latest_step(tmp_path)}, output line {len(lines)}\n")
-
+    out = Output(run_cli(f"run.dir={tmp_path}", *KILL_ARGS, *HANG, *restarts, env={"TMPDIR": str(temp)}))
     healed_at, count = 0, 0  # the newest checkpoint when the last fault was healed; restarts so far
     try:
         for sig in FAULTS:
-            wait_for(lambda after=healed_at: latest_step(tmp_path) > after, f"a checkpoint after {healed_at}")
-            send(sig, before := actor_pids(actor))
+            out.wait_for(lambda after=healed_at: latest_step(tmp_path) > after, f"a checkpoint after {healed_at}")
+            send(out, actor, sig, before := actor_pids(actor), f"checkpoint {latest_step(tmp_path)}")
             count += 1
             if kill_mid_heal and count == 1:
-                wait_for(lambda: actor_pids(actor) - before, f"the actor rebuilt after {sig.name}")
-                send(signal.SIGKILL, actor_pids(actor) - before)
+                out.wait_for(lambda: actor_pids(actor) - before, f"the actor rebuilt after {sig.name}")
+                send(out, actor, signal.SIGKILL, actor_pids(actor) - before, "its rebuild")
                 count += 1
-            wait_for(lambda mark=f"{healed} ({count}/": mark in "".join(lines), f"{sig.name} healed")
+            out.wait_for(lambda mark=f"{healed} ({count}/": mark in out.text(), f"{sig.name} healed")
             healed_at = latest_step(tmp_path)
-        if proc.wait(timeout=600) != 0:
-            events = [line for line in lines if any(w in line for w in ("restart", "died", "Error", "back"))]
-            pytest.fail("".join(sent + events)[-6000:] + "\n...\n" + "".join(lines)[-3000:])
+        if out.proc.wait(timeout=600) != 0:
+            events = [line for line in out.lines if any(w in line for w in ("restart", "died", "Error", "back"))]
+            pytest.fail("".join(out.notes + events)[-6000:] + "\n...\n" + out.text()[-3000:])
     finally:
-        if proc.poll() is None:  # a failed check: stop the run as Ctrl-C does, so that its Ray goes too
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    reader.join()
-    out, healed_metrics = "".join(lines), metrics(tmp_path)
+        out.stop()
+    healed_metrics = metrics(tmp_path)
     assert [m["step"] for m in healed_metrics] == [m["step"] for m in clean]  # a replayed step is logged once
     for key in ("rollout/raw_reward", "rollout/response_len/mean", "train/loss", "train/grad_norm"):
         assert [m[key] for m in healed_metrics] == pytest.approx([m[key] for m in clean], rel=1e-6, abs=1e-9), key
@@ -353,7 +366,14 @@ def faults_mid_run(
     assert not shm_segments(tmp_path), "shared-memory segments left behind"
     left = set(os.listdir(temp)) - {"ray"}  # Ray keeps its session logs by design
     assert not left, f"left in the temp dir: {left}"
-    return out, healed_metrics
+    return out.text(), healed_metrics
+
+
+def send(out: Output, actor: str, sig: signal.Signals, pids: set[str], when: str) -> None:
+    assert pids, f"no ray::{actor} process to send {sig.name}"
+    for pid in pids:
+        os.kill(int(pid), sig)
+    out.notes.append(f"{sig.name} to pids {pids} at {when}, output line {len(out.lines)}\n")
 
 
 def test_a_rollout_engine_that_dies_in_any_way_is_restarted_and_the_run_ends_as_if_nothing_happened(
@@ -377,3 +397,35 @@ def test_a_trainer_rank_that_dies_in_any_way_rebuilds_from_the_checkpoint_and_th
     out, healed = faults_mid_run(tmp_path, short_tmp, untouched_run, "TrainerWorker", healed_mark)
     assert f"hung (no answer in {TIMEOUT_S} s)" in out
     assert healed[-1]["train/restarts"] == 3 and untouched_run[-1]["train/restarts"] == 0
+
+
+def test_a_trainer_that_dies_before_the_runs_first_checkpoint_starts_over_and_past_max_restarts_ends_the_run(
+    tmp_path, short_tmp, untouched_dir, untouched_run
+):
+    """In a directory that holds an earlier run's checkpoint (the untouched run's last, step 8), a fresh run whose
+    trainer dies before it has saved one of its own starts over from step 0 with the same data order, not from the
+    earlier run's step; when its trainer dies again, past run.max_restarts, it exits 1 and says how to go on."""
+    earlier = untouched_dir / "checkpoints" / "step_000008"
+    shutil.copytree(earlier, tmp_path / "checkpoints" / earlier.name)
+    args = ["run.save_every=0", "run.max_restarts=1"]  # saves nothing before the end
+    out = Output(run_cli(f"run.dir={tmp_path}", *KILL_ARGS, *args, env={"TMPDIR": str(short_tmp)}))
+    try:
+        for life in (0, 1):  # its rows say which life logged them: train/restarts
+            out.wait_for(
+                lambda life=life: any(m["step"] >= 2 and m["train/restarts"] == life for m in logged_so_far(tmp_path)),
+                f"step 2 of life {life}",
+            )
+            send(out, "TrainerWorker", signal.SIGKILL, actor_pids("TrainerWorker"), f"life {life}")
+        assert out.proc.wait(timeout=300) == 1, out.text()[-3000:]
+    finally:
+        out.stop()
+    text = out.text()
+    logged = metrics(tmp_path)  # the second life's steps: it started over, from step 1
+    assert [m["step"] for m in logged] == list(range(1, len(logged) + 1))
+    for key in ("rollout/raw_reward", "train/loss", "train/grad_norm"):
+        assert [m[key] for m in logged] == pytest.approx([m[key] for m in untouched_run[: len(logged)]], rel=1e-6)
+    assert all(m["train/restarts"] == 1 for m in logged)
+    assert "restarting from the last checkpoint (1/1)" in text and "cluster error: a trainer actor died" in text
+    assert "this run saved no checkpoint" in text and "without --resume" in text  # --resume would load step 8
+    assert not ray_processes()
+    assert not shm_segments(tmp_path), "shared-memory segments left behind"
