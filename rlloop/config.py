@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from rlloop.config_errors import ConfigError, describe
 from rlloop.config_files import read_config
 from rollout import EngineConfig
-from rollout.buckets import validate_buckets
+from rollout.buckets import default_prefill_buckets, validate_buckets
 from rollout.types import DType
 from trainer import LossConfig, TrainerConfig
 from trainer.config import resolve_parallel
@@ -327,8 +327,12 @@ class Config(Section):
     def engine_config(self) -> EngineConfig:
         from rlloop.placement import engine_tp  # rlloop.placement builds on this module
 
+        knobs = component_kwargs(self.rollout, EngineConfig)
+        # No prompt longer than data.max_prompt_len reaches the engine (rlloop.data drops it): its prefill programs, and
+        # the positions each GRPO fan-out copies, stop there instead of at the engine's own max_seq_len - 1.
+        knobs["prefill_buckets"] = knobs["prefill_buckets"] or default_prefill_buckets(self.data.max_prompt_len)
         return EngineConfig(
-            **component_kwargs(self.rollout, EngineConfig),
+            **knobs,
             model_path=self.model.path,
             trust_remote_code=self.model.trust_remote_code,
             dtype=self.model.dtype,

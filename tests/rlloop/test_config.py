@@ -172,6 +172,9 @@ def test_wired_values_come_from_their_sections():
     assert (engine.tp, engine.dtype, trainer.dtype, trainer.device) == (2, "bfloat16", "bfloat16", "tpu")
     assert trainer.temperature == cfg.rollout.temperature and trainer.seed == engine.seed == cfg.run.seed
     assert trainer.loss.clip_eps_high == cfg.grpo.clip_eps_high == 0.28 and trainer.loss.loss_agg == "dapo"
+    # unset, the prefill buckets (and so the positions a GRPO fan-out copies) stop at the longest prompt, not at
+    # max_seq_len - 1 = 9,215: 1,024 of Qwen3-4B's 147,456 bytes a position per copied sample, not 9,215
+    assert cfg.rollout.prefill_buckets is None and engine.prefill_buckets == (16, 32, 64, 128, 256, 512, 1024)
 
 
 def test_dry_run_shows_every_engine(capsys):
