@@ -164,24 +164,30 @@ def resolve(spec: str) -> Callable[[str, str], float]:
 
 _resolved: dict[str, Callable] = {}
 MAX_CHUNK = 16  # samples per round trip to a reward worker
+WORKER_START_S = 120.0  # the most a new pool's workers are waited for before samples go out
 
 
-def _score_one(spec: str, response: str, answer: str) -> float:
+def _load(spec: str) -> Callable:
     if spec not in _resolved:
         _resolved[spec] = resolve(spec)
-    return _resolved[spec](response, answer)
+    return _resolved[spec]
 
 
 def _score_chunk(spec: str, pairs: list[tuple[str, str]]) -> list[tuple[bool, object]]:
     """In a worker: (True, value) or (False, 'Error: message') per (response, answer), so that one raising sample
-    fails alone."""
+    fails alone. A function that calls sys.exit() or raises KeyboardInterrupt fails its sample too: the worker's,
+    not the run's."""
     outcomes = []
     for response, answer in pairs:
         try:
-            outcomes.append((True, _score_one(spec, response, answer)))
-        except Exception as e:
+            outcomes.append((True, _load(spec)(response, answer)))
+        except BaseException as e:
             outcomes.append((False, f"{type(e).__name__}: {e}"))
     return outcomes
+
+
+def _start_worker(spec: str) -> None:
+    _load(spec)
 
 
 def die_with_parent(parent: int) -> None:
@@ -215,6 +221,10 @@ class RewardScorer:
                 initializer=die_with_parent,
                 initargs=(os.getpid(),),
             )
+            # Start the workers and import the function before any sample's time limit runs: a spawned worker
+            # imports the driver's modules again (~1 s, more on a busy host), which a short reward.timeout_s took for
+            # a hang, again and again, failing every sample.
+            wait([self._pool.submit(_start_worker, self.spec) for _ in range(self.workers)], timeout=WORKER_START_S)
         return self._pool
 
     def _kill_pool(self) -> None:
@@ -237,7 +247,7 @@ class RewardScorer:
             return self._fail(f"returned {value!r:.40} instead of a number")
         try:
             number = float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: an int past float's range
             return self._fail(f"returned a {type(value).__name__}, not a number")
         if not math.isfinite(number):
             return self._fail(f"returned {number}")

@@ -352,7 +352,7 @@ def test_errors_arrive_in_a_fresh_driver_without_ray_or_the_loop(tmp_path):
 
 # --- rewards -------------------------------------------------------------------------------------------------------
 REWARD_MODULE = """
-import math, time
+import math, sys, time
 CONSTANT = 3
 
 def score(response, answer):
@@ -361,6 +361,12 @@ def score(response, answer):
         raise RuntimeError("reward function failed")
     if kind == "hang":
         time.sleep(60)
+    if kind == "exit":
+        sys.exit(3)
+    if kind == "ctrlc":
+        raise KeyboardInterrupt
+    if kind == "huge":
+        return 10**400
     return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "none": None, "str": "high", "numstr": "1.5",
             "list": [1.0], "np": __import__("numpy").float32(0.5), "int": 1}.get(kind, 1.0)
 """
@@ -390,7 +396,8 @@ def scorer(reward_modules):
 
 # (what the function does, the reward the sample gets, whether it counts as a failure); failure_reward is -7
 # fmt: off
-REWARDS = [("raise", -7.0, 1), ("hang", -7.0, 1), ("nan", -7.0, 1), ("inf", -7.0, 1), ("-inf", -7.0, 1),
+REWARDS = [("raise", -7.0, 1), ("hang", -7.0, 1), ("exit", -7.0, 1), ("ctrlc", -7.0, 1), ("huge", -7.0, 1),
+           ("nan", -7.0, 1), ("inf", -7.0, 1), ("-inf", -7.0, 1),
            ("none", -7.0, 1), ("str", -7.0, 1), ("numstr", -7.0, 1), ("list", -7.0, 1), ("np", 0.5, 0), ("int", 1.0, 0)]
 # fmt: on
 

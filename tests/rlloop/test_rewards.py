@@ -1,10 +1,15 @@
 """Reward rules (DAPO's, boxed + math-verify, custom) and the scorer's failure handling."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from rlloop.rewards import RewardScorer, dapo_reward, last_boxed, math_reward, normalize_final_answer, resolve
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
@@ -117,3 +122,25 @@ def test_a_failing_sample_in_a_chunk_fails_alone(fn, culprit, want, counter):
         assert (scorer.errors, scorer.timeouts) == ((1, 0) if counter == "errors" else (0, 1))
     finally:
         scorer.close()
+
+
+DRIVER = """
+import torch  # what a driver's main module imports, a spawned reward worker imports again before its first sample
+from rlloop.rewards import RewardScorer
+
+if __name__ == "__main__":
+    scorer = RewardScorer("tests.rlloop.reward_fns:exact", timeout_s=0.3, failure_reward=-1.0, workers=2)
+    print(scorer.score(["1", "2", "1", "3"], ["1", "1", "1", "3"]), scorer.errors, scorer.timeouts)
+    scorer.close()
+"""
+
+
+def test_a_short_time_limit_is_not_spent_starting_the_workers(tmp_path):
+    """A limit shorter than a worker's start (~1 s of imports) used to fail every sample of an instant function,
+    pool after pool."""
+    (tmp_path / "driver.py").write_text(DRIVER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "driver.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.stdout.strip().splitlines()[-1] == "[1.0, 0.0, 1.0, 1.0] 0 0", out.stdout + out.stderr[-3000:]
