@@ -13,11 +13,21 @@ so a knob is declared, defaulted and range-checked once, in its component. `Conf
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from omegaconf import OmegaConf
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from rlloop.config_errors import ConfigError, describe
 from rlloop.config_files import read_config
@@ -33,10 +43,13 @@ PositiveInt = Annotated[int, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
 Prob = Annotated[float, Field(gt=0, le=1)]
 TORCH_DEVICE = {"tpu": "tpu", "gpu": "cuda", "cpu": "cpu"}
+# A local path or hub id; `~` is the home directory, as in a shell (a hub id never starts with it)
+PathStr = Annotated[str, AfterValidator(os.path.expanduser)]
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=False, validate_default=True)
+    # no knob takes inf or nan: `reward.timeout_s: inf` overflowed a wait, `failure_reward: nan` poisoned advantages
+    model_config = ConfigDict(extra="forbid", strict=False, validate_default=True, allow_inf_nan=False)
 
 
 def knobs_of(component: type, wired: tuple[str, ...] = ()) -> type[Section]:
@@ -56,7 +69,7 @@ def component_kwargs(section: BaseModel, component: type) -> dict:
 
 class RunSection(Section):
     name: str = "grpo"
-    dir: str = "runs/{name}"  # {name} is filled in
+    dir: PathStr = "runs/{name}"  # {name} is filled in
     seed: int = 0
     steps: PositiveInt = 100
     save_every: NonNegInt = 20  # 0: never
@@ -65,10 +78,19 @@ class RunSection(Section):
     # slime's debug modes (--debug on the command line): rollout-only generates, scores and saves rollouts with no
     # trainer; train-only trains on the rollouts a run saved (`replay`: its rollouts/ directory) with no engine.
     debug: Literal["off", "rollout-only", "train-only"] = "off"
-    replay: str | None = None
+    replay: PathStr | None = None
     # Steps whose generation and training the engines (JAX's profiler) and trainer ranks (torch's) record into
     # run_dir/profile/ (rlloop/profiling.py); pick ones after the first, whose compiles are done.
     profile_steps: list[PositiveInt] = []
+
+    @field_validator("dir")
+    @classmethod
+    def _dir_fills_in_name_only(cls, v: str) -> str:
+        try:
+            v.format(name="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"may hold {{name}} and no other {{field}} ({type(e).__name__}: {e})") from None
+        return v
 
     @model_validator(mode="after")
     def _profile_within_run(self) -> RunSection:
@@ -78,14 +100,14 @@ class RunSection(Section):
 
 
 class ModelSection(Section):
-    path: str  # hub id or local dir with config.json, weights and tokenizer
-    tokenizer: str | None = None  # defaults to `path`
+    path: PathStr  # hub id or local dir with config.json, weights and tokenizer
+    tokenizer: PathStr | None = None  # defaults to `path`
     dtype: DType = "float32"  # engine and trainer; the real recipe sets bfloat16
     trust_remote_code: bool = False  # run code shipped with the checkpoint (auto_map): only when asked by name
 
 
 class DataSection(Section):
-    path: str  # hub id, parquet/jsonl file, or a directory of them
+    path: PathStr  # hub id, parquet/jsonl file, or a directory of them
     split: str = "train"
     prompt_key: str = "prompt"  # a chat-message list (DAPO) or a plain string
     answer_key: str = "reward_model.ground_truth"
@@ -95,7 +117,7 @@ class DataSection(Section):
 
 
 class EvalSection(Section):
-    path: str | None = None  # None: no evaluation
+    path: PathStr | None = None  # None: no evaluation
     name: str | None = None  # logged as eval/<name>; default: the file or dataset name
     split: str = "train"
     samples: PositiveInt = 16  # completions per prompt; the score is mean accuracy
@@ -155,7 +177,7 @@ class SyncSection(Section):
     delta: bool = True
     keyframe_every: PositiveInt = 10
     keep: PositiveInt = 2  # versions the disk and Ray transports retain
-    dir: str | None = None  # disk transport root; default <run dir>/sync
+    dir: PathStr | None = None  # disk transport root; default <run dir>/sync
 
 
 class ClusterSection(Section):

@@ -51,6 +51,8 @@ def run(capsys, tmp_path, *args, named=(), config=TINY, kind="config") -> None:
 # --- config --------------------------------------------------------------------------------------------------------
 # fmt: off
 CONFIG = [  # (id, overrides of the tiny recipe, what the message names)
+    ("timeout-inf", ["reward.timeout_s=inf"], ["reward.timeout_s: Input should be a finite number"]),
+    ("failure-reward-nan", ["reward.failure_reward=nan"], ["reward.failure_reward: Input should be a finite number"]),
     ("batch-over-ranks", ["rollout.prompts_per_step=3", "rollout.group_size=3", "cluster.train_chips=2"],
      ["rollout.prompts_per_step x rollout.group_size = 3 x 3 = 9", "cluster.train_chips x train.minibatches = 2 x 1"]),
     ("batch-over-minibatches", ["rollout.prompts_per_step=5", "rollout.group_size=2", "train.minibatches=4"],
@@ -142,6 +144,12 @@ def test_unreadable_config_file(how, capsys, tmp_path, monkeypatch):
     if how == "simulated":
         monkeypatch.setattr(Path, "read_text", denied)
     run(capsys, tmp_path, config=target, named=["c.yaml: cannot read it", "Permission denied"])
+
+
+@pytest.mark.parametrize("run_dir", ["runs/{seed}", "runs/{name"])
+def test_a_run_dir_with_another_field_than_name_is_refused(run_dir, capsys):
+    assert main([TINY, f"run.dir={run_dir}", "--dry-run"]) == 2
+    assert "run.dir: may hold {name} and no other {field}" in capsys.readouterr().err
 
 
 def test_a_ray_job_with_a_relative_run_dir_is_refused(capsys, tmp_path, monkeypatch):

@@ -21,6 +21,16 @@ def test_tiny_inherits_the_recipe_and_overrides_what_it_needs():
     assert tiny.grpo == real.grpo  # inherited untouched
 
 
+def test_paths_starting_with_a_tilde_are_in_the_home_directory():
+    cfg = load_config(TINY, ["model.path=~/models/tiny", "run.dir=~/runs/{name}", "sync.dir=~/sync"])
+    home = Path.home()
+    assert (Path(cfg.model.path), cfg.run_dir, Path(cfg.sync.dir)) == (
+        home / "models/tiny",
+        home / "runs/tiny",
+        home / "sync",
+    )
+
+
 def test_dotted_overrides():
     cfg = load_config(TINY, ["train.lr=2e-6", "rollout.group_size=4", "train.betas=[0.8,0.9]", "eval.path=null"])
     assert (cfg.train.lr, cfg.rollout.group_size, cfg.train.betas, cfg.eval.path) == (2e-6, 4, (0.8, 0.9), None)
