@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
 
@@ -35,16 +36,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def resume_command(args: argparse.Namespace) -> str:
     """What continues this run: the same config, overrides and debug mode, with --resume."""
-    flags = [f"--{k} {v}" for k, v in (("debug", args.debug), ("replay", args.replay)) if v]
-    return " ".join(["python -m rlloop.run", args.config, *args.overrides, *flags, "--resume"])
+    flags = [arg for k, v in (("debug", args.debug), ("replay", args.replay)) if v for arg in (f"--{k}", v)]
+    return shlex.join(["python", "-m", "rlloop.run", args.config, *args.overrides, *flags, "--resume"])
 
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM (`ray job stop`, a scheduler preempting the job, `kill`): unwound and cleaned up like Ctrl-C."""
 
+    received = False  # what says it was SIGTERM once `ray.get` has turned the exception into a KeyboardInterrupt
+
 
 def on_sigterm(signum, frame):
+    Terminated.received = True
     raise Terminated()
+
+
+def stopped_by(e: BaseException) -> str | None:
+    """ "terminated" (SIGTERM), "interrupted" (Ctrl-C), or None for an exit to let through. While `ray.init` runs,
+    Ray's own SIGTERM handler is in place: it exits with SystemExit(15)."""
+    if isinstance(e, SystemExit):
+        return "terminated" if e.code == signal.SIGTERM else None
+    return "terminated" if isinstance(e, Terminated) or Terminated.received else "interrupted"
 
 
 def debug_overrides(args: argparse.Namespace) -> list[str]:
@@ -182,10 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteTraining as e:
         print(f"training error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt as e:
-        what = "terminated" if isinstance(e, Terminated) else "interrupted"
+    except (KeyboardInterrupt, SystemExit) as e:
+        if (what := stopped_by(e)) is None:
+            raise
         print(f"\n{what}; continue with: {resume_command(args)}", file=sys.stderr)
-        return 143 if isinstance(e, Terminated) else 130
+        return 143 if what == "terminated" else 130
     print(f"done: {run_dir}/metrics.jsonl, curves.png, report.md")
     return 0
 

@@ -2,11 +2,13 @@
 (no engine: train on saved rollouts), and a replayed step reproducing the original step's numbers exactly."""
 
 import json
+import shlex
+import signal
 from pathlib import Path
 
 import pytest
 
-from rlloop.run import main, parse_args, resume_command
+from rlloop.run import Terminated, main, parse_args, resume_command, stopped_by
 
 TINY = str(Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml")
 COMMON = ["run.steps=3", "run.eval_every=0", "rollout.prompts_per_step=4", "cluster.use_ray=false"]
@@ -54,6 +56,23 @@ def test_the_resume_command_printed_on_ctrl_c_keeps_the_debug_mode():
     command = resume_command(parse_args(argv))
     assert command == f"python -m rlloop.run {TINY} run.steps=3 --debug train-only --replay runs/a/rollouts --resume"
     assert parse_args(command.split()[3:]).replay == "runs/a/rollouts"
+
+
+def test_a_sigterm_is_told_apart_however_it_arrives(monkeypatch):
+    """Ray's handler (in place while ray.init runs) exits with SystemExit(15), and `ray.get` turns our Terminated into
+    a plain KeyboardInterrupt: both are still a SIGTERM (exit 143), and a reward-style sys.exit(3) is no signal."""
+    monkeypatch.setattr(Terminated, "received", False)
+    assert stopped_by(KeyboardInterrupt()) == "interrupted"
+    assert stopped_by(SystemExit(signal.SIGTERM)) == "terminated" and stopped_by(SystemExit(3)) is None
+    assert stopped_by(Terminated()) == "terminated"
+    monkeypatch.setattr(Terminated, "received", True)
+    assert stopped_by(KeyboardInterrupt()) == "terminated"
+
+
+def test_the_resume_command_is_one_a_shell_reads_back_as_it_was():
+    argv = [TINY, "run.name=my run", "train.lr=1e-4"]
+    words = shlex.split(resume_command(parse_args(argv)))
+    assert words[3:] == [*argv, "--resume"]
 
 
 def test_replay_without_train_only_is_a_config_error(tmp_path, capsys):
