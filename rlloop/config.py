@@ -83,6 +83,10 @@ class RunSection(Section):
     # run_dir/profile/ (rlloop/profiling.py); pick ones after the first, whose compiles are done.
     profile_steps: list[PositiveInt] = []
 
+    def saves_at(self, step: int) -> bool:
+        """Whether the loop checkpoints after `step`: every `save_every` steps and the last."""
+        return bool(self.save_every) and (step % self.save_every == 0 or step == self.steps)
+
     @field_validator("dir")
     @classmethod
     def _dir_fills_in_name_only(cls, v: str) -> str:

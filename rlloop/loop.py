@@ -98,7 +98,7 @@ def run_recipe(cfg: Config, inputs: Inputs, resume: bool = False, trainer_restar
             metrics |= step_overhead(metrics)
             metrics |= rollout.counters()
             tracker.log(step, metrics)
-            if cluster.trainers and checkpoints(cfg, step):
+            if cluster.trainers and cfg.run.saves_at(step):
                 save_checkpoint(run_dir, step, {"data": batches.resume_state()}, cluster.save)
             clock.restart()
 
@@ -117,16 +117,12 @@ def run_recipe(cfg: Config, inputs: Inputs, resume: bool = False, trainer_restar
             if pending:
                 finish(*pending)
             pending = (step, batch.metrics, training)
-            if cfg.loop.mode == "sync" or checkpoints(cfg, step) or (evaluating and step % cfg.run.eval_every == 0):
+            if cfg.loop.mode == "sync" or cfg.run.saves_at(step) or (evaluating and step % cfg.run.eval_every == 0):
                 finish(*pending)
                 pending = None
         if pending:
             finish(*pending)
     return run_dir
-
-
-def checkpoints(cfg: Config, step: int) -> bool:
-    return bool(cfg.run.save_every) and (step % cfg.run.save_every == 0 or step == cfg.run.steps)
 
 
 def start_training(cfg: Config, cluster: Cluster, step: int, samples):

@@ -75,9 +75,12 @@ class OneStepOffPolicy:
         """In the rollout thread: once step - 2 has trained and published (the loop may start this while it still
         trains, with step - 1 queued behind it), the engines load the newest weights, those of step - 2, then
         generate `step`. The load is off the training path: the trainer is on step - 1, whose weights come a whole
-        train step later."""
+        train step later. After a checkpoint the step waits for the checkpoint's own weights: a run resumed from it
+        has no older ones, so both generate the step from the same weights and the resumed run goes on exactly as
+        the uninterrupted one (an overlap given up every run.save_every steps)."""
+        newest = step - 1 if self.manager.cfg.run.saves_at(step - 1) else step - 2
         with self.cond:
-            self.cond.wait_for(lambda: self.closing or self.trained_through >= step - 2)
+            self.cond.wait_for(lambda: self.closing or self.trained_through >= newest)
             if self.closing:
                 raise RuntimeError(f"the run stopped before step {step} was generated")
         pulled = self.manager.cluster.pull_weights()
