@@ -45,11 +45,19 @@ def expand(patterns, runs: list[list[dict]]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def curves(runs: list[list[dict]], metric: str, smooth: int) -> tuple[np.ndarray, np.ndarray, float]:
-    """(steps every run has, [runs, steps] values rolling-mean smoothed over `smooth` steps (eval: never), the
-    standard error of one smoothed point: the runs' step-to-step noise around their own rolling mean, / sqrt(k))."""
+def logged_steps(runs: list[list[dict]], metric: str) -> set[int]:
+    """The steps at which every run logged `metric`."""
+    return set.intersection(*({r["step"] for r in rows if metric in r} for rows in runs))
+
+
+def curves(
+    runs: list[list[dict]], metric: str, smooth: int, within: set[int] | None = None
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """(steps every run has (of `within`, if given), [runs, steps] values rolling-mean smoothed over `smooth` steps
+    (eval: never), the standard error of one smoothed point: the runs' step-to-step noise around their own rolling
+    mean, / sqrt(k))."""
     series = [{r["step"]: r[metric] for r in rows if metric in r} for rows in runs]
-    steps = np.array(sorted(set.intersection(*(set(s) for s in series))))
+    steps = np.array(sorted(logged_steps(runs, metric) & (within if within is not None else set(series[0]))))
     values = np.array([[s[t] for t in steps] for s in series], dtype=float)
     k = 1 if metric.startswith("eval/") else max(1, min(smooth, len(steps)))
     if k == 1:
@@ -70,13 +78,14 @@ def compare(a: list[list[dict]], b: list[list[dict]], metrics, smooth: int = 5, 
     """{metric: {"distance": mean |mean_A - mean_B| / spread_B, "within": distance <= tolerance, ...}}."""
     out = {}
     for metric in expand(metrics, a + b):
-        steps_a, va, _ = curves(a, metric, smooth)
-        steps_b, vb, noise = curves(b, metric, smooth)
-        shared = np.intersect1d(steps_a, steps_b)
-        if not len(shared):
+        # Both groups smoothed over the steps both logged, so their points line up (a window sized to each group's
+        # own length left runs of 4 and 2 steps no point in common, and the verdict empty)
+        both = logged_steps(a, metric) & logged_steps(b, metric)
+        if not both:
             continue
-        ma = va[:, np.searchsorted(steps_a, shared)].mean(axis=0)
-        mb = vb[:, np.searchsorted(steps_b, shared)].mean(axis=0)
+        shared, va, _ = curves(a, metric, smooth, both)
+        _, vb, noise = curves(b, metric, smooth, both)
+        ma, mb = va.mean(axis=0), vb.mean(axis=0)
         scale = spread(vb, noise)
         distance = float(np.mean(np.abs(ma - mb)) / scale)
         out[metric] = {"distance": distance, "within": distance <= tolerance, "spread": scale, "steps": len(shared)}
@@ -117,14 +126,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--labels", default="A,B")
     p.add_argument("--out", default="compare.png")
     args = p.parse_args(argv)
-    metrics = args.metrics.split(",")
-    a, labels = load_group(args.runs), args.labels.split(",")
+    metrics, labels = args.metrics.split(","), args.labels.split(",")
+    if len(labels) < (2 if args.vs else 1):
+        p.error(f"--labels {args.labels!r}: a name for each group, comma-separated")
+    if args.smooth < 1:
+        p.error(f"--smooth {args.smooth}: at least 1 (1: no smoothing)")
+    if not Path(args.out).resolve().parent.is_dir():
+        p.error(f"--out {args.out}: {Path(args.out).resolve().parent} is not a directory")
+    a = load_group(args.runs)
     groups = {labels[0]: a}
+    b = load_group(args.vs) if args.vs else []
+    if not expand(metrics, a + b):
+        known = [k for k in expand(["*"], a + b) if k != "step"]
+        p.error(f"--metrics {args.metrics!r} matches none of the runs' metrics: {', '.join(known)}")
     verdicts = {}
     if args.vs:
-        b = load_group(args.vs)
         groups[labels[1]] = b
         verdicts = compare(a, b, metrics, args.smooth, args.tolerance)
+        if not verdicts:
+            p.error("no metric was logged at the same steps by both groups: nothing to compare")
         for metric, v in verdicts.items():
             word = "within" if v["within"] else "OUTSIDE"
             print(f"{metric:32s} {word:8s} distance {v['distance']:.2f} spreads (spread {v['spread']:.4g})")

@@ -1,0 +1,47 @@
+"""`python -m rlloop.compare` on hand-made metrics: groups of different lengths line up, bad arguments exit 2."""
+
+import json
+
+import pytest
+
+from rlloop.compare import main
+
+
+def write_run(path, rewards: list[float]):
+    path.mkdir(parents=True)
+    rows = [{"step": i + 1, "rollout/raw_reward": r} for i, r in enumerate(rewards)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture
+def runs(tmp_path):
+    rewards = [-0.7, -0.6, -0.5, -0.45, -0.3, -0.2]
+    long = [write_run(tmp_path / f"long{s}", [r + 0.01 * s for r in rewards]) for s in (0, 1)]
+    short = [write_run(tmp_path / f"short{s}", [r + 0.01 * s for r in rewards[:3]]) for s in (0, 1)]
+    return long, short
+
+
+def test_runs_of_different_lengths_are_compared_on_the_steps_both_have(runs, tmp_path, capsys):
+    """The same runs, one group cut short: they agree, over its 3 steps, smoothed alike (each group's own window
+    left no step in common, and an empty verdict that passed)."""
+    long, short = runs
+    assert main([*long, "--vs", *short, "--out", str(tmp_path / "c.png")]) == 0
+    verdict = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert verdict["rollout/raw_reward"] == {"distance": 0.0, "within": True}
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--labels", "A"], "--labels 'A': a name for each group"),
+        (["--metrics", "nope"], "matches none of the runs' metrics: rollout/raw_reward"),
+        (["--out", "/nonexistent/c.png"], "/nonexistent is not a directory"),
+        (["--smooth", "0"], "--smooth 0: at least 1"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_them(runs, tmp_path, capsys, args, named):
+    long, short = runs
+    with pytest.raises(SystemExit) as e:
+        main([*long, "--vs", *short, "--out", str(tmp_path / "c.png"), *args])
+    assert e.value.code == 2 and named in capsys.readouterr().err
