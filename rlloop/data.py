@@ -226,7 +226,10 @@ class PromptData:
     def _parse(self, index: int) -> tuple[list[dict], list[int], str]:
         """(messages, token ids, answer) of row `index`."""
         messages, answer = self._parse_row(index, self.rows[int(index)])
-        return messages, encode_prompt(self.tokenizer, messages), answer
+        try:
+            return messages, encode_prompt(self.tokenizer, messages), answer
+        except Exception as e:  # a tokenizer without an unknown token (the tiny one) meets a character it lacks
+            raise DataError(f"{self.key} {self.source}: row {index}: the tokenizer cannot encode it: {e}") from None
 
     def _token_bound(self, messages: list[dict]) -> int:
         """An upper bound on the prompt's tokens without tokenizing it: its UTF-8 bytes plus the chat template's
@@ -305,9 +308,20 @@ class PromptData:
         return batch
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "dropped": self.dropped, "seed": self.seed}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "dropped": self.dropped,
+            "seed": self.seed,
+            "rows": len(self.rows),
+        }
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("rows", len(self.rows)) != len(self.rows):  # a position in other data means nothing here
+            raise DataError(
+                f"{self.key} {self.source} has {len(self.rows)} rows, and the checkpoint's position is in data of "
+                f"{state['rows']}: resume with the data the run was trained on, or start a new run (another run.dir)"
+            )
         self.seed, self.epoch, self.position, self.dropped = (
             state["seed"],
             state["epoch"],

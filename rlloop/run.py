@@ -80,6 +80,9 @@ def check_references(cfg: Config) -> None:
         resolve(cfg.reward.fn)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    nearest = next(p for p in [cfg.run_dir, *cfg.run_dir.parents] if p.exists())  # "." for a relative one
+    if not nearest.is_dir() or not os.access(nearest, os.W_OK | os.X_OK):
+        raise ConfigError(f"run.dir {cfg.run_dir} cannot be made there: {nearest} is not a directory it can write to")
     if not cfg.run_dir.is_absolute() and (temp_copy := ray_job_working_dir()):
         raise ConfigError(
             f"run.dir {cfg.run.dir!r} is relative, and this Ray job runs in Ray's temporary copy of its working_dir "
@@ -137,6 +140,9 @@ def dry_run(cfg: Config, notes: list[str] = ()) -> None:
         f"loop: {cfg.loop.mode}"
     )
     print("\n".join("# " + line for line in plan.describe().splitlines()))
+    nearest = next(p for p in [cfg.run_dir, *cfg.run_dir.parents] if p.exists())  # "." for a relative one
+    if not nearest.is_dir() or not os.access(nearest, os.W_OK | os.X_OK):
+        raise ConfigError(f"run.dir {cfg.run_dir} cannot be made there: {nearest} is not a directory it can write to")
     if not cfg.run_dir.is_absolute() and (temp_copy := ray_job_working_dir()):
         raise ConfigError(
             f"run.dir {cfg.run.dir!r} is relative, and this Ray job runs in Ray's temporary copy of its working_dir "
@@ -188,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
         return 1
-    except DataError as e:  # a replayed step's rollouts gone since the start
+    except DataError as e:  # other data than the checkpoint's, a row the tokenizer cannot encode, lost replays
         print(f"data error: {e}", file=sys.stderr)
         return 1
     except NonFiniteTraining as e:

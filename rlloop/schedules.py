@@ -247,8 +247,11 @@ class ReplayRollout:
         path = rollouts_file(self.dir, step)
         if not path.is_file():
             raise DataError(f"run.replay: {path} is missing (the saved run has no rollouts of step {step})")
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        return StepRollout(SavedSamples(rows), {"rollout/raw_reward": sum(r["reward"] for r in rows) / len(rows)})
+        try:
+            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            return StepRollout(SavedSamples(rows), {"rollout/raw_reward": sum(r["reward"] for r in rows) / len(rows)})
+        except (ValueError, KeyError, TypeError, ZeroDivisionError) as e:  # json's errors are ValueErrors
+            raise DataError(f"run.replay: {path} is not a saved step's rollouts ({type(e).__name__}: {e})") from None
 
     def trained(self, step: int) -> None:
         pass

@@ -24,9 +24,20 @@ log = logging.getLogger(__name__)
 
 
 def read_metrics(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl; a last line cut short (the disk filled, or the driver died, mid-write) is left
+    out, with a warning: a resumed run logs that step again."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise
+            log.warning("%s: its last line is cut short (%r); left out", path, line[:60])
+    return rows
 
 
 def rollouts_file(rollouts_dir: str | Path, step: int) -> Path:
@@ -123,7 +134,9 @@ class Tracker:
         if save:
             out = self.run_dir / "rollouts"
             out.mkdir(exist_ok=True)
-            rollouts_file(out, step).write_text("".join(json.dumps(r) + "\n" for r in rows))
+            path = rollouts_file(out, step)  # whole or not at all: --debug train-only replays it
+            path.with_suffix(".tmp").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            path.with_suffix(".tmp").replace(path)
         if table_now:
             import wandb
 

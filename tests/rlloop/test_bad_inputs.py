@@ -146,6 +146,12 @@ def test_unreadable_config_file(how, capsys, tmp_path, monkeypatch):
     run(capsys, tmp_path, config=target, named=["c.yaml: cannot read it", "Permission denied"])
 
 
+def test_a_run_dir_that_cannot_be_made_is_refused_before_anything_starts(capsys, tmp_path):
+    (tmp_path / "afile").write_text("")
+    assert main([TINY, f"run.dir={tmp_path / 'afile' / 'run'}", "--dry-run"]) == 2
+    assert f"cannot be made there: {tmp_path / 'afile'} is not a directory it can write to" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("run_dir", ["runs/{seed}", "runs/{name"])
 def test_a_run_dir_with_another_field_than_name_is_refused(run_dir, capsys):
     assert main([TINY, f"run.dir={run_dir}", "--dry-run"]) == 2

@@ -59,6 +59,29 @@ def test_seeded_order_and_resume(tok):
     assert sorted(first[: len(full)]) == list(range(len(full)))  # an epoch is a permutation
 
 
+def test_a_position_in_other_data_is_refused(tmp_path, tok):
+    """--resume after data.path changed: the checkpoint's position would index rows that are not there (an
+    IndexError mid-run), or silently other ones."""
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps(rows(1)[0]) + "\n")
+    trained = PromptData(str(TRAIN), tok, seed=7)
+    trained.next_batch(40)
+    with pytest.raises(DataError, match=r"one.jsonl has 1 rows, and the checkpoint's position is in data of \d+"):
+        PromptData(str(path), tok).load_state_dict(trained.state_dict())
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_names_its_row(tmp_path, tok):
+    """The tiny character tokenizer has no unknown token: a character it lacks is a data error, not a traceback."""
+    bad = rows(3)
+    bad[2]["prompt"][0]["content"] = "Solve: 数学 + 9"
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in bad))
+    data = PromptData(str(path), tok, shuffle=False)
+    assert len(data.next_batch(2)) == 2
+    with pytest.raises(DataError, match="bad.jsonl: row 2: the tokenizer cannot encode it"):
+        data.next_batch(1)
+
+
 def test_long_prompts_are_dropped_and_counted_or_an_error(tmp_path, tok):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows(10, long_every=3)))

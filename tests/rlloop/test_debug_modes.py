@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from rlloop.data import DataError
 from rlloop.run import Terminated, main, parse_args, resume_command, stopped_by
+from rlloop.schedules import ReplayRollout
 
 TINY = str(Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml")
 COMMON = ["run.steps=3", "run.eval_every=0", "rollout.prompts_per_step=4", "cluster.use_ray=false"]
@@ -90,3 +92,11 @@ def test_train_only_on_fewer_saved_steps_than_run_steps_is_a_config_error(tmp_pa
     assert main(args) == 2
     assert f"run.replay: {saved} has no rollouts of step 3;" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_saved_step_cut_short_is_a_data_error_naming_it(tmp_path):
+    saved = tmp_path / "rollouts"
+    saved.mkdir()
+    (saved / "step_000001.jsonl").write_text('{"prompt": [{"role": "user", "con')
+    with pytest.raises(DataError, match=r"run.replay: .*step_000001.jsonl is not a saved step's rollouts"):
+        ReplayRollout(str(saved)).next(1)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlloop.config import load_config
-from rlloop.tracking import Tracker, make_report
+from rlloop.tracking import Tracker, make_report, read_metrics
 
 TINY = str(Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml")
 
@@ -140,3 +140,13 @@ def test_wandb_gets_sample_tables_and_no_secret_is_written(tmp_path, monkeypatch
     for f in tmp_path.rglob("*"):  # W&B's own binary .wandb log and debug files included
         if f.is_file():
             assert b"_secret_never_written" not in f.read_bytes(), f
+
+
+def test_a_metrics_line_cut_short_at_the_end_is_left_out_and_one_inside_is_an_error(tmp_path):
+    """The disk filled, or the driver died, while it wrote the last line: --resume goes on (and logs it again)."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "x": 0.5}\n{"step": 2, "x": 0.')
+    assert read_metrics(path) == [{"step": 1, "x": 0.5}]
+    path.write_text('{"step": 1, "x": 0.\n{"step": 2, "x": 0.5}\n')
+    with pytest.raises(json.JSONDecodeError):
+        read_metrics(path)
