@@ -169,11 +169,12 @@ class Cluster:
         except ray.exceptions.RayTaskError as e:
             if not start:
                 raise
-            # An actor that cannot start is the host's or the config's doing (a sync.dir it cannot create, a model it
-            # cannot load): one line that says what, not a remote traceback.
+            # A call of the run's start (setup, warmup, the first train step) that raises is the host's or the
+            # config's doing (a sync.dir it cannot create, a model it cannot load, a NaN failure_reward): one line that
+            # says what, not a remote traceback.
             role = "rollout" if workers[0] in self.engines else "trainer"
             why = f"{type(e.cause).__name__}: {e.cause}"
-            raise ClusterError(f"a {role} actor could not start: {method}() raised {why}") from None
+            raise ClusterError(f"a {role} actor's {method}() raised {why}") from None
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
             role = "rollout" if workers[0] in self.engines else "trainer"
             error = ClusterError if role == "rollout" else TrainerDied

@@ -64,6 +64,6 @@ def test_an_actor_that_cannot_start_is_one_cluster_error_naming_why(ray_cluster,
     actor, which call and the OSError, where a remote traceback came through before."""
     (tmp_path / "file").touch()
     cfg = load_config(TINY, ["sync.transport=disk", f"sync.dir={tmp_path / 'file'}", f"run.dir={tmp_path / 'run'}"])
-    why = r"a trainer actor could not start: setup\(\) raised NotADirectoryError: .*file"
+    why = r"a trainer actor's setup\(\) raised NotADirectoryError: .*file"
     with pytest.raises(ClusterError, match=why):
         Cluster(cfg, cfg.run_dir)
