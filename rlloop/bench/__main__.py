@@ -8,8 +8,15 @@ BENCHES = ("device", "e2e", "logprob_memory", "loop", "peaks", "resources", "rol
 
 
 def main() -> None:
+    usage = f"usage: python -m rlloop.bench {{{'|'.join(BENCHES)}}} [args]   (NAME --help: its arguments)"
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(usage)
+        for name in BENCHES:
+            doc = importlib.import_module(f"rlloop.bench.{name}").__doc__ or ""
+            print(f"  {name:15s} {doc.strip().splitlines()[0] if doc.strip() else ''}")
+        return
     if len(sys.argv) < 2 or sys.argv[1] not in BENCHES:
-        print(f"usage: python -m rlloop.bench {{{'|'.join(BENCHES)}}} [args]", file=sys.stderr)
+        print(usage, file=sys.stderr)
         sys.exit(2)
     importlib.import_module(f"rlloop.bench.{sys.argv[1]}").main(sys.argv[2:])
 

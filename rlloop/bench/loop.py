@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rlloop.bench import positive_int
 from rlloop.bench.machine import machine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,7 +143,7 @@ def engines_throughput(model: Path, prompts_n: int, max_len: int, workdir: Path)
 
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m rlloop.bench loop", description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=12, help="steps per run")
+    ap.add_argument("--steps", type=positive_int, default=12, help="steps per run")
     ap.add_argument("--engine-hidden", type=int, default=384, help="width of the random model of part 2")
     ap.add_argument(
         "--balanced-hidden",
@@ -153,8 +154,10 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--balanced-len", type=int, default=64)
     ap.add_argument("--balanced-slots", type=int, default=2, help="engine KV slots (rollout.max_batch) when balanced")
     ap.add_argument("--engine-prompts", type=int, default=32)
-    ap.add_argument("--settings", default="tiny,balanced")
+    ap.add_argument("--settings", default="tiny,balanced", help="comma list of tiny,balanced")
     args = ap.parse_args(argv)
+    if unknown := set(args.settings.split(",")) - {"tiny", "balanced"}:
+        ap.error(f"--settings: unknown {', '.join(sorted(unknown))}; expected tiny and/or balanced")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     result = {"bench": "loop", **machine(), "steps": args.steps}

@@ -32,6 +32,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from rlloop.bench import positive_int
 from rlloop.bench.machine import machine
 from weight_sync import make_receiver, make_sender
 from weight_sync.checksum import byte_view, copy_with_checksums
@@ -207,13 +208,15 @@ def bench_delta(steps: int, root: str) -> dict:
 
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="python -m rlloop.bench sync", description=__doc__.split("\n")[0])
-    p.add_argument("--mb", type=int, default=1024, help="size of the full-sync state dict in MiB")
-    p.add_argument("--reps", type=int, default=4, help="timed rounds after two warm-up rounds (best is reported)")
-    p.add_argument("--delta-steps", type=int, default=8, help="GRPO steps in the delta part")
+    p.add_argument("--mb", type=positive_int, default=1024, help="size of the full-sync state dict in MiB")
+    p.add_argument(
+        "--reps", type=positive_int, default=4, help="timed rounds after two warm-up rounds (best is reported)"
+    )
+    p.add_argument("--delta-steps", type=positive_int, default=8, help="GRPO steps in the delta part")
     p.add_argument("--root", default=None, help="directory for the disk transport (default: a temp dir)")
     args = p.parse_args(argv)
-    if args.mb < 1 or args.reps < 1 or args.delta_steps < 1:
-        raise ValueError("--mb, --reps and --delta-steps must be >= 1")
+    if args.root is not None and not Path(args.root).is_dir():
+        p.error(f"--root {args.root}: not a directory")
 
     root = tempfile.mkdtemp(prefix="rlloop-bench-sync-", dir=args.root)
     try:

@@ -19,9 +19,20 @@ def takes_argv(module_name: str) -> bool:
 def test_usage_lists_exactly_the_benchmarks():
     out = subprocess.run([sys.executable, "-m", "rlloop.bench"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
-    assert out.stderr.strip() == f"usage: python -m rlloop.bench {{{'|'.join(BENCHES)}}} [args]"
+    assert out.stderr.startswith(f"usage: python -m rlloop.bench {{{'|'.join(BENCHES)}}} [args]")
     modules = [m.name for m in pkgutil.iter_modules(rlloop.bench.__path__) if not m.name.startswith("_")]
     assert sorted(name for name in modules if takes_argv(name)) == sorted(BENCHES)
+    helped = subprocess.run(
+        [sys.executable, "-m", "rlloop.bench", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert helped.returncode == 0
+    assert [line.split()[0] for line in helped.stdout.splitlines()[1:]] == list(BENCHES)  # each with what it does
+
+
+def test_a_bad_argument_is_a_usage_error():
+    for args, named in [(["sync", "--mb", "0"], "argument --mb: 0 is not >= 1"), (["loop", "--settings", "x"], "x")]:
+        out = subprocess.run([sys.executable, "-m", "rlloop.bench", *args], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and named in out.stderr.splitlines()[-1], out.stderr[-2000:]
 
 
 def test_the_json_lines_name_the_cpu_by_family_and_vector_units():
