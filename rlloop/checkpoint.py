@@ -66,8 +66,10 @@ def verify(ckpt: Path) -> str | None:
     for name, (size, digest) in want.items():
         if name not in have:
             return f"{name} is missing"
-        if have[name] != [size, digest]:
-            return f"{name} differs from the checkpoint's manifest ({have[name][0]} bytes, was {size})"
+        if have[name][0] != size:
+            return f"{name} differs from the checkpoint's manifest: {have[name][0]} bytes, was {size}"
+        if have[name][1] != digest:
+            return f"{name} differs from the checkpoint's manifest: same size, other content (xxh3 {have[name][1]})"
     return None
 
 

@@ -149,6 +149,7 @@ def to_messages(prompt) -> list[dict]:
         isinstance(prompt, list)
         and prompt
         and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt)
+        and any(m["content"].strip() for m in prompt)  # a system message may be blank, not every message
     ):
         return [{"role": m.get("role") or "user", "content": m["content"]} for m in prompt]
     shown = repr(prompt)[:80]

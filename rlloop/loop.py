@@ -38,6 +38,9 @@ def train(cfg: Config, resume: bool = False, inputs: Inputs | None = None) -> Pa
     inherited = frozenset() if resume else checkpoint_marks(cfg.run_dir)
     if resume and not checkpoint_marks(cfg.run_dir):
         log.warning("--resume: %s holds no checkpoint; the run starts from step 0", cfg.run_dir / "checkpoints")
+    elif resume and (ckpt := latest_checkpoint(cfg.run_dir)) and (done := load_state(ckpt)["step"]) >= cfg.run.steps:
+        log.warning("--resume: the run is at step %d, run.steps=%d: nothing to train", done, cfg.run.steps)
+        return cfg.run_dir
     with ray_session(cfg):  # a rebuilt cluster's actors start in the same Ray
         for restarts in range(cfg.run.max_restarts + 1):
             own = resume or bool(checkpoint_marks(cfg.run_dir) - inherited)

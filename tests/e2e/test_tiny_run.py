@@ -95,6 +95,11 @@ def test_local_run_resumes_exactly_where_it_stopped(tmp_path, mode):
     assert [m["rollout/weight_version"] for m in b] == ([0, 1, 2, 3] if mode == "sync" else [0, 0, 2, 2])
     a_weights, b_weights = (tmp_path / d / "checkpoints/step_000004/trainer/model.safetensors" for d in "ab")
     assert a_weights.read_bytes() == b_weights.read_bytes()
+    # a --resume with no step left to train returns at once, touching nothing
+    files = [tmp_path / "b" / name for name in ("metrics.jsonl", "config.yaml")]
+    before = [f.read_text() for f in files]
+    train(load_config(TINY, common + ["run.steps=3", f"run.dir={tmp_path / 'b'}"]), resume=True)
+    assert [f.read_text() for f in files] == before
 
 
 def test_tiny_example_with_ray_learns_and_leaves_nothing_behind(tmp_path):

@@ -288,6 +288,8 @@ DATA = [  # (id, files: name -> text | bytes | None (a directory) | a list of ro
     ("message-without-content", {"d.jsonl": [{**r, "prompt": [{"role": "user", "text": "1+1"}]} for r in ROWS]}, [],
      ["row 0 (0-based), data.prompt_key 'prompt'", "'content': str"]),
     ("empty-prompt", {"d.jsonl": [{**r, "prompt": ""} for r in ROWS]}, [], ["row 0 (0-based)", "non-empty string"]),
+    ("blank-messages", {"d.jsonl": [{**r, "prompt": [{"role": "user", "content": "  "}]} for r in ROWS]}, [],
+     ["row 0 (0-based)", "list of chat messages"]),
     ("empty-ground-truth", {"d.jsonl": rows(r1={"reward_model.ground_truth": ""})}, [],
      ["row 1 (0-based), data.answer_key 'reward_model.ground_truth'", "empty or missing ground truth", "got ''"]),
     ("null-ground-truth-row-0", {"d.jsonl": rows(r0={"reward_model.ground_truth": None})}, [],

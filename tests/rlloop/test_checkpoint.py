@@ -57,8 +57,8 @@ def test_a_trainer_dying_mid_save_is_left_for_the_loop_to_heal(tmp_path):
     "damage, named",
     [
         (lambda c: (c / "trainer" / "model.safetensors").unlink(), "model.safetensors is missing"),
-        (lambda c: (c / "trainer" / "model.safetensors").write_bytes(b"\0" * 10), "differs"),
-        (lambda c: _flip_one_byte(c / "trainer" / "model.safetensors"), "differs"),
+        (lambda c: (c / "trainer" / "model.safetensors").write_bytes(b"\0" * 10), "manifest: 10 bytes, was"),
+        (lambda c: _flip_one_byte(c / "trainer" / "model.safetensors"), "manifest: same size, other content"),
         (lambda c: (c / "state.json").write_text("{"), "unreadable"),
         (lambda c: (c / "manifest.json").write_text("[]x"), "unreadable"),
     ],
