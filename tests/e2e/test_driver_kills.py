@@ -7,7 +7,6 @@ import signal
 import time
 
 import psutil
-import pytest
 
 from tests.e2e.test_tiny_run import latest_step, metrics, run_cli, shm_segments
 
@@ -56,6 +55,6 @@ def test_a_driver_killed_at_ten_random_points_resumes_into_the_untouched_run(tmp
     healed = metrics(run_dir)
     assert [m["step"] for m in healed] == list(range(1, STEPS + 1))  # every step logged once
     for key in ("rollout/raw_reward", "rollout/response_len/mean", "train/loss", "train/grad_norm"):
-        assert [m[key] for m in healed] == pytest.approx([m[key] for m in clean], rel=1e-6, abs=1e-9), key
+        assert [m[key] for m in healed] == [m[key] for m in clean], key  # fp32 CPU, same threads: bit for bit
     left = shm_segments(run_dir)
     assert not left, left  # a killed driver's segments are swept at the next start, and the last run's at its exit
