@@ -17,8 +17,10 @@ import torch.distributed as dist
 BUCKET_BYTES = 256 * 2**20
 
 
-def backend_for(device: str) -> str:
-    return {"cpu": "gloo", "cuda": "nccl"}.get(device, "gloo")
+def backend_for(device: str) -> str | None:
+    """gloo on CPU, nccl on CUDA; on another device (tpu) None: torch then takes, per device type, the backend its
+    package registered (gloo cannot reduce TPU tensors, which FSDP2 and the parameter broadcast hand it)."""
+    return {"cpu": "gloo", "cuda": "nccl"}.get(device)
 
 
 def resolve_device(name: str) -> torch.device:
