@@ -140,16 +140,6 @@ def dry_run(cfg: Config, notes: list[str] = ()) -> None:
         f"loop: {cfg.loop.mode}"
     )
     print("\n".join("# " + line for line in plan.describe().splitlines()))
-    nearest = next(p for p in [cfg.run_dir, *cfg.run_dir.parents] if p.exists())  # "." for a relative one
-    if not nearest.is_dir() or not os.access(nearest, os.W_OK | os.X_OK):
-        raise ConfigError(f"run.dir {cfg.run_dir} cannot be made there: {nearest} is not a directory it can write to")
-    if not cfg.run_dir.is_absolute() and (temp_copy := ray_job_working_dir()):
-        raise ConfigError(
-            f"run.dir {cfg.run.dir!r} is relative, and this Ray job runs in Ray's temporary copy of its working_dir "
-            f"({temp_copy}), which Ray deletes: checkpoints written there are lost, and --resume would start over. "
-            f"Give an absolute path on storage that lasts (and that every node sees, on several nodes), e.g. "
-            f"run.dir=/mnt/runs/{{name}}"
-        )
     from rlloop.memory import plan_memory
 
     memory = plan_memory(cfg)
