@@ -187,6 +187,7 @@ def _score_chunk(spec: str, pairs: list[tuple[str, str]]) -> list[tuple[bool, ob
 
 
 def _start_worker(spec: str) -> None:
+    """A new worker's first job: import the function (and return nothing, since it need not pickle)."""
     _load(spec)
 
 
