@@ -52,8 +52,8 @@ def on_sigterm(signum, frame):
 
 
 def stopped_by(e: BaseException) -> str | None:
-    """ "terminated" (SIGTERM), "interrupted" (Ctrl-C), or None for an exit to let through. While `ray.init` runs,
-    Ray's own SIGTERM handler is in place: it exits with SystemExit(15)."""
+    """How `e` stopped the run: "terminated" (SIGTERM) or "interrupted" (Ctrl-C); None for an exit to let through.
+    While `ray.init` runs, Ray's own SIGTERM handler is in place: it exits with SystemExit(15)."""
     if isinstance(e, SystemExit):
         return "terminated" if e.code == signal.SIGTERM else None
     return "terminated" if isinstance(e, Terminated) or Terminated.received else "interrupted"
