@@ -29,17 +29,19 @@ IN_FLIGHT_POLL_S = 0.01
 POLL_SHARE = 0.01
 
 
-def limit_threads(n: int) -> None:
+def limit_threads(n: int, torch_pools: bool = True) -> None:
     """Two cores are easily oversubscribed: pin torch's pools (XLA's is set through XLA_FLAGS before jax loads), and
-    on CPU hosts the process itself to its own cores (taken modulo the cores this node has)."""
-    import torch
-
+    on CPU hosts the process itself to its own cores (taken modulo the cores this node has). `torch_pools=False` in
+    a JAX engine's process, which never loads torch: importing it only to size its pools cost the actor's start ~2 s."""
     if os.environ.get(CPU_AFFINITY_ENV):
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[int(c) % len(cores)] for c in os.environ[CPU_AFFINITY_ENV].split(",")})
 
     os.environ["OMP_NUM_THREADS"] = str(n)
-    torch.set_num_threads(n)
+    if torch_pools:
+        import torch
+
+        torch.set_num_threads(n)
 
 
 # glibc mallopt() parameters (malloc.h)
@@ -144,7 +146,7 @@ class RolloutWorker:
         threads: int = 1,
         compile_cache_dir: str | None = None,
     ):
-        limit_threads(threads)
+        limit_threads(threads, torch_pools=backend != "jax")
         keep_freed_memory()
         from rollout import make_engine
 

@@ -8,6 +8,7 @@ rest loads lazily, so `from trainer import TrainerConfig` stays cheap for the dr
 from importlib import import_module
 
 from trainer.config import LossConfig, TrainerConfig
+from trainer.errors import NonFiniteTraining
 
 _LAZY = {
     "TrainBatch": "trainer.batching",
@@ -15,7 +16,6 @@ _LAZY = {
     "kl_penalty": "trainer.loss",
     "policy_loss": "trainer.loss",
     "Trainer": "trainer.trainer",
-    "NonFiniteTraining": "trainer.trainer",
 }
 
 

@@ -26,6 +26,7 @@ from trainer.batching import MicroBatch, TrainBatch, collate, plan_micro_batches
 from trainer.config import TrainerConfig, resolve_parallel
 from trainer.cpu_flash import use_cpu_sdpa
 from trainer.distributed import all_reduce_, all_reduce_grads_, broadcast_params_, init_distributed, resolve_device
+from trainer.errors import NonFiniteTraining
 from trainer.logprobs import lm_head_on_tensor_cores
 from trainer.loss import policy_loss
 from trainer.optimizer import make_optimizer
@@ -45,10 +46,6 @@ from trainer.shared_prompts import check_shared_prompts, use_blocked_attention
 ADDITIVE_METRICS = ("loss", "pg_loss", "kl_loss")
 TOKEN_MEAN_METRICS = ("pg_clipfrac", "ppo_kl", "entropy", "logprob_abs_diff")
 COUNTS = ("tokens", "micro_batches", "skipped_samples")  # tokens trained; samples skipped for a zero advantage
-
-
-class NonFiniteTraining(RuntimeError):
-    """`train.max_bad_steps` optimizer steps in a row had a non-finite loss or gradient."""
 
 
 class Trainer:

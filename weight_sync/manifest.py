@@ -16,7 +16,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-import ml_dtypes
 import numpy as np
 
 from weight_sync.checksum import checksums
@@ -49,6 +48,10 @@ class CorruptVersion(Exception):
 
 def dtype_from_name(name: str) -> np.dtype:
     if name in _ML_DTYPES:
+        # imported here, not at the top: it takes ~1 s, which a driver that only sweeps stale shm segments
+        # (rlloop/cluster.py) need not wait for
+        import ml_dtypes
+
         return np.dtype(getattr(ml_dtypes, name))
     if name in _NUMPY_DTYPES:
         return np.dtype(name)
