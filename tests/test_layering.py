@@ -69,3 +69,31 @@ def test_the_driver_checks_a_run_without_importing_jax():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def modules_loaded_by(code: str, watched: set[str]) -> list[str]:
+    """Which of `watched` a fresh interpreter has imported after running `code` in the repository root."""
+    import subprocess
+    import sys
+
+    code += f"; import sys; print(' '.join(sorted(set({sorted(watched)!r}) & set(sys.modules))))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.splitlines()[-1].split()
+
+
+def test_the_driver_loads_no_trainer_stack_and_a_jax_engine_no_torch():
+    """Every run and every restart pays what its driver and its engine actors import, on one core each: the driver's
+    own modules (the loop, the errors it catches, the shm sweep) need neither torch nor ml_dtypes (~6 s together on
+    a 2-core host), and a JAX engine's process never loads torch."""
+    driver = (
+        "import rlloop.run; from rlloop.loop import train; from trainer import NonFiniteTraining; "
+        "from rlloop.checkpoint import CheckpointError; from weight_sync.shm import remove_stale_segments"
+    )
+    assert modules_loaded_by(driver, {"torch", "ml_dtypes", "jax"}) == []
+    engine = (
+        "from rlloop.config import load_config; from rlloop.workers import RolloutWorker, SyncSpec; "
+        "cfg = load_config('examples/grpo_dapo_tiny.yaml'); "
+        "RolloutWorker(cfg.engine_config(), 'jax', SyncSpec('disk', 'layering', '/nonexistent', False, 0, 2))"
+    )
+    assert modules_loaded_by(engine, {"torch", "jax"}) == ["jax"]
