@@ -3,6 +3,7 @@
 
 They exchange plain data (token ids, numpy arrays keyed by HF names, small dataclasses), so each can be read,
 tested and replaced alone (docs/design.md §2). Every import statement is checked, lazy ones inside functions too.
+Also what the driver and a JAX engine's process load as they start: every run and every restart waits for it.
 """
 
 import ast
