@@ -63,6 +63,7 @@ class Samples:
                 "answer": self.prompts[j // self.group_size].answer,
                 "response": text,
                 "reward": float(r),
+                "raw_reward": float(raw),
                 "advantage": float(a),
                 "weight_version": c.weight_version,
                 "last_weight_version": c.last_weight_version,
@@ -72,7 +73,9 @@ class Samples:
                 "response_ids": list(c.token_ids),
                 "rollout_logprobs": [float(x) for x in c.logprobs],
             }
-            for j, (c, text, r, a) in enumerate(zip(self.completions, self.texts, self.rewards, self.advantages))
+            for j, (c, text, r, raw, a) in enumerate(
+                zip(self.completions, self.texts, self.rewards, self.raw_rewards, self.advantages)
+            )
         ]
 
 

@@ -28,6 +28,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from rlloop.config import LoopSection
 from rlloop.data import DataError
 from rlloop.profiling import profile_dir
@@ -249,8 +251,12 @@ class ReplayRollout:
             raise DataError(f"run.replay: {path} is missing (the saved run has no rollouts of step {step})")
         try:
             rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            return StepRollout(SavedSamples(rows), {"rollout/raw_reward": sum(r["reward"] for r in rows) / len(rows)})
-        except (ValueError, KeyError, TypeError, ZeroDivisionError) as e:  # json's errors are ValueErrors
+            # the verifier's rewards before overlong shaping, as the run logged them (of the groups it kept)
+            if not rows:
+                raise ValueError("it holds no sample")
+            raw_reward = float(np.mean([r["raw_reward"] for r in rows]))
+            return StepRollout(SavedSamples(rows), {"rollout/raw_reward": raw_reward})
+        except (ValueError, KeyError, TypeError) as e:  # json's errors are ValueErrors
             raise DataError(f"run.replay: {path} is not a saved step's rollouts ({type(e).__name__}: {e})") from None
 
     def trained(self, step: int) -> None:

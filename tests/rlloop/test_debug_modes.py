@@ -11,6 +11,7 @@ import pytest
 from rlloop.data import DataError
 from rlloop.run import Terminated, main, parse_args, resume_command, stopped_by
 from rlloop.schedules import ReplayRollout
+from rlloop.tracking import rollouts_file
 
 TINY = str(Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml")
 COMMON = ["run.steps=3", "run.eval_every=0", "rollout.prompts_per_step=4", "cluster.use_ray=false"]
@@ -23,15 +24,21 @@ def rows(run_dir: Path) -> list[dict]:
 
 def test_train_only_replays_a_run_exactly(tmp_path):
     """Across a resume too: the replay stops after step 2's checkpoint and continues from it (a replayed run's
-    checkpoint has no prompt cursor to restore)."""
+    checkpoint has no prompt cursor to restore). With DAPO's overlong shaping, which makes the rewards trained on
+    differ from the verifier's that `rollout/raw_reward` reports."""
     original, replay = tmp_path / "original", tmp_path / "replay"
-    assert main([TINY, *COMMON, f"run.dir={original}", "tracking.save_rollouts=true"]) == 0
-    replaying = [TINY, *COMMON, f"run.dir={replay}", "--debug", "train-only", "--replay", str(original / "rollouts")]
+    shaping = ["grpo.overlong_buffer=8", "grpo.std_scale=false"]
+    assert main([TINY, *COMMON, *shaping, f"run.dir={original}", "tracking.save_rollouts=true"]) == 0
+    replaying = [TINY, *COMMON, *shaping, f"run.dir={replay}", "--debug", "train-only"]
+    replaying += ["--replay", str(original / "rollouts")]
     assert main([*replaying, "run.steps=2", "run.save_every=1"]) == 0
     assert main([*replaying, "--resume"]) == 0
     before, after = rows(original), rows(replay)
     assert [r["step"] for r in after] == [1, 2, 3]
-    for key in ("train/loss", "train/grad_norm", "train/entropy", "train/logprob_abs_diff", "train/tokens"):
+    saved = [json.loads(line) for line in rollouts_file(original / "rollouts", 1).read_text().splitlines()]
+    assert any(r["reward"] != r["raw_reward"] for r in saved)  # some responses were shaped
+    keys = ("train/loss", "train/grad_norm", "train/entropy", "train/logprob_abs_diff", "train/tokens")
+    for key in (*keys, "rollout/raw_reward"):
         assert [r[key] for r in after] == [r[key] for r in before], key  # bit for bit: same weights, same batch
     assert json.loads((replay / "warmup.json").read_text()) == {}  # no engine was built
     assert "sync/version" not in after[-1] and "perf/rollout_s" not in after[-1]
