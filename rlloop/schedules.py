@@ -251,9 +251,9 @@ class ReplayRollout:
             raise DataError(f"run.replay: {path} is missing (the saved run has no rollouts of step {step})")
         try:
             rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            # the verifier's rewards before overlong shaping, as the run logged them (of the groups it kept)
             if not rows:
                 raise ValueError("it holds no sample")
+            # the verifier's rewards before overlong shaping, as the run logged them (of the groups it kept)
             raw_reward = float(np.mean([r["raw_reward"] for r in rows]))
             return StepRollout(SavedSamples(rows), {"rollout/raw_reward": raw_reward})
         except (ValueError, KeyError, TypeError) as e:  # json's errors are ValueErrors
