@@ -117,7 +117,7 @@ class DataSection(Section):
     answer_key: str = "reward_model.ground_truth"
     max_prompt_len: PositiveInt = 1024
     on_long_prompt: Literal["drop", "error"] = "drop"  # dropped prompts are counted in the log
-    shuffle: bool = True
+    shuffle: bool = True  # a new seeded order of the rows every epoch (run.seed); false: the file's order
 
 
 class EvalSection(Section):
@@ -228,10 +228,10 @@ class LoopSection(Section):
 class TrackingSection(Section):
     wandb: bool = False
     project: str = "rlloop"
-    entity: str | None = None
+    entity: str | None = None  # the W&B team or user the run is logged under (None: the API key's default)
     mode: Literal["auto", "online", "offline", "disabled"] = "auto"  # auto: offline unless an API key is set
     progress: bool = True
-    save_rollouts: bool = False  # write each step's samples to <run dir>/rollouts/step_N.jsonl
+    save_rollouts: bool = False  # write each step's samples to <run dir>/rollouts/step_NNNNNN.jsonl
     sample_every: NonNegInt = 10  # W&B: a table of the step's completions every N steps (0: never)
 
 
