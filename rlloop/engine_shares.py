@@ -20,19 +20,32 @@ def share_sampling(sampling, engine: int):
 
 
 def merge_stats(per_engine: dict[int, dict]) -> dict[str, float]:
-    """One generate call's stats over its engines: counts add up, `busy_s` is the slowest engine's, and with several
-    engines each one's tokens/s and busy seconds are kept as rollout/engine_N/*."""
+    """One generate call's stats over its engines, as sums a step's rounds add up further (RolloutTally): counts,
+    the padding slots and all slots run (`perf/pad_frac` is their ratio), `busy_s` the slowest engine's, and each
+    engine's busy seconds, tokens and generate seconds as engine_N/*."""
     stats = list(per_engine.values())
-    tokens = [s.get("gen_tokens", s.get("tokens", 0.0)) for s in stats]
+    padded = [s.get("padded_slots", 0.0) for s in stats]
     merged = {
         "compiles": sum(s.get("compiles", 0.0) for s in stats),
-        "pad_frac": stats[0].get("pad_frac", 0.0)
-        if len(stats) == 1
-        else sum(s.get("pad_frac", 0.0) * t for s, t in zip(stats, tokens)) / max(sum(tokens), 1.0),
+        "padded_slots": sum(padded),
+        "pad_slots": sum(s.get("pad_frac", 0.0) * n for s, n in zip(stats, padded)),
         "busy_s": max(s.get("busy_s", 0.0) for s in stats),
     }
-    if len(per_engine) > 1 or next(iter(per_engine)) > 0:
-        for e, s in per_engine.items():
-            merged[f"rollout/engine_{e}/tok_per_s"] = s.get("tok_s", 0.0)
-            merged[f"rollout/engine_{e}/busy_s"] = s.get("busy_s", 0.0)
+    for e, s in per_engine.items():  # the HF backend reports `tokens` and `seconds`
+        merged[f"engine_{e}/busy_s"] = s.get("busy_s", 0.0)
+        merged[f"engine_{e}/tokens"] = s.get("gen_tokens", s.get("tokens", 0.0))
+        merged[f"engine_{e}/seconds"] = s.get("wall_s", s.get("seconds", 0.0))
     return merged
+
+
+def engine_metrics(totals: dict[str, float]) -> dict[str, float]:
+    """rollout/engine_N/busy_s and tok_per_s from the engine_N/* sums of `merge_stats` over a step's calls (a top-up
+    round on one engine counts toward that engine's); none where engine 0 did all the work."""
+    engines = sorted({int(k.split("/")[0].removeprefix("engine_")) for k in totals})
+    if engines in ([], [0]):
+        return {}
+    out = {}
+    for e in engines:
+        out[f"rollout/engine_{e}/busy_s"] = totals[f"engine_{e}/busy_s"]
+        out[f"rollout/engine_{e}/tok_per_s"] = totals[f"engine_{e}/tokens"] / max(totals[f"engine_{e}/seconds"], 1e-9)
+    return out

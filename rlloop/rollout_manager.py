@@ -23,6 +23,7 @@ import numpy as np
 from rlloop.advantages import group_advantages, overlong_penalty, zero_std_groups
 from rlloop.config import Config
 from rlloop.data import Prompt, PromptData
+from rlloop.engine_shares import engine_metrics
 from rlloop.model import stop_token_ids
 from rlloop.profiling import profile_dir
 from rlloop.rewards import RewardScorer
@@ -180,6 +181,7 @@ class RolloutManager:
         # initial weights throughout
         holds = 0 if cfg.run.debug == "rollout-only" else step - 1
         metrics["rollout/groups_kept"] = len(groups)
+        completions = [c for grp in groups for c in grp.completions]
         # No group kept (every one uninformative; train_chips >= 1): train on nothing rather than on noise. So too
         # for a batch cut short by dynamic sampling that would leave a trainer rank without a sample.
         if len(groups) * cfg.rollout.group_size < cfg.cluster.train_chips:
@@ -190,8 +192,7 @@ class RolloutManager:
                     len(groups),
                     cfg.cluster.train_chips,
                 )
-            return StepRollout(None, metrics | rollout_metrics([], holds))
-        completions = [c for grp in groups for c in grp.completions]
+            return StepRollout(None, metrics | rollout_metrics(completions, holds))  # of the groups it kept
         raw = np.concatenate([grp.rewards for grp in groups])
         lengths = np.array([len(c.token_ids) for c in completions])
         rewards = raw + overlong_penalty(
@@ -280,18 +281,22 @@ class RolloutTally:
     """What generating a step cost and saw, over all its rounds or chunks: every group generated, kept or not."""
 
     def __init__(self):
-        self.rewards, self.zero, self.pad, self.extra = [], [], [], {}
-        self.seconds = self.busy = self.compiles = self.tokens = 0.0
+        self.rewards, self.zero = [], []
+        self.seconds = self.busy = self.compiles = self.tokens = self.padded = self.pad = 0.0
+        self.engines: dict[str, float] = {}  # merge_stats' engine_N/* sums
 
     def add(self, groups: list[Group], stats: dict) -> None:
         self.rewards += [grp.rewards for grp in groups]
         self.zero += [grp.zero_std for grp in groups]
-        self.pad.append(stats.get("pad_frac", 0.0))
+        self.padded += stats.get("padded_slots", 0.0)
+        self.pad += stats.get("pad_slots", 0.0)
         self.seconds += stats["wall_s"]
         self.busy += stats.get("busy_s", 0.0)
         self.compiles += stats.get("compiles", 0.0)
         self.tokens += sum(len(c.token_ids) for grp in groups for c in grp.completions)
-        self.extra |= {k: v for k, v in stats.items() if k.startswith("rollout/engine_")}
+        for key, value in stats.items():
+            if key.startswith("engine_"):
+                self.engines[key] = self.engines.get(key, 0.0) + value
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -300,10 +305,10 @@ class RolloutTally:
             "rollout/tokens": self.tokens,
             "rollout/raw_reward": float(np.concatenate(self.rewards).mean()) if self.rewards else 0.0,
             "rollout/zero_std_ratio": float(np.mean(self.zero)) if self.zero else 0.0,
-            "perf/pad_frac": float(np.mean(self.pad)) if self.pad else 0.0,
+            "perf/pad_frac": self.pad / max(self.padded, 1.0),
             "perf/rollout_busy_s": self.busy,
             "perf/rollout_tok_per_s": self.tokens / max(self.seconds, 1e-9),
-            **self.extra,
+            **engine_metrics(self.engines),
         }
 
 

@@ -3,6 +3,7 @@
 import pytest
 
 from rlloop.engine_shares import batches_in, merge_stats
+from rlloop.rollout_manager import RolloutTally
 
 
 @pytest.mark.parametrize("samples, want", [(1, 1), (256, 1), (257, 2), (480, 2), (15360, 60), (0, 1)])
@@ -10,14 +11,42 @@ def test_a_generation_may_take_the_timeout_once_for_each_full_batch(samples, wan
     assert batches_in(samples, 256) == want
 
 
-def test_merged_stats_add_counts_and_keep_the_slowest_engine():
-    merged = merge_stats(
-        {
-            0: {"compiles": 1.0, "pad_frac": 0.5, "busy_s": 2.0, "gen_tokens": 100.0, "tok_s": 50.0},
-            1: {"compiles": 0.0, "pad_frac": 0.0, "busy_s": 3.0, "gen_tokens": 300.0, "tok_s": 100.0},
-        }
+def engine_stats(pad: int, slots: int, busy: float, tokens: float, seconds: float, compiles: float = 0.0) -> dict:
+    """What a JAX engine's stats() says of one generate call (the fields merging reads)."""
+    return dict(
+        compiles=compiles,
+        pad_frac=pad / slots,
+        padded_slots=float(slots),
+        busy_s=busy,
+        gen_tokens=tokens,
+        wall_s=seconds,
     )
+
+
+def test_merged_stats_add_counts_and_keep_the_slowest_engine():
+    merged = merge_stats({0: engine_stats(100, 1200, 2.0, 100.0, 2.5, 1.0), 1: engine_stats(300, 500, 3.0, 100.0, 3.2)})
     assert merged["compiles"] == 1.0 and merged["busy_s"] == 3.0
-    assert merged["pad_frac"] == pytest.approx(0.5 * 100 / 400)  # weighted by the tokens each engine made
-    assert merged["rollout/engine_1/tok_per_s"] == 100.0 and merged["rollout/engine_0/busy_s"] == 2.0
-    assert "rollout/engine_0/tok_per_s" not in merge_stats({0: {"busy_s": 1.0}})  # one engine: no per-engine keys
+    # padding over every slot run: engine 0's long prefills weigh 1200, engine 1's 500, whatever tokens each made
+    assert merged["pad_slots"] / merged["padded_slots"] == pytest.approx(400 / 1700)
+
+
+def test_a_steps_rounds_add_up_per_engine_and_padding_weighs_by_slots():
+    """Dynamic sampling's rounds (or fully_async's chunks) of one step: each engine's busy time is its sum over them,
+    its tokens/s its tokens over its generate seconds; a top-up round on engine 0 alone counts toward engine 0."""
+    tally = RolloutTally()
+    rounds = [
+        {0: engine_stats(100, 1200, 3.0, 300.0, 3.0), 1: engine_stats(300, 500, 2.0, 100.0, 2.0)},
+        {0: engine_stats(10, 100, 0.5, 50.0, 0.5)},
+    ]
+    for r in rounds:
+        tally.add([], {**merge_stats(r), "wall_s": max(s["wall_s"] for s in r.values())})
+    got = tally.metrics()
+    assert got["perf/pad_frac"] == pytest.approx(410 / 1800)
+    assert got["perf/rollout_busy_s"] == 3.5  # the slowest engine of each round
+    assert got["rollout/engine_0/busy_s"] == 3.5 and got["rollout/engine_1/busy_s"] == 2.0
+    assert got["rollout/engine_0/tok_per_s"] == pytest.approx(350 / 3.5)
+    assert got["rollout/engine_1/tok_per_s"] == pytest.approx(100 / 2.0)
+
+    one = RolloutTally()  # one engine: no per-engine metrics
+    one.add([], {**merge_stats({0: engine_stats(1, 10, 1.0, 5.0, 1.0)}), "wall_s": 1.0})
+    assert not any(k.startswith("rollout/engine_") for k in one.metrics())
