@@ -96,6 +96,10 @@ def run_recipe(cfg: Config, inputs: Inputs, resume: bool = False, trainer_restar
                 metrics["perf/rollout_wait_s"] = clock.waited
             if evaluating and step % cfg.run.eval_every == 0:
                 t0 = time.perf_counter()
+                if cfg.loop.mode != "sync":  # the engines finish the generation under way first: that wait is not eval
+                    cluster.pull_weights()
+                    metrics["perf/rollout_wait_s"] += time.perf_counter() - t0
+                    t0 = time.perf_counter()
                 metrics |= rollout.evaluate() | {"perf/eval_s": time.perf_counter() - t0}
             metrics |= {"perf/step_s": clock.elapsed(), "train/restarts": trainer_restarts}
             metrics |= step_overhead(metrics)
