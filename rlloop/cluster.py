@@ -26,6 +26,7 @@ from rlloop.ray_session import local_ray, start_ray
 from rlloop.workers import RolloutWorker, SyncSpec, TrainerWorker, freeze_heap
 
 PLACEMENT_TIMEOUT_S = 120
+RECEIVER_COUNTS = ("sync/refused", "sync/keyframe_requests")  # running counts of each engine's weight receiver
 log = logging.getLogger(__name__)
 
 
@@ -76,6 +77,10 @@ class Cluster:
         self._balance = threading.Lock()
         self._engine_locks = [threading.Lock() for _ in range(cfg.cluster.rollout_engines)]
         self.restarts = 0  # engines rebuilt after dying (rollout/engine_restarts)
+        # The receivers' running sync/refused and sync/keyframe_requests: each engine's last, and those of the
+        # engines that were rebuilt (a new receiver counts from 0)
+        self._receiver_counts: dict[int, dict[str, float]] = {}
+        self._retired_counts = dict.fromkeys(RECEIVER_COUNTS, 0.0)
         self.placement: dict[str, str] = {}  # role -> Ray node id
         # run.debug leaves one role out (its bundles stay reserved, so the plan is the run's own)
         self.with_engines, self.with_trainers = cfg.run.debug != "train-only", cfg.run.debug != "rollout-only"
@@ -277,6 +282,8 @@ class Cluster:
                 )
             self.restarts += 1
             log.warning("rollout engine %d died during %s; restarting it (%d/%d)", e, why, self.restarts, most)
+            for key, n in self._receiver_counts.pop(e, {}).items():
+                self._retired_counts[key] += n
             ray.kill(self.engines[e])
             opts, kwargs = self._engine_spec[e]
             self.engines[e] = engine = ray.remote(RolloutWorker).options(**opts).remote(**kwargs)
@@ -345,11 +352,16 @@ class Cluster:
 
     def pull_weights(self) -> dict[str, float]:
         """Every engine loads the newest version (queued behind a generation in flight, as slime's async loop does);
-        engine 0's receiver metrics plus each engine's version."""
+        engine 0's receiver metrics, the receivers' counts over every engine there has been, each engine's version."""
         if self.cfg.cluster.colocate:  # the engines' turn: their cache and weights come back before they load
             self._call_engines("wake")
         pulled = self._call_engines("pull_weights")
         out = dict(pulled[0]) if pulled else {}
+        for e, m in enumerate(pulled):
+            self._receiver_counts[e] = {key: m[key] for key in RECEIVER_COUNTS if key in m}
+        for key in RECEIVER_COUNTS:
+            if key in out:
+                out[key] = sum(c.get(key, 0.0) for c in self._receiver_counts.values()) + self._retired_counts[key]
         if len(pulled) > 1:
             out |= {f"rollout/engine_{e}/version": m["sync/rollout_version"] for e, m in enumerate(pulled)}
         return out

@@ -27,6 +27,18 @@ from rlloop.tracking import Tracker
 
 log = logging.getLogger(__name__)
 
+# Running totals kept by the cluster, the reward scorer and the rollout schedule, which a resume or a rebuild after a
+# trainer's death makes anew: each is logged as the checkpoint's figure (the run's, up to the step it continues from)
+# plus the new one's. (data/dropped_prompts comes back with the data's own state, train/restarts in `train`.)
+RUN_TOTALS = (
+    "rollout/reward_failures",
+    "rollout/engine_restarts",
+    "rollout/stale_groups_dropped",
+    "rollout/zero_std_groups_dropped",
+    "sync/refused",
+    "sync/keyframe_requests",
+)
+
 
 def train(cfg: Config, resume: bool = False, inputs: Inputs | None = None) -> Path:
     """Run (or with `resume`, continue) the recipe on `inputs` (loaded and checked here unless the caller has).
@@ -36,16 +48,18 @@ def train(cfg: Config, resume: bool = False, inputs: Inputs | None = None) -> Pa
     # A fresh run in a directory that holds an earlier run's checkpoints leaves them until its first save; a rebuild
     # before then starts over, not from the earlier run's step.
     inherited = frozenset() if resume else checkpoint_marks(cfg.run_dir)
+    resumed = load_state(ckpt) if resume and (ckpt := latest_checkpoint(cfg.run_dir)) else {"step": 0}
     if resume and not checkpoint_marks(cfg.run_dir):
         log.warning("--resume: %s holds no checkpoint; the run starts from step 0", cfg.run_dir / "checkpoints")
-    elif resume and (ckpt := latest_checkpoint(cfg.run_dir)) and (done := load_state(ckpt)["step"]) >= cfg.run.steps:
-        log.warning("--resume: the run is at step %d, run.steps=%d: nothing to train", done, cfg.run.steps)
+    elif resume and resumed["step"] >= cfg.run.steps:
+        log.warning("--resume: the run is at step %d, run.steps=%d: nothing to train", resumed["step"], cfg.run.steps)
         return cfg.run_dir
+    before = resumed.get("totals", {}).get("train/restarts", 0)  # the earlier drivers', as of that checkpoint
     with ray_session(cfg):  # a rebuilt cluster's actors start in the same Ray
         for restarts in range(cfg.run.max_restarts + 1):
             own = resume or bool(checkpoint_marks(cfg.run_dir) - inherited)
             try:
-                return run_recipe(cfg, inputs, resume=own, trainer_restarts=restarts)
+                return run_recipe(cfg, inputs, resume=own, trainer_restarts=before + restarts)
             except TrainerDied as e:
                 if restarts == cfg.run.max_restarts:
                     if resume or checkpoint_marks(cfg.run_dir) - inherited:
@@ -84,6 +98,8 @@ def run_recipe(cfg: Config, inputs: Inputs, resume: bool = False, trainer_restar
         batches = stack.enter_context(closing(rollout_schedule(cfg.loop, rollout, cfg.run.replay, start)))
 
         clock = StepClock()
+        totals = dict(state.get("totals", {}))  # RUN_TOTALS as of the checkpoint, then as last logged
+        carried = dict(totals)
 
         def finish(step: int, metrics: dict, training) -> None:
             """Wait for the step's training, then evaluate, log and checkpoint it. Its times are the driver's since the
@@ -104,9 +120,13 @@ def run_recipe(cfg: Config, inputs: Inputs, resume: bool = False, trainer_restar
             metrics |= {"perf/step_s": clock.elapsed(), "train/restarts": trainer_restarts}
             metrics |= step_overhead(metrics)
             metrics |= rollout.counters()
+            for key in RUN_TOTALS:
+                if key in metrics:
+                    metrics[key] = totals[key] = metrics[key] + carried.get(key, 0)
             tracker.log(step, metrics)
             if cluster.trainers and cfg.run.saves_at(step):
-                save_checkpoint(run_dir, step, {"data": batches.resume_state()}, cluster.save)
+                loop_state = {"data": batches.resume_state(), "totals": totals | {"train/restarts": trainer_restarts}}
+                save_checkpoint(run_dir, step, loop_state, cluster.save)
             clock.restart()
 
         # In the async modes step k + 1's training is queued behind step k's before step k is finished, so the

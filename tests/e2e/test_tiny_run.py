@@ -61,9 +61,11 @@ def run_cli(*args: str, env: dict[str, str] | None = None, **kw) -> subprocess.P
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_local_run_resumes_exactly_where_it_stopped(tmp_path, mode):
-    """4 steps straight == 2 steps, stop, --resume to 4: same samples, same losses, same weights. In async mode the
-    step after a checkpoint is generated from the checkpoint's weights in both runs (the resumed one has no older)."""
+    """4 steps straight == 2 steps, stop, --resume to 4: same samples, same losses, same weights, and the running
+    totals go on from the checkpoint's. In async mode the step after a checkpoint is generated from the checkpoint's
+    weights in both runs (the resumed one has no older)."""
     common = [
+        "reward.fn=tests.rlloop.reward_fns:fails_on_odd_length",
         f"loop.mode={mode}",
         "rollout.backend=hf",
         "cluster.use_ray=false",
@@ -89,8 +91,10 @@ def test_local_run_resumes_exactly_where_it_stopped(tmp_path, mode):
         "train/logprob_abs_diff",
         "sync/version",
         "rollout/weight_version",
+        "rollout/reward_failures",
     ):
         assert [m[key] for m in a] == [m[key] for m in b], key  # one process, fp32 CPU: bit for bit
+    assert 0 < b[1]["rollout/reward_failures"] < b[3]["rollout/reward_failures"]
     # sync: each step sampled by the previous policy; async: one version older, but for the step after a checkpoint
     assert [m["rollout/weight_version"] for m in b] == ([0, 1, 2, 3] if mode == "sync" else [0, 0, 2, 2])
     a_weights, b_weights = (tmp_path / d / "checkpoints/step_000004/trainer/model.safetensors" for d in "ab")

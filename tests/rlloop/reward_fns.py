@@ -13,6 +13,13 @@ def constant(response: str, answer: str) -> float:
     return 1.0
 
 
+def fails_on_odd_length(response: str, answer: str) -> float:
+    """Raises for about half the responses, deterministically: a run's failures are a count to compare."""
+    if len(response) % 2:
+        raise RuntimeError("odd length")
+    return exact(response, answer)
+
+
 def raises(response: str, answer: str) -> float:
     if "boom" in response:
         raise RuntimeError("reward function failed")
