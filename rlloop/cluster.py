@@ -77,8 +77,7 @@ class Cluster:
         self._balance = threading.Lock()
         self._engine_locks = [threading.Lock() for _ in range(cfg.cluster.rollout_engines)]
         self.restarts = 0  # engines rebuilt after dying (rollout/engine_restarts)
-        # The receivers' running sync/refused and sync/keyframe_requests: each engine's last, and those of the
-        # engines that were rebuilt (a new receiver counts from 0)
+        # RECEIVER_COUNTS: each engine's last, and the sum of rebuilt engines' (a new receiver counts from 0)
         self._receiver_counts: dict[int, dict[str, float]] = {}
         self._retired_counts = dict.fromkeys(RECEIVER_COUNTS, 0.0)
         self.placement: dict[str, str] = {}  # role -> Ray node id

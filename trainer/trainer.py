@@ -376,9 +376,8 @@ class Trainer:
         return {n: to_numpy(t) for n, t in full_tensors(self.model, self.export_dtype, keep=keep)}
 
     def state_nbytes(self) -> dict[str, int]:
-        """Bytes this rank holds during a step for parameters (and fp32 masters, and a KL term's reference model),
-        gradients and AdamW state: what fsdp shards. The gradients are counted by size, one fp32 value per master
-        value: a step accumulates them there and releases them as it ends, before anyone can look."""
+        """Bytes this rank holds in a step for parameters (and fp32 masters, a KL term's reference model), gradients
+        (by size, one fp32 per master value: a step releases them as it ends) and AdamW state: what fsdp shards."""
         masters = [] if self.masters is self.params else self.masters
         reference = [] if self.ref_scorer is None else list(self.ref_scorer.parameters())
         params = sum(local(p).nbytes for p in [*self.model.parameters(), *masters, *reference])
