@@ -24,11 +24,10 @@ def merge_stats(per_engine: dict[int, dict]) -> dict[str, float]:
     the padding slots and all slots run (`perf/pad_frac` is their ratio), `busy_s` the slowest engine's, and each
     engine's busy seconds, tokens and generate seconds as engine_N/*."""
     stats = list(per_engine.values())
-    padded = [s.get("padded_slots", 0.0) for s in stats]
     merged = {
         "compiles": sum(s.get("compiles", 0.0) for s in stats),
-        "padded_slots": sum(padded),
-        "pad_slots": sum(s.get("pad_frac", 0.0) * n for s, n in zip(stats, padded)),
+        "padded_slots": sum(s.get("padded_slots", 0.0) for s in stats),
+        "pad_slots": sum(s.get("pad_slots", 0.0) for s in stats),
         "busy_s": max(s.get("busy_s", 0.0) for s in stats),
     }
     for e, s in per_engine.items():  # the HF backend reports `tokens` and `seconds`

@@ -344,6 +344,7 @@ class JaxEngine:
             total_compiles=float(compile_count()),
             pad_frac=(padded - prefill_tokens - st["decode_emitted"]) / max(padded, 1),
             padded_slots=float(padded),  # prefill positions and decode rows run, padding included
+            pad_slots=float(padded - prefill_tokens - st["decode_emitted"]),
             prefill_s=st["prefill_s"],
             decode_s=st["decode_s"],
             wall_s=wall,

@@ -15,7 +15,7 @@ def engine_stats(pad: int, slots: int, busy: float, tokens: float, seconds: floa
     """What a JAX engine's stats() says of one generate call (the fields merging reads)."""
     return dict(
         compiles=compiles,
-        pad_frac=pad / slots,
+        pad_slots=float(pad),
         padded_slots=float(slots),
         busy_s=busy,
         gen_tokens=tokens,

@@ -106,6 +106,8 @@ def test_continuous_batching_reuses_slots_and_matches_solo_runs(engine):
     st = engine.stats()
     assert st["gen_tokens"] == sum(len(c.token_ids) for c in together)
     assert 0.0 <= st["pad_frac"] < 1.0 and st["compiles"] == 0
+    # every slot run is a prompt position prefilled, a token generated, or padding
+    assert st["padded_slots"] - st["pad_slots"] == st["prefill_tokens"] + st["gen_tokens"]
     for i, p in enumerate(prompts):
         solo = engine.generate([p], 1, sp)[0]
         assert all(c.token_ids == solo.token_ids for c in together[3 * i : 3 * i + 3])
