@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from contextlib import ExitStack, closing, contextmanager
+from contextlib import ExitStack, closing, contextmanager, nullcontext
 from pathlib import Path
 
 from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, load_state, save_checkpoint
@@ -111,12 +111,14 @@ def run_recipe(cfg: Config, inputs: Inputs, resume: bool = False, trainer_restar
             if cfg.loop.mode != "sync":  # the engines generate while the trainer trains: what the driver waited
                 metrics["perf/rollout_wait_s"] = clock.waited
             if evaluating and step % cfg.run.eval_every == 0:
-                t0 = time.perf_counter()
-                if cfg.loop.mode != "sync":  # the engines finish the generation under way first: that wait is not eval
-                    cluster.pull_weights()
-                    metrics["perf/rollout_wait_s"] += time.perf_counter() - t0
+                # fully_async's producer starts no chunk meanwhile
+                with batches.paused() if cfg.loop.mode == "fully_async" else nullcontext():
                     t0 = time.perf_counter()
-                metrics |= rollout.evaluate() | {"perf/eval_s": time.perf_counter() - t0}
+                    if cfg.loop.mode != "sync":  # the engines finish the generation under way: that wait is not eval
+                        cluster.pull_weights()
+                        metrics["perf/rollout_wait_s"] += time.perf_counter() - t0
+                        t0 = time.perf_counter()
+                    metrics |= rollout.evaluate() | {"perf/eval_s": time.perf_counter() - t0}
             metrics |= {"perf/step_s": clock.elapsed(), "train/restarts": trainer_restarts}
             metrics |= step_overhead(metrics)
             metrics |= rollout.counters()

@@ -25,6 +25,7 @@ import math
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,7 +141,7 @@ class FullyAsyncRollout:
         self.give_up_after = grpo.max_sampling_rounds if grpo.dynamic_sampling else math.inf
         self.barren = 0  # chunks in a row, since `next` began to wait, that kept no group
         self.error: BaseException | None = None
-        self.stopping = False
+        self.stopping = self.pausing = False
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._produce, name="rlloop-producer", daemon=True)
         self.thread.start()
@@ -152,7 +153,9 @@ class FullyAsyncRollout:
                 with self.cond:
                     # Back-pressure: at most one batch waits in the buffer, and a chunk starts only if it would be
                     # fresh enough when taken.
-                    self.cond.wait_for(lambda: self.stopping or (len(self.buffer) < self.want and self._admits()))
+                    self.cond.wait_for(
+                        lambda: self.stopping or (not self.pausing and len(self.buffer) < self.want and self._admits())
+                    )
                     if self.stopping:
                         return
                     self.in_flight_cursor = self.manager.data.state_dict()
@@ -177,6 +180,19 @@ class FullyAsyncRollout:
         except BaseException as e:  # surfaced in the trainer's thread by next()
             with self.cond:
                 self.error = e
+                self.cond.notify_all()
+
+    @contextmanager
+    def paused(self):
+        """No chunk starts inside (the loop's evaluation: its generation has the engines to itself, and is not queued
+        behind a chunk on them); the one under way, if any, finishes."""
+        with self.cond:
+            self.pausing = True
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.pausing = False
                 self.cond.notify_all()
 
     def _admits(self) -> bool:

@@ -121,10 +121,11 @@ def assert_breakdown_fits(metrics: list[dict]) -> None:
             assert busy <= m["perf/step_s"] + 1e-3, (m["step"], busy, m["perf/step_s"])
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "fully_async"])
 def test_each_steps_breakdown_fits_in_its_time_across_evals_and_checkpoints(tmp_path, mode):
-    """Steps with an eval or a checkpoint are finished at once, the others (async) one step later; either way each
-    step's rollout, train, sync and eval seconds lie inside its own step time."""
+    """Steps with an eval or a checkpoint are finished at once, the others (async modes) one step later; either way
+    each step's rollout, train, sync and eval seconds lie inside its own step time. (fully_async's producer is paused
+    through the eval.)"""
     overrides = [f"loop.mode={mode}", "run.steps=5", "run.save_every=2", "run.eval_every=3", f"run.dir={tmp_path}"]
     train(load_config(TINY, LOCAL + ["eval.samples=1"] + overrides))
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
