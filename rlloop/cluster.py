@@ -77,9 +77,8 @@ class Cluster:
         self._balance = threading.Lock()
         self._engine_locks = [threading.Lock() for _ in range(cfg.cluster.rollout_engines)]
         self.restarts = 0  # engines rebuilt after dying (rollout/engine_restarts)
-        # RECEIVER_COUNTS: each engine's last, and the sum of rebuilt engines' (a new receiver counts from 0)
-        self._receiver_counts: dict[int, dict[str, float]] = {}
-        self._retired_counts = dict.fromkeys(RECEIVER_COUNTS, 0.0)
+        self._receiver_counts: dict[int, dict[str, float]] = {}  # RECEIVER_COUNTS: each engine's last pulled
+        self._retired_counts = dict.fromkeys(RECEIVER_COUNTS, 0.0)  # those of engines rebuilt (new ones count from 0)
         self.placement: dict[str, str] = {}  # role -> Ray node id
         # run.debug leaves one role out (its bundles stay reserved, so the plan is the run's own)
         self.with_engines, self.with_trainers = cfg.run.debug != "train-only", cfg.run.debug != "rollout-only"
