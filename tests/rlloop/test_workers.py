@@ -1,6 +1,6 @@
 """The worker processes' memory settings (freed memory is reused instead of being mapped and page-faulted anew, the
-long-lived heap is kept out of the garbage collector's full collections), what a trainer rank publishes, and when an
-engine generating with in-flight updates takes new weights."""
+long-lived heap is kept out of the garbage collector's full collections), what a trainer rank publishes, when an
+engine generating with in-flight updates takes new weights, and the engines' receivers counted together."""
 
 import os
 import subprocess
@@ -136,3 +136,27 @@ def test_a_tpu_engine_spans_every_device_of_its_chips(monkeypatch, devices, tp):
     assert rlloop.workers.over_every_tensorcore(engine).tp == tp
     monkeypatch.delenv("TPU_VISIBLE_CHIPS")  # not placed by Ray: the chips it was given are all it knows of
     assert rlloop.workers.over_every_tensorcore(engine).tp == 2
+
+
+def test_a_version_refused_by_two_engines_counts_twice(tmp_path):
+    """`sync/refused` adds up every engine's receiver (it was engine 0's count alone): two local engines, one
+    version with a flipped byte in its weights file, pulled once."""
+    from contextlib import closing
+    from pathlib import Path
+
+    from rlloop.cluster import Cluster, sync_spec
+    from rlloop.config import load_config
+
+    tiny = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml"
+    overrides = ["cluster.use_ray=false", "rollout.backend=hf", "cluster.rollout_chips=2", "cluster.rollout_engines=2"]
+    cfg = load_config(tiny, overrides + ["sync.transport=disk", "sync.delta=false", f"run.dir={tmp_path}"])
+    with closing(Cluster(cfg, tmp_path)) as cluster:
+        cluster.warmup()
+        cluster.push_weights(1)
+        spec = sync_spec(cfg, tmp_path)
+        weights = Path(spec.root) / spec.run_id / "v000000000001" / "weights.safetensors"
+        flipped = bytearray(weights.read_bytes())
+        flipped[-5] ^= 0x55
+        weights.write_bytes(bytes(flipped))
+        pulled = cluster.pull_weights()
+    assert pulled["sync/refused"] == 2 and pulled["rollout/engine_1/version"] == 0  # both kept what they had
