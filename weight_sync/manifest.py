@@ -66,7 +66,8 @@ def dtype_name(dtype: np.dtype, tensor_name: str = "?") -> str:
 
 
 def check_array(name: str, value: Any) -> np.ndarray:
-    """`value`, a numpy array of a supported dtype, C-contiguous (itself unless it was not: then a copy)."""
+    """`value`, a numpy array of a supported dtype, native byte order and C-contiguous (itself unless it was not:
+    then a copy)."""
     if not isinstance(value, np.ndarray):
         if hasattr(value, "detach") and hasattr(value, "dtype"):  # a torch tensor, recognised without importing torch
             raise ValueError(
@@ -75,6 +76,8 @@ def check_array(name: str, value: Any) -> np.ndarray:
             )
         raise ValueError(f"tensor {name!r} is a {type(value).__name__}, expected a numpy array")
     dtype_name(value.dtype, name)
+    if not value.dtype.isnative:  # a '>f4' array is named "float32" too: its bytes would be read as '<f4'
+        value = value.astype(value.dtype.newbyteorder("="))
     # not np.ascontiguousarray(value) alone: it turns a 0-d array into shape (1,)
     return value if value.flags.c_contiguous else np.ascontiguousarray(value)
 

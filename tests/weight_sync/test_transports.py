@@ -101,6 +101,19 @@ def test_contiguous_input_is_not_copied_before_the_transport():
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_big_endian_arrays_arrive_with_their_values(transport, run_id, tmp_path):
+    """A '>f4' array's dtype is named float32 like a '<f4' one's: its bytes must be swapped, not sent as they are."""
+    sender, receiver = _pair(transport, run_id, tmp_path)
+    state = {"w": np.array([1.0, -2.5, 3e-40], ">f4"), "i": np.arange(6, dtype=">i8").reshape(2, 3)[:, ::2]}
+    with sender, receiver:
+        sender.push(state, 0)
+        version, got = receiver.pull()
+        assert version == 0 and receiver.refused == 0
+        for name, want in state.items():
+            assert got[name].dtype.isnative and np.array_equal(got[name], want), name
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_torch_tensors_are_refused_with_a_pointer_to_numpy(transport, run_id, tmp_path):
     sender, receiver = _pair(transport, run_id, tmp_path)
     with sender, receiver:
