@@ -195,8 +195,9 @@ class RolloutWorker:
         weights."""
         got = self.receiver.pull()
         if got is not None:
-            self.version, arrays = got
-            self.engine.load_weights(arrays, self.version)
+            version, arrays = got
+            self.engine.load_weights(arrays, version)
+            self.version = version  # once loaded: an engine that refuses the arrays keeps reporting what it has
         return got is not None
 
     def sleep(self) -> dict[str, float]:
@@ -213,8 +214,9 @@ class RolloutWorker:
 
     def load_weights(self, versioned: tuple[int, dict]) -> None:
         """Load (version, HF-named arrays) given directly, not through the sync transport (a restarted engine)."""
-        self.version, arrays = versioned
-        self.engine.load_weights(arrays, self.version)
+        version, arrays = versioned
+        self.engine.load_weights(arrays, version)
+        self.version = version
 
     def pull_weights(self) -> dict[str, float]:
         """Load the newest verified version, if any, and report the receiver's sync metrics."""

@@ -184,11 +184,16 @@ class HFEngine(RolloutEngine):
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, named_arrays: Mapping[str, np.ndarray], version: int) -> None:
-        """Copy HF-named arrays into the model. Everything is validated before anything is written."""
+        """Copy HF-named arrays into the model: all of its tensors (a tied pair by either name). Everything is
+        validated before anything is written."""
         state = self.model.state_dict()
         unknown = sorted(set(named_arrays) - set(state))
         if unknown:
             raise ValueError(f"unknown parameter names (not in the model): {unknown[:10]}")
+        storages = {state[name].data_ptr() for name in named_arrays}
+        missing = [name for name, t in state.items() if t.data_ptr() not in storages]
+        if missing:  # load_state_dict(strict=False) would keep their old values under the new version
+            raise ValueError(f"missing weight {missing[0]!r} ({len(missing)} missing in all)")
         tensors = {}
         for name, array in named_arrays.items():
             tensor = numpy_to_torch(array)

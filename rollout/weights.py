@@ -107,8 +107,16 @@ def params_from_named_arrays(
         if name in shapes:
             if tuple(arr.shape) != shapes[name]:
                 raise ValueError(f"weight {name!r} has shape {tuple(arr.shape)}, expected {shapes[name]}")
-        elif not (name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings)):
-            # A tied model's state_dict still lists lm_head.weight (the same tensor as the embedding): skip it.
+        elif name == "lm_head.weight" and cfg.tie_word_embeddings:
+            # A tied model's state_dict still lists lm_head.weight (the same tensor as the embedding): skipped, once
+            # it is seen to be that tensor (an untied trainer's head would otherwise be dropped without a word).
+            embed = named["model.embed_tokens.weight"]
+            if arr.shape != embed.shape or not np.array_equal(arr, embed, equal_nan=True):
+                raise ValueError(
+                    f"weight 'lm_head.weight' {'differs from' if arr.shape == embed.shape else 'has another shape than'}"
+                    " 'model.embed_tokens.weight', and this model ties them (tie_word_embeddings)"
+                )
+        elif not name.endswith(_IGNORED_SUFFIXES):
             raise ValueError(f"unexpected weight {name!r} for a {cfg.family} model with {cfg.num_layers} layers")
 
     np_dtype = np.dtype(dtype)

@@ -144,6 +144,12 @@ def test_load_weights_swaps_model_without_compiling(tmp_path, engine, hf, tiny_q
     bad["model.norm.weight"] = np.zeros(3, np.float32)
     with pytest.raises(ValueError, match="model.norm.weight"):
         engine.load_weights(bad, version=6)
+    # so does an untied trainer's head pushed to this tied model: the engine would compute logits from the embedding
+    embed = load_safetensors_dir(str(other_dir))["model.embed_tokens.weight"]
+    for head in (embed + 1, embed[:-1]):
+        with pytest.raises(ValueError, match="'lm_head.weight' (differs from|has another shape).*tie_word_embeddings"):
+            engine.load_weights(load_safetensors_dir(str(other_dir)) | {"lm_head.weight": head}, version=6)
+    engine.load_weights(load_safetensors_dir(str(other_dir)) | {"lm_head.weight": embed.copy()}, version=5)
     assert engine.generate([prompt], 1, sp)[0] == c
     assert compile_count() == before
     engine.load_weights(load_safetensors_dir(str(tiny_qwen3_dir)), version=0)  # restore for other tests

@@ -146,7 +146,8 @@ def test_load_weights_bf16_is_bit_exact(model_dir):
     values = np.random.default_rng(0).normal(size=tuple(engine.model.state_dict()[name].shape)).astype(np.float32)
     sent = values.astype(ml_dtypes.bfloat16)
     sent.flags.writeable = False  # as from an mmap'd checkpoint or a shared-memory reader
-    engine.load_weights({name: sent}, version=1)
+    state = {k: v.float().numpy().astype(ml_dtypes.bfloat16) for k, v in engine.model.state_dict().items()}
+    engine.load_weights(state | {name: sent}, version=1)
     got = engine.model.state_dict()[name].view(torch.int16).numpy().view(np.uint16)
     np.testing.assert_array_equal(got, values.astype(ml_dtypes.bfloat16).view(np.uint16))
 
@@ -154,14 +155,17 @@ def test_load_weights_bf16_is_bit_exact(model_dir):
 def test_bad_weights_raise_and_change_nothing(model_dir):
     engine = HFEngine(model_dir)
     snapshot = {k: v.clone() for k, v in engine.model.state_dict().items()}
-    good = {"model.norm.weight": np.zeros(64, np.float32)}
+    good = {k: np.zeros(tuple(v.shape), np.float32) for k, v in snapshot.items() if k != "lm_head.weight"}
     with pytest.raises(ValueError, match="model.layers.9.bogus"):
         engine.load_weights({**good, "model.layers.9.bogus": np.zeros(3, np.float32)}, version=1)
     with pytest.raises(ValueError, match="model.norm.weight"):
-        engine.load_weights({"model.norm.weight": np.zeros(65, np.float32)}, version=1)
-    embed = engine.model.state_dict()["model.embed_tokens.weight"].numpy()
+        engine.load_weights({**good, "model.norm.weight": np.zeros(65, np.float32)}, version=1)
+    embed = good["model.embed_tokens.weight"]
     with pytest.raises(ValueError, match="lm_head.weight"):
-        engine.load_weights({"model.embed_tokens.weight": embed, "lm_head.weight": embed + 1}, version=1)
+        engine.load_weights({**good, "lm_head.weight": embed + 1}, version=1)
+    # A partial version would keep the other tensors' old values under the new version number.
+    with pytest.raises(ValueError, match=r"missing weight 'model.layers.1.*\(11 missing in all\)"):
+        engine.load_weights({k: v for k, v in good.items() if not k.startswith("model.layers.1.")}, version=1)
     for k, v in engine.model.state_dict().items():
         assert torch.equal(v, snapshot[k]), k
     assert engine.weight_version == 0
