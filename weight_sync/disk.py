@@ -34,7 +34,7 @@ from weight_sync.manifest import CorruptVersion, Manifest, fill_checksums
 from weight_sync.protocol import Message, Receiver, Sender
 from weight_sync.shm import _check_run_id
 
-_VERSION_DIR = re.compile(r"^v(\d{12})$")
+_VERSION_DIR = re.compile(r"^v(\d{12,})$")  # zero-padded to 12 digits, longer from 10**12 on
 WEIGHTS, MANIFEST, KEYFRAME_REQUEST, WRITER = "weights.safetensors", "manifest.json", "KEYFRAME_REQUEST", "WRITER"
 
 

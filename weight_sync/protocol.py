@@ -280,9 +280,7 @@ class Receiver(_Endpoint):
             except TornRead:
                 continue
             except CorruptVersion as exc:
-                self.refused += 1
-                self._bad.add(latest)
-                log.warning("weight_sync: refused version %d (%s); keeping version %s", latest, exc, self.version)
+                self._refuse(latest, exc)
                 if self.delta:  # the next deltas would build on what we refused: ask for a fresh start right away
                     self.keyframe_requests += 1
                     self._request_keyframe()
@@ -304,9 +302,7 @@ class Receiver(_Endpoint):
                 try:
                     prev = self._read(base)
                 except CorruptVersion as exc:
-                    self.refused += 1
-                    self._bad.add(base)
-                    log.warning("weight_sync: refused version %d (%s)", base, exc)
+                    self._refuse(base, exc)
             if prev is None:
                 if not self.delta and not self.keyframe_requests:
                     log.warning(
@@ -320,14 +316,24 @@ class Receiver(_Endpoint):
             chain.append(prev)
         t1 = time.perf_counter()
         state = dict(self._state or {})
-        for m in reversed(chain):
-            state = self._apply(m, state)
+        try:
+            for m in reversed(chain):
+                state = self._apply(m, state)
+        except CorruptVersion:
+            if all(m.still_valid() for m in chain):
+                raise
+            # else the writer reused a buffer under us: a torn read (below), not a corrupt version
         if not all(m.still_valid() for m in chain):
             raise TornRead()
         self.transfer_s, self.apply_s = t1 - t0, time.perf_counter() - t1
         self._state = state if self.delta else None
         self.version = latest
         return latest, dict(state)
+
+    def _refuse(self, version: int, exc: CorruptVersion) -> None:
+        self.refused += 1
+        self._bad.add(version)
+        log.warning("weight_sync: refused version %d (%s); keeping version %s", version, exc, self.version)
 
     def _apply(self, msg: Message, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The tensors of `msg` on top of `state` (never modified); raises CorruptVersion if anything mismatches."""

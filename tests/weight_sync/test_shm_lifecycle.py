@@ -192,6 +192,40 @@ def test_concurrent_reader_never_sees_a_torn_version(run_id):
     assert proc.returncode == 0 and pulls == want and torn == 0
 
 
+def test_a_delta_overwritten_while_applied_is_a_torn_read_not_a_corrupt_version(run_id):
+    """Two pushes while the receiver decodes a delta reuse the buffer under it: the decode fails, and the version must
+    not be counted as refused. The receiver then lacks the base of the newest delta, so it asks for a keyframe, which
+    the next push brings."""
+    from weight_sync.shm import ShmReceiver
+
+    rng = np.random.default_rng(0)
+    versions = [{"w": rng.standard_normal(4096).astype(np.float32)}]
+    for _ in range(4):  # 1% of the elements change: each version is sent as a delta
+        w = versions[-1]["w"].copy()
+        w[rng.integers(0, w.size, 40)] += 1
+        versions.append({"w": w})
+
+    class OverwrittenWhileApplying(ShmReceiver):
+        writer = None  # pushes versions 2 and 3 when the receiver starts its next apply
+
+        def _apply(self, msg, state):
+            if self.writer:
+                self.writer, writer = None, self.writer
+                writer()
+            return super()._apply(msg, state)
+
+    with make_sender("shm", run_id=run_id, delta=True) as sender, OverwrittenWhileApplying(run_id, delta=True) as rx:
+        sender.push(versions[0], 0)
+        assert rx.pull()[0] == 0
+        sender.push(versions[1], 1)
+        rx.writer = lambda: [sender.push(versions[v], v) for v in (2, 3)]
+        assert rx.pull() is None  # version 1 was overwritten by 3: nothing to build 3 on
+        assert (rx.refused, rx.keyframe_requests) == (0, 1)
+        assert sender.push(versions[4], 4).keyframe
+        version, got = rx.pull()
+        assert version == 4 and got["w"].tobytes() == versions[4]["w"].tobytes() and rx.refused == 0
+
+
 def test_push_that_fails_midway_is_never_shown_and_the_next_push_works(run_id, monkeypatch):
     import weight_sync.shm as shm
 

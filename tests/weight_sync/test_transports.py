@@ -207,6 +207,14 @@ def test_receiver_with_wrong_base_requests_keyframe(transport, run_id, tmp_path)
         assert receiver.pull()[1]["w"].tobytes() == w.tobytes()
 
 
+def test_disk_versions_past_twelve_digits_are_read(run_id, tmp_path):
+    sender, receiver = _pair("disk", run_id, tmp_path)
+    with sender, receiver:
+        for version in (10**12 - 1, 10**12):
+            sender.push({"w": np.full(3, version % 7, np.float32)}, version)
+            assert receiver.pull()[0] == version
+
+
 def test_disk_prunes_old_versions(run_id, tmp_path):
     sender, receiver = _pair("disk", run_id, tmp_path, keep=2)
     for v in range(5):
