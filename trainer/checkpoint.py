@@ -40,6 +40,7 @@ def save(trainer: Trainer, path) -> None:
         "scheduler": trainer.scheduler.state_dict(),
         "torch_rng": torch.get_rng_state(),
         "step": trainer.step,
+        "bad_steps": trainer.bad_steps,
         "parallel": trainer.parallel,
         "config": {k: v for k, v in asdict(trainer.cfg).items() if k != "loss"},
     }
@@ -65,7 +66,8 @@ def save(trainer: Trainer, path) -> None:
 
 
 def load(trainer: Trainer, path) -> None:
-    """Restore what `save` wrote into `trainer` (same model architecture, config and parallel mode)."""
+    """Restore what `save` wrote into `trainer` (same model architecture and parallel mode); the optimizer's settings
+    (lr, warmup, betas, eps, weight decay) stay those of `trainer`'s config."""
     path = os.fspath(path)
     state_path = os.path.join(path, STATE_FILE)
     if not os.path.exists(state_path):
@@ -77,15 +79,30 @@ def load(trainer: Trainer, path) -> None:
             f"checkpoint {path!r} was written with train.parallel={written_by}; this trainer runs "
             f"train.parallel={trainer.parallel} (set train.parallel={written_by} to resume it)"
         )
+    configured = [{k: v for k, v in group.items() if k != "params"} for group in trainer.optimizer.param_groups]
     if trainer.parallel == "fsdp":
         _load_sharded(trainer, os.path.join(path, SHARDED_DIR))
     else:
         _load_replicated(trainer, path, state)
     trainer.scheduler.load_state_dict(state["scheduler"])
+    _apply_configured(trainer, configured)
     torch.set_rng_state(state["torch_rng"])
     if "cuda_rng" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda_rng"])
     trainer.step = state["step"]
+    trainer.bad_steps = state.get("bad_steps", 0)
+
+
+def _apply_configured(trainer: Trainer, configured: list[dict]) -> None:
+    """Resume the optimizer's state (moments, step counts, the schedule's position) under this config's settings:
+    torch's load_state_dict brings back the checkpoint's lr, betas, eps and weight decay, so a run resumed with a new
+    train.lr would log the new value and keep training at the old one."""
+    scheduler = trainer.scheduler
+    scheduler.base_lrs = [hp["initial_lr"] for hp in configured]
+    for group, hp, base, factor in zip(
+        trainer.optimizer.param_groups, configured, scheduler.base_lrs, scheduler.lr_lambdas
+    ):
+        group.update(hp, lr=base * factor(scheduler.last_epoch))
 
 
 def _load_sharded(trainer: Trainer, sharded: str) -> None:

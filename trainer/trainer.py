@@ -396,5 +396,5 @@ class Trainer:
         checkpoint.save(self, path)
 
     def load(self, path) -> None:
-        """Restore what `save` wrote into this trainer (same model architecture, config and parallel mode)."""
+        """Restore what `save` wrote into this trainer (trainer.checkpoint.load says what must match)."""
         checkpoint.load(self, path)

@@ -1,6 +1,7 @@
 """Trainer behaviour: micro-batching is exact, the whole step matches an independent computation, it learns,
 resume is bit-exact, exports are named and typed as HF saves them, bad batches fail cleanly."""
 
+import dataclasses
 import math
 import os
 import pickle
@@ -154,6 +155,26 @@ def test_save_load_resumes_bit_for_bit(tmp_path, tiny_qwen3_dir, make_batch, dty
         assert torch.equal(p, resumed.model.state_dict()[name]), name
     for a, b in zip(straight.masters, resumed.masters):
         assert torch.equal(a, b)
+
+
+def test_resume_takes_the_new_config_s_optimizer_settings(tmp_path, tiny_qwen3_dir, make_batch):
+    """The moments and the schedule's position come from the checkpoint, lr, warmup, betas, eps and weight decay from
+    the config the run resumes with (torch's load_state_dict would bring back the old ones)."""
+    old = TrainerConfig(tiny_qwen3_dir, lr=1e-3, lr_warmup_steps=4, weight_decay=0.1, betas=(0.9, 0.98))
+    first = Trainer(old)
+    first.train_step(make_batch(6, seed=10))
+    first.save(tmp_path / "ckpt")
+    new = dataclasses.replace(old, lr=2e-3, lr_warmup_steps=0, weight_decay=0.0, betas=(0.8, 0.9), eps=1e-6)
+    resumed = Trainer(new)
+    resumed.load(tmp_path / "ckpt")
+    for group in resumed.optimizer.param_groups:
+        assert (group["lr"], group["weight_decay"], group["betas"], group["eps"]) == (2e-3, 0.0, (0.8, 0.9), 1e-6)
+    assert resumed.train_step(make_batch(6, seed=11))["train/lr"] == 2e-3
+    assert resumed.optimizer.state_dict()["state"][0]["step"] == 2  # AdamW's bias correction goes on from the save
+    # unchanged settings resume where the schedule was: warmup 1/4 at the save, 2/4 at the next step
+    again = Trainer(old)
+    again.load(tmp_path / "ckpt")
+    assert again.train_step(make_batch(6, seed=11))["train/lr"] == pytest.approx(1e-3 * 2 / 4)
 
 
 def test_load_rejects_incomplete_checkpoint(tmp_path, tiny_qwen3_dir):
