@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from omegaconf import OmegaConf
 from pydantic import (
@@ -47,9 +47,23 @@ TORCH_DEVICE = {"tpu": "tpu", "gpu": "cuda", "cpu": "cpu"}
 PathStr = Annotated[str, AfterValidator(os.path.expanduser)]
 
 
+def _types_in(annotation) -> set:
+    """The types an annotation names, through unions, Optional and containers' arguments."""
+    return {annotation, *(t for arg in get_args(annotation) for t in _types_in(arg))}
+
+
 class Section(BaseModel):
     # no knob takes inf or nan: `reward.timeout_s: inf` overflowed a wait, `failure_reward: nan` poisoned advantages
     model_config = ConfigDict(extra="forbid", strict=False, validate_default=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value, info):
+        """pydantic's lax mode reads True as 1: `train.lr=on` (YAML's boolean) would train at lr 1.0."""
+        types = _types_in(cls.model_fields[info.field_name].annotation)
+        if isinstance(value, bool) and types & {int, float} and bool not in types:
+            raise ValueError("expected a number, not a boolean (YAML reads yes/no/on/off as booleans)")
+        return value
 
 
 def knobs_of(component: type, wired: tuple[str, ...] = ()) -> type[Section]:
