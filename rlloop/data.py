@@ -160,7 +160,13 @@ def to_messages(prompt) -> list[dict]:
 
 
 def to_answer(answer) -> str:
-    """The ground truth as the reward function gets it: a non-empty string (numbers are written out)."""
+    """The ground truth as the reward function gets it: a non-empty string (numbers are written out). A whole number
+    read as a float is written as an integer: Arrow gives a column of 3 and 2.5, or of 3 and nulls, float64, and "3.0"
+    would fail DAPO's exact match with "Answer: 3"."""
+    if isinstance(answer, numbers.Real) and not isinstance(answer, (bool, numbers.Integral)):
+        if answer != answer:  # NaN: a null in a float column
+            raise DataError("missing ground truth (null)")
+        return str(int(answer)) if float(answer).is_integer() else str(answer)
     if isinstance(answer, numbers.Number) and not isinstance(answer, bool):
         return str(answer)
     if isinstance(answer, str) and answer.strip():

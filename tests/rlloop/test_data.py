@@ -107,6 +107,17 @@ def test_missing_column_names_it_and_lists_columns(tmp_path, tok):
     assert data.next_batch(1)[0].answer == "2"
 
 
+def test_whole_numbers_in_a_float_column_are_written_as_integers(tmp_path, tok):
+    """Arrow reads answers 3 and 2.5 as float64: the ground truth must be "3", which DAPO matches with "Answer: 3"."""
+    table = rows(3)
+    for r, answer in zip(table, (3, 2.5, -4)):
+        r["reward_model"]["ground_truth"] = answer
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in table))
+    data = PromptData(str(path), tok, shuffle=False)
+    assert [p.answer for p in data.next_batch(3)] == ["3", "2.5", "-4"]
+
+
 def test_bad_sources(tmp_path, tok):
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "x.csv").write_text("a,b\n")
