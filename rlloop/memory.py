@@ -96,6 +96,7 @@ def plan_memory(cfg: Config) -> MemoryPlan | None:
         c.train_chips,
         shape.q_size,
         shape.kv_size,
+        longest_sample=cfg.data.max_prompt_len + cfg.rollout.max_response_len,
     )
     device, source = device_memory(cfg)
     plan = MemoryPlan(engine, trainer, device, source, {})

@@ -32,9 +32,12 @@ def trainer_memory(
     world_size: int = 1,
     q_size: int | None = None,
     kv_size: int | None = None,
+    longest_sample: int = 0,
 ) -> dict[str, int]:
     """Estimated bytes per rank: state (parameters, masters, gradients, optimizer), activations and logits.
-    `q_size` and `kv_size` are the attention's query and key widths (heads x head_dim; None: `hidden`)."""
+    `q_size` and `kv_size` are the attention's query and key widths (heads x head_dim; None: `hidden`);
+    `longest_sample` the most tokens one sample can have, which packing puts in a micro-batch of its own when it
+    exceeds the budget."""
     item = ITEMSIZE[cfg.dtype]
     sharded = world_size > 1 and cfg.parallel != "ddp"
     per_param = item + (4 if cfg.dtype != "float32" else 0) + 4 + 8  # params, masters, grads, AdamW m and v
@@ -43,7 +46,7 @@ def trainer_memory(
     if cfg.loss.kl_coef != 0.0:  # the KL term's frozen reference model: the model's copy (fp32 shards under fsdp)
         per_param += 4 if sharded else item
     state = params * per_param // (world_size if sharded else 1)
-    tokens = cfg.micro_batch_tokens
+    tokens = max(cfg.micro_batch_tokens, longest_sample)
     per_layer = tokens * (16 * hidden + 3 * intermediate) * item
     if cfg.device == "cpu" and cfg.dtype != "float32":  # one layer at a time, so counted once either way
         per_layer += tokens * 4 * ((q_size or hidden) + (kv_size or hidden)) * 4

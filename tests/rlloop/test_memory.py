@@ -75,6 +75,16 @@ def test_a_trainer_that_does_not_fit_names_its_keys(capsys):
     assert "trainer:" in err and "train.micro_batch_tokens" in err and "train.parallel: fsdp" in err
 
 
+def test_a_sample_longer_than_the_micro_batch_budget_is_planned_whole():
+    """Packing gives a 9,216-token sample a micro-batch of its own however low train.micro_batch_tokens is: the
+    plan's activations stop shrinking there, so its advice to lower the budget never plans less than runs."""
+    activations = [
+        plan_memory(load_config(REAL, [f"train.micro_batch_tokens={t}"])).trainer["activations"]
+        for t in (1024, 9216, 18432)
+    ]
+    assert activations[0] == activations[1] < activations[2]
+
+
 def test_a_cpu_host_counts_every_device_of_an_engine(capsys):
     """Recipe shapes on one CPU host: the engine needs the same memory split over 2 chips, or over 2 cores each a
     device of its own, as on 1 device; the host's check counts all of its devices."""
