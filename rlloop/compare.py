@@ -4,8 +4,8 @@ The seeds' parity test, made a number: each group (the positional runs, A; the `
 recipe on two backends, modes or rank counts, two seeds each) becomes one curve per metric, the mean over its runs at
 each step after a rolling mean over `--smooth` steps (per-step rewards are noisy; eval metrics are not smoothed).
 Group B's seed spread is the pooled standard deviation of its runs around their mean curve, floored by the standard
-error of one smoothed point (the runs' noise around their own rolling mean), so one run per group still has a scale.
-The verdict per metric is
+error of one smoothed point (the runs' noise around their own rolling mean), so one run per group still has a scale,
+except for an eval metric (never smoothed): with one run in B it has none, and gets no verdict. The verdict per metric is
 
     distance = mean over shared steps of |mean_A - mean_B| / spread_B        within: distance <= --tolerance (2)
 
@@ -69,13 +69,15 @@ def curves(
 
 
 def spread(values: np.ndarray, noise: float) -> float:
-    """The seed spread of a group's curves: their pooled std across runs, at least the noise of one point."""
+    """The seed spread of a group's curves: their pooled std across runs, at least the noise of one point; 0 when
+    neither is known (one run of an unsmoothed metric)."""
     across = float(np.sqrt(np.mean(values.var(axis=0, ddof=1)))) if len(values) > 1 else 0.0
-    return max(across, noise, 1e-9)
+    return max(across, noise)
 
 
 def compare(a: list[list[dict]], b: list[list[dict]], metrics, smooth: int = 5, tolerance: float = 2.0) -> dict:
-    """{metric: {"distance": mean |mean_A - mean_B| / spread_B, "within": distance <= tolerance, ...}}."""
+    """{metric: {"distance": mean |mean_A - mean_B| / spread_B, "within": distance <= tolerance, ...}}; both None
+    where B has no spread to measure by."""
     out = {}
     for metric in expand(metrics, a + b):
         # Both groups smoothed over the steps both logged, so their points line up (a window sized to each group's
@@ -87,8 +89,13 @@ def compare(a: list[list[dict]], b: list[list[dict]], metrics, smooth: int = 5, 
         _, vb, noise = curves(b, metric, smooth, both)
         ma, mb = va.mean(axis=0), vb.mean(axis=0)
         scale = spread(vb, noise)
-        distance = float(np.mean(np.abs(ma - mb)) / scale)
-        out[metric] = {"distance": distance, "within": distance <= tolerance, "spread": scale, "steps": len(shared)}
+        gap = float(np.mean(np.abs(ma - mb)))
+        if scale > 0 or gap == 0:
+            distance = gap / scale if scale > 0 else 0.0
+            out[metric] = {"distance": distance, "within": distance <= tolerance, "spread": scale}
+        else:  # a distance over a zero spread would call any gap OUTSIDE
+            out[metric] = {"distance": None, "within": None, "spread": scale}
+        out[metric]["steps"] = len(shared)
     return out
 
 
@@ -146,12 +153,15 @@ def main(argv: list[str] | None = None) -> int:
         if not verdicts:
             p.error("no metric was logged at the same steps by both groups: nothing to compare")
         for metric, v in verdicts.items():
+            if v["within"] is None:
+                print(f"{metric:32s} no scale: one run in B, not smoothed; give B a second seed")
+                continue
             word = "within" if v["within"] else "OUTSIDE"
             print(f"{metric:32s} {word:8s} distance {v['distance']:.2f} spreads (spread {v['spread']:.4g})")
     plot(groups, metrics, args.smooth, Path(args.out))
     print(f"overlay: {args.out}")
     print(json.dumps({m: {"distance": v["distance"], "within": v["within"]} for m, v in verdicts.items()}))
-    return 0 if all(v["within"] for v in verdicts.values()) else 1
+    return 0 if all(v["within"] is not False for v in verdicts.values()) else 1
 
 
 if __name__ == "__main__":

@@ -31,6 +31,21 @@ def test_runs_of_different_lengths_are_compared_on_the_steps_both_have(runs, tmp
     assert verdict["rollout/raw_reward"] == {"distance": 0.0, "within": True}
 
 
+def test_an_eval_metric_of_one_run_has_no_scale_rather_than_any_gap_outside(tmp_path, capsys):
+    """Eval points are not smoothed, so one run per group gives them no spread: no verdict, where a floor of ~0
+    called a 0.01 gap OUTSIDE. The smoothed reward still has one, and decides the exit code."""
+    a, b = (write_run(tmp_path / name, [-0.7, -0.6, -0.5, -0.45, -0.3, -0.2]) for name in ("a", "b"))
+    for run, accuracy in ((a, 0.50), (b, 0.51)):
+        path = tmp_path / run / "metrics.jsonl"
+        path.write_text(path.read_text() + json.dumps({"step": 6, "eval/x": accuracy}) + "\n")
+    assert main([a, "--vs", b, "--out", str(tmp_path / "c.png")]) == 0
+    out = capsys.readouterr().out
+    assert "eval/x" in out and "no scale" in out
+    verdict = json.loads(out.strip().splitlines()[-1])
+    assert verdict["eval/x"] == {"distance": None, "within": None}
+    assert verdict["rollout/raw_reward"] == {"distance": 0.0, "within": True}
+
+
 @pytest.mark.parametrize(
     "args, named",
     [
