@@ -5,7 +5,8 @@ recipe on two backends, modes or rank counts, two seeds each) becomes one curve 
 each step after a rolling mean over `--smooth` steps (per-step rewards are noisy; eval metrics are not smoothed).
 Group B's seed spread is the pooled standard deviation of its runs around their mean curve, floored by the standard
 error of one smoothed point (the runs' noise around their own rolling mean), so one run per group still has a scale,
-except for an eval metric (never smoothed): with one run in B it has none, and gets no verdict. The verdict per metric is
+except for an eval metric (never smoothed): with one run in B it has none, and gets no verdict. The verdict per
+metric is
 
     distance = mean over shared steps of |mean_A - mean_B| / spread_B        within: distance <= --tolerance (2)
 

@@ -147,7 +147,9 @@ class FullyAsyncRollout:
         self.thread.start()
 
     def _produce(self) -> None:
-        cfg, chunk = self.manager.cfg, 0
+        # Chunks are numbered on from the step the run starts at: a resumed run's chunks get new sampling seeds, not
+        # those of the first run's first chunks again.
+        cfg, chunk = self.manager.cfg, self.first - 1
         try:
             while True:
                 with self.cond:
@@ -161,8 +163,8 @@ class FullyAsyncRollout:
                     self.in_flight_cursor = self.manager.data.state_dict()
                     prompts = self.manager.data.next_batch(self.want)
                 chunk += 1
-                # the chunk step `first + chunk - 1` takes, unless groups were dropped (rlloop/profiling.py)
-                profile = profile_dir(cfg, self.first + chunk - 1)
+                # the chunk step `chunk` takes, unless groups were dropped (rlloop/profiling.py)
+                profile = profile_dir(cfg, chunk)
                 groups, stats = self.manager.groups(prompts, sampling_seed(cfg.run.seed, -chunk), True, profile)
                 with self.cond:
                     self.tally.add(groups, stats)

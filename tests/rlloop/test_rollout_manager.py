@@ -13,6 +13,7 @@ from rlloop.cluster import Cluster
 from rlloop.config import load_config
 from rlloop.data import Prompt, load_datasets
 from rlloop.rollout_manager import RolloutManager, RolloutTally, distinct, sampling_seed, top_up
+from rlloop.schedules import FullyAsyncRollout
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "grpo_dapo_tiny.yaml")
@@ -133,6 +134,27 @@ def test_sampling_seeds_never_repeat_across_steps_rounds_and_chunks():
     seeds = [sampling_seed(7, step, r) for step in range(1, 60) for r in range(150)]  # past a flat step * 101 + r
     seeds += [sampling_seed(7, -chunk) for chunk in range(1, 5000)]  # fully_async chunks
     assert len(set(seeds)) == len(seeds)
+
+
+def test_a_resumed_fully_async_run_draws_new_samples_for_its_first_chunk(setup):
+    """Chunks are numbered on from the step a run starts at: started at step 5 on the same weights and prompts, the
+    first chunk must not be sampled with the seed of a fresh run's first chunk (and so be the same tokens)."""
+    cluster, tok = setup
+    # the engines keep version 0: staleness allowed past the resumed step's 5 versions
+    overrides = ["rollout.backend=hf", "cluster.use_ray=false", "rollout.prompts_per_step=2", "loop.max_staleness=8"]
+    cfg = load_config(TINY, overrides)
+    tokens = []
+    for start in (0, 0, 5):
+        data, _ = load_datasets(cfg, tok)  # each from the top: the same prompts
+        with closing(RolloutManager(cfg, cluster, tok, data)) as rollout:
+            source = FullyAsyncRollout(rollout, cfg.loop, start=start)
+            try:
+                batch = source.next(start + 1)
+            finally:
+                source.close()
+        tokens.append([c.token_ids for c in batch.samples.completions])
+    assert tokens[0] == tokens[1]  # a chunk's samples are its seed's: the same start draws the same
+    assert tokens[2] != tokens[0]
 
 
 def test_dynamic_sampling_over_samples_by_the_kept_fraction():
