@@ -112,9 +112,10 @@ def params_from_named_arrays(
             # it is seen to be that tensor (an untied trainer's head would otherwise be dropped without a word).
             embed = named["model.embed_tokens.weight"]
             if arr.shape != embed.shape or not np.array_equal(arr, embed, equal_nan=True):
+                how = "differs from" if arr.shape == embed.shape else "has another shape than"
                 raise ValueError(
-                    f"weight 'lm_head.weight' {'differs from' if arr.shape == embed.shape else 'has another shape than'}"
-                    " 'model.embed_tokens.weight', and this model ties them (tie_word_embeddings)"
+                    f"weight 'lm_head.weight' {how} 'model.embed_tokens.weight', and this model ties them "
+                    "(tie_word_embeddings)"
                 )
         elif not name.endswith(_IGNORED_SUFFIXES):
             raise ValueError(f"unexpected weight {name!r} for a {cfg.family} model with {cfg.num_layers} layers")
