@@ -70,6 +70,7 @@ class JaxEngine:
         self._head_copy = copies_tied_head(mc, self.platform)
         self._shardings = param_shardings(mc, self.mesh, self._head_copy)
         self.weight_version: int | None = None
+        self._host_params = None  # the weights while released (colocation)
         try:
             named = load_safetensors_dir(self.model_dir)
         except ValueError:
@@ -79,7 +80,6 @@ class JaxEngine:
         else:
             self.params = jax.device_put(zero_weights(mc, cfg.dtype, self._head_copy), self._shardings)
         self.cache = self._new_cache()
-        self._host_params = None  # the weights while released (colocation)
         self._static = dict(mc=mc, cache_sh=cache_sharding(self.mesh))
         # fan-out copies only the positions a prompt can occupy (prefill takes all but a prompt's last token)
         self._copy_len = self.prefill_buckets[-1]
@@ -146,7 +146,7 @@ class JaxEngine:
             src = np.zeros(m, np.int32)
             dst = np.full(m, self.cfg.max_batch, np.int32)  # padding pairs write out of range: dropped
             src[: len(chunk)], dst[: len(chunk)] = zip(*chunk)
-            self.cache = copy_program(self.cache, src, dst, **self._static, length=self._copy_len)
+            self.cache = copy_program(self.cache, src, dst, cache_sh=self._static["cache_sh"], length=self._copy_len)
             padded += m
         return padded
 
@@ -161,9 +161,8 @@ class JaxEngine:
             times[f"prefill/{p}"] = time.perf_counter() - t0
         for m in self.decode_buckets:
             t0 = time.perf_counter()
-            self.cache = copy_program(
-                self.cache, np.zeros(m, np.int32), np.full(m, s, np.int32), **self._static, length=self._copy_len
-            )
+            src, dst = np.zeros(m, np.int32), np.full(m, s, np.int32)
+            self.cache = copy_program(self.cache, src, dst, cache_sh=self._static["cache_sh"], length=self._copy_len)
             jax.block_until_ready(self.cache)
             times[f"copy/{m}"] = time.perf_counter() - t0
         state = DecodeState.empty(s)
@@ -181,7 +180,7 @@ class JaxEngine:
         Everything is validated before anything is replaced: a bad dict leaves the current weights in place.
         """
         host = params_from_named_arrays(self.model_cfg, named_arrays, self.cfg.dtype, self._head_copy)
-        if getattr(self, "_host_params", None) is not None:  # released (colocation): applied when it resumes
+        if self._host_params is not None:  # released (colocation): applied when it resumes
             self._host_params = host
         else:
             self.params = jax.device_put(host, self._shardings)
@@ -206,9 +205,7 @@ class JaxEngine:
                 )
             if min(p) < 0 or max(p) >= self.model_cfg.vocab_size:
                 raise ValueError(f"prompt {i} has a token id outside the vocabulary [0, {self.model_cfg.vocab_size})")
-        # like vLLM: the model's EOS ids stop a row unless ignore_eos; stop_token_ids always do
-        eos = () if getattr(sampling, "ignore_eos", False) else self.model_cfg.eos_token_ids
-        stop = sorted(set(eos) | set(sampling.stop_token_ids))
+        stop = sampling.stop_ids(self.model_cfg.eos_token_ids)
         if len(stop) > MAX_STOP_IDS:
             raise ValueError(f"{len(stop)} stop token ids (eos included), above the limit MAX_STOP_IDS={MAX_STOP_IDS}")
         row = np.full(MAX_STOP_IDS, -1, np.int32)
@@ -236,7 +233,7 @@ class JaxEngine:
         state.set_sampling(sampling, stop_row, self.cfg.seed)
         out_tok = np.zeros((slots, max_new), np.int32)
         out_lp = np.zeros((slots, max_new), np.float32)
-        started_at = np.zeros(slots, np.int64)  # weight version each slot's sample started with
+        start_version = np.zeros(slots, np.int64)  # weight version each slot's sample started with
         done: list[Completion] = []
         st = dict(
             prefill_s=0.0,
@@ -257,9 +254,9 @@ class JaxEngine:
             if adm.requests:
                 t0 = time.perf_counter()
                 self._admit(adm, state, max_new, st)
-                started_at[adm.slots] = self.weight_version
+                start_version[adm.slots] = self.weight_version
                 for src, dst in adm.copies:  # a copied prompt KV is as old as its source's: the version it started on
-                    started_at[dst] = started_at[src]
+                    start_version[dst] = start_version[src]
                 jax.block_until_ready(self.cache)
                 st["prefill_s"] += time.perf_counter() - t0
             b = pick_bucket(self.decode_buckets, sched.extent())
@@ -303,7 +300,7 @@ class JaxEngine:
                         out_tok[slot, :k].tolist(),
                         out_lp[slot, :k].tolist(),
                         _FINISH_REASON[int(finish[slot])],
-                        int(started_at[slot]),
+                        int(start_version[slot]),
                         self.weight_version,
                     )
                 )

@@ -60,7 +60,7 @@ class HFEngine(RolloutEngine):
         # (as transformers loaded it), else config.json.
         self.eos_token_ids = eos_token_ids(cfg.to_dict(), self.model.generation_config.to_dict())
         # Replace the checkpoint's generation defaults (Qwen3 ships T=0.6, top_k=20, ...) and its eos ids: every
-        # knob comes from SamplingParams, and rows stop only on the ids `stop_ids(sampling)` returns.
+        # knob comes from SamplingParams, and rows stop only on the ids `sampling.stop_ids` returns.
         self.model.generation_config = transformers.GenerationConfig(pad_token_id=self.pad_token_id)
         self.weight_version = 0
         self._stats = {"tokens": 0.0, "seconds": 0.0, "tok_s": 0.0, "weight_version": 0.0}
@@ -70,11 +70,6 @@ class HFEngine(RolloutEngine):
         return {}
 
     # ------------------------------------------------------------------ generate
-
-    def stop_ids(self, sampling: SamplingParams) -> tuple[int, ...]:
-        """Ids that end a row: the model's EOS ids (unless ignore_eos) and the request's stop_token_ids."""
-        eos = () if sampling.ignore_eos else self.eos_token_ids
-        return tuple(sorted(set(eos) | set(sampling.stop_token_ids)))
 
     def release(self) -> None:
         """Colocation: the model leaves the accelerator (on CPU there is nothing to free)."""
@@ -138,7 +133,7 @@ class HFEngine(RolloutEngine):
         for r, prompt in enumerate(batch_prompts):  # left padding: every row's next token lands in the last column
             input_ids[r, width - len(prompt) :] = torch.tensor(prompt)
             attention_mask[r, width - len(prompt) :] = 1
-        stop_ids = self.stop_ids(sampling)
+        stop_ids = sampling.stop_ids(self.eos_token_ids)
         kwargs = dict(
             max_new_tokens=sampling.max_new_tokens,
             min_new_tokens=0,

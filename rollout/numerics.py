@@ -21,8 +21,9 @@ this module holds the rest:
     in ~30% of rows, enough to flip a bf16 rounding now and then).
   What is left differs rarely: the accumulation order of XLA's q·k matmul (and others) against torch's, and the
   last (row length mod 16) keys of torch's attention rows, whose exp torch takes exactly. The match holds while
-  torch's flash kernel sees one key block (up to 512 positions) and the engine's decode reads the cache whole (up
-  to 256 positions); longer rows are summed block by block in different blocks on the two sides.
+  torch's flash kernel sees one key block (up to 512 positions) and the engine's decode reads the cache whole (on
+  CPU, up to one 64-position page); longer rows are summed block by block in different blocks on the two sides, and
+  a paged cache sums P·V page by page, which now and then rounds a bf16 output the other way (docs/design.md §3.13).
 """
 
 from __future__ import annotations

@@ -33,8 +33,9 @@ def prefill_program(params, cache, tokens, positions, segments, slots, *, mc, ca
     return _constrain(cache, cache_sh)
 
 
-@partial(jax.jit, donate_argnums=0, static_argnames=("mc", "cache_sh", "length"))
-def copy_program(cache, src, dst, *, mc, cache_sh, length):
+# plain jax.jit: a copy rounds nothing, so numerics' compiler options do not apply
+@partial(jax.jit, donate_argnums=0, static_argnames=("cache_sh", "length"))
+def copy_program(cache, src, dst, *, cache_sh, length):
     return _constrain(copy_slots(cache, src, dst, length), cache_sh)
 
 

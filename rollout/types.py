@@ -60,6 +60,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def stop_ids(self, eos_token_ids) -> tuple[int, ...]:
+        """Ids that end a row, sorted: the model's `eos_token_ids` (unless ignore_eos) and stop_token_ids."""
+        eos = () if self.ignore_eos else eos_token_ids
+        return tuple(sorted(set(eos) | set(self.stop_token_ids)))
+
 
 @dataclass
 class Completion:

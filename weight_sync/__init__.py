@@ -16,8 +16,8 @@ and returns that copy: treat pulled arrays as read-only (a scribbled-on base is 
 reconstruction, refused, and repaired by a keyframe).
 
 Other transports speak the same protocol by subclassing `Sender` and `Receiver` (their docstrings list the hooks:
-`_publish`, `_take_keyframe_request`; `_latest`, `_read`, `_request_keyframe`, `_writer_restarted`) and moving each
-version as one flat payload:
+`_publish`, `_take_keyframe_request`; `_latest`, `_read`, `_request_keyframe`; `_latest` calls the base class's
+`_writer_restarted` when a new sender took over) and moving each version as one flat payload:
 
     n = payload_nbytes(manifest)                    # Sender._publish: size a (reused) uint8 buffer, write the
     encode_payload_into(buf, manifest, blobs)       # payload (fills in raw entries' checksums), move buf[:n]

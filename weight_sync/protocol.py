@@ -48,8 +48,9 @@ class SyncStats:
     full_bytes: int  # bytes of the full state dict (what a full sync moves)
     changed_frac: float  # elements whose bits changed since the last version sent (1.0 when not tracked)
     keyframe: bool
-    encode_s: float  # diffing, compression, checksums
-    transfer_s: float  # writing into the transport (copy into shm / files on disk / object store)
+    encode_s: float  # diffing, compression, the deltas' checksums
+    transfer_s: float  # writing into the transport (copy into shm / files on disk / object store; raw tensors'
+    # checksums are taken as they are written)
     base_version: int | None = None
 
     def metrics(self) -> dict[str, float]:
@@ -226,7 +227,7 @@ class Receiver(_Endpoint):
     `close()`: release what the transport holds (also called by `with`).
 
     Attributes after each pull: `version` (last returned), `refused` (versions that failed verification),
-    `keyframe_requests`, `transfer_s` (reading and verifying) and `apply_s` (decoding deltas / building arrays).
+    `keyframe_requests`, `read_s` (reading and verifying) and `apply_s` (decoding deltas / building arrays).
     """
 
     def __init__(self, *, delta: bool = False):
@@ -234,7 +235,7 @@ class Receiver(_Endpoint):
         self.version: int | None = None
         self.refused = 0
         self.keyframe_requests = 0
-        self.transfer_s = 0.0
+        self.read_s = 0.0
         self.apply_s = 0.0
         self._state: dict[str, np.ndarray] | None = None  # owned arrays of `version` (delta mode only)
         self._bad: set[int] = set()
@@ -257,7 +258,7 @@ class Receiver(_Endpoint):
     def metrics(self) -> dict[str, float]:
         """The receiver-side `sync/*` metrics: the last pull's read and apply seconds, and the running counters."""
         return {
-            "sync/read_s": self.transfer_s,
+            "sync/read_s": self.read_s,
             "sync/apply_s": self.apply_s,
             "sync/refused": self.refused,
             "sync/keyframe_requests": self.keyframe_requests,
@@ -325,7 +326,7 @@ class Receiver(_Endpoint):
             # else the writer reused a buffer under us: a torn read (below), not a corrupt version
         if not all(m.still_valid() for m in chain):
             raise TornRead()
-        self.transfer_s, self.apply_s = t1 - t0, time.perf_counter() - t1
+        self.read_s, self.apply_s = t1 - t0, time.perf_counter() - t1
         self._state = state if self.delta else None
         self.version = latest
         return latest, dict(state)

@@ -1,8 +1,9 @@
 """Same-host weight sync through POSIX shared memory (/dev/shm files mapped with mmap).
 
 Segments, all named `rlloop_<run_id>_*`:
-    ..._ctl          4 KiB of u64 fields: magic, writer pid, latest buffer, keyframe request, and per buffer
-                     a seqlock header (seq, version, payload length)
+    ..._ctl          4 KiB of u64 fields: magic, writer pid, latest buffer, keyframe request, the writer's
+                     instance id (random per sender: a receiver that sees it change forgets the old run's
+                     versions), and per buffer a seqlock header (seq, version, payload length)
     ..._buf0/_buf1   two payload buffers (weight_sync.payload), reused across versions and grown only when needed
 
 Why two buffers: the trainer writes version v+1 into one while the engine may still read v from the other.
