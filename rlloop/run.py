@@ -17,6 +17,7 @@ import sys
 
 from rlloop.config import Config, ConfigError, load_config, to_yaml
 from rlloop.data import Inputs
+from trainer.config import resolve_parallel
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -133,7 +134,8 @@ def dry_run(cfg: Config, notes: list[str] = ()) -> None:
     print("\n".join(f"# {note}" for note in notes or ["model, tokenizer and data: checked"]))
     print(f"# run directory: {cfg.run_dir}")
     plan = plan_placement(cfg.cluster, same_host=cfg.sync.transport == "shm")
-    parallel = {"auto": "fsdp"}.get(cfg.train.parallel, cfg.train.parallel) if cfg.cluster.train_chips > 1 else "one"
+    chips = cfg.cluster.train_chips
+    parallel = resolve_parallel(cfg.train.parallel, chips) if chips > 1 else "one"
     print(
         f"# rollout: {cfg.cluster.rollout_chips} {cfg.cluster.device} chip(s) in {cfg.cluster.rollout_engines} "
         f"{cfg.rollout.backend} engine(s); trainer: {cfg.cluster.train_chips} rank(s) ({parallel}); "

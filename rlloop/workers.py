@@ -209,9 +209,6 @@ class RolloutWorker:
     def wake(self) -> None:
         self.engine.resume()
 
-    def device_bytes(self) -> int:
-        return self.engine.device_bytes()
-
     def load_weights(self, versioned: tuple[int, dict]) -> None:
         """Load (version, HF-named arrays) given directly, not through the sync transport (a restarted engine)."""
         version, arrays = versioned
@@ -261,7 +258,8 @@ class TrainerWorker:
         freeze_heap()
 
     def train_step(self, batch, profile: str | None = None) -> dict[str, float]:
-        """One optimizer step on this rank's share of the batch; with `profile`, traced there (rlloop/profiling.py)."""
+        """`train.minibatches` optimizer steps on this rank's share of the batch; with `profile`, traced there
+        (rlloop/profiling.py)."""
         t0 = time.perf_counter()
         self.updated = False  # until this step has changed the weights: a step that raises publishes nothing either
         with torch_trace(profile):
