@@ -19,12 +19,10 @@ import copy
 
 import numpy as np
 import torch
-import transformers
 
 from trainer import checkpoint
 from trainer.batching import MicroBatch, TrainBatch, collate, plan_micro_batches, split_minibatches, validate_batch
 from trainer.config import TrainerConfig, resolve_parallel
-from trainer.cpu_flash import use_cpu_sdpa
 from trainer.distributed import all_reduce_, all_reduce_grads_, broadcast_params_, init_distributed, resolve_device
 from trainer.errors import NonFiniteTraining
 from trainer.logprobs import lm_head_on_tensor_cores
@@ -32,7 +30,6 @@ from trainer.loss import policy_loss
 from trainer.optimizer import make_optimizer
 from trainer.parallel import (
     LogprobModel,
-    compile_decoder,
     even_out,
     full_tensors,
     local,
@@ -40,7 +37,7 @@ from trainer.parallel import (
     to_numpy,
     whole,
 )
-from trainer.shared_prompts import check_shared_prompts, use_blocked_attention
+from trainer.policy_model import load_policy_model
 
 # Summed over micro-batches and ranks (they are aggregated losses); every other loss metric is a token mean.
 ADDITIVE_METRICS = ("loss", "pg_loss", "kl_loss")
@@ -62,28 +59,8 @@ class Trainer:
         self.export_dtype = getattr(torch, cfg.dtype)
         sharded = self.parallel == "fsdp"
 
-        # fsdp keeps fp32 shards (the masters) and computes in cfg.dtype through its mixed-precision policy.
-        load_dtype = torch.float32 if sharded else self.export_dtype
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            cfg.model_path, dtype=load_dtype, trust_remote_code=cfg.trust_remote_code
-        )
-        self.model.to(self.device)
-        if cfg.share_prompts:
-            check_shared_prompts(self.model.config)
-            use_blocked_attention(self.model)
-        elif self.device.type == "cpu" and cfg.dtype != "float32":
-            use_cpu_sdpa(self.model)  # attention's backward in fp32 (trainer/cpu_flash.py)
+        self.model = load_policy_model(cfg, self.device, sharded)
         lm_head_on_tensor_cores(self.device, cfg.dtype)
-        if cfg.gradient_checkpointing:
-            # transformers >= 5.x renamed it; non-reentrant checkpointing works with inputs that need no grad.
-            if hasattr(self.model, "activation_checkpointing_enable"):
-                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # HF checkpoints only recompute in train mode; otherwise eval mode, so nothing is stochastic.
-        self.model.train(cfg.gradient_checkpointing)
-        if cfg.compile != "off":
-            compile_decoder(self.model, cfg.compile, sharded)  # before FSDP wraps the layers, as torchtitan orders it
         # Exact only while a zero advantage zeroes a sample's whole loss: no KL term, no entropy bonus.
         self.skip_zero_advantage = cfg.skip_zero_advantage and cfg.loss.kl_coef == 0.0 and cfg.loss.entropy_coef == 0.0
         self.vocab_size = self.model.get_input_embeddings().num_embeddings

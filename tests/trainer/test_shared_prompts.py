@@ -17,11 +17,11 @@ from trainer.logprobs import response_logprobs
 from trainer.shared_prompts import (
     BLOCKED_SDPA,
     block_mask,
+    check_shared_prompts,
     shared_prompt_attention,
     shared_prompt_mask,
     use_blocked_attention,
 )
-from trainer.trainer import check_shared_prompts
 
 
 def grpo_batch(seed: int, group_sizes=(4, 3, 1, 2), max_response: int = 12) -> TrainBatch:
