@@ -2,8 +2,9 @@
 
 It is deliberately plain: left-pad the prompts, run `model.generate` in batches, and read log-probs from the
 processed scores (`output_scores=True` returns the logits after temperature / top-k / top-p, i.e. the distribution
-that was actually sampled from). Sampling draws from torch's RNG seeded with `SamplingParams.seed` inside a forked
-RNG state, so a call is reproducible but, unlike the JAX sampler, a row's draw depends on the rest of its batch.
+that was actually sampled from). Sampling draws from torch's RNG seeded with `mix_seed(seed, SamplingParams.seed)`
+inside a forked RNG state, so a call is reproducible but, unlike the JAX sampler, a row's draw depends on the rest of
+its batch.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import transformers
 
 from rollout.model_config import eos_token_ids
-from rollout.types import DTYPES, Completion, RolloutEngine, SamplingParams
+from rollout.types import DTYPES, Completion, RolloutEngine, SamplingParams, mix_seed
 
 
 def numpy_to_torch(array: np.ndarray) -> torch.Tensor:
@@ -41,13 +42,14 @@ class HFEngine(RolloutEngine):
         device: str = "cpu",
         max_batch: int = 64,
         trust_remote_code: bool = False,
+        seed: int = 0,
     ):
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.device = torch.device(device)
-        self.max_batch = max_batch
+        self.max_batch, self.seed = max_batch, seed  # seed: EngineConfig.seed's, mixed into every request's
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             model_path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
         )
@@ -108,7 +110,7 @@ class HFEngine(RolloutEngine):
         completions: list[Completion] = []
         fork_devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=fork_devices), torch.inference_mode():
-            torch.manual_seed(sampling.seed)
+            torch.manual_seed(mix_seed(self.seed, sampling.seed))
             for lo in range(0, len(rows), self.max_batch):
                 chunk = rows[lo : lo + self.max_batch]
                 if between_dispatches is not None:

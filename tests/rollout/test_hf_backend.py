@@ -171,6 +171,17 @@ def test_bad_weights_raise_and_change_nothing(model_dir):
     assert engine.weight_version == 0
 
 
+def test_engine_seed_gives_engines_their_own_samples(model_dir):
+    """EngineConfig.seed is mixed into every request's seed, as the JAX engine's is: engines sharing a request draw
+    different samples, and an engine reproduces its own."""
+    sp = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5, ignore_eos=True)
+    draws = [
+        [c.token_ids for c in make_engine("hf", EngineConfig(model_path=model_dir, seed=seed)).generate(PROMPTS, 2, sp)]
+        for seed in (0, 0, 1)
+    ]
+    assert draws[0] == draws[1] and draws[0] != draws[2]
+
+
 def test_bad_requests_raise(engine, model_dir):
     with pytest.raises(ValueError, match="vocabulary"):
         engine.generate([[1, 500]], 1, SamplingParams(max_new_tokens=2))
