@@ -16,6 +16,7 @@ a host power loss could tear a version, which the checksums then refuse.
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -42,14 +43,19 @@ def _canonical(obj) -> bytes:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
 
 
+def _read_header(f) -> tuple[bytes, int]:
+    """The safetensors header of open file `f` as stored (8-byte length + JSON), and the JSON's length."""
+    head = f.read(8)
+    (n,) = struct.unpack("<Q", head)
+    if n > os.fstat(f.fileno()).st_size - 8:
+        raise CorruptVersion("safetensors header length beyond the file")
+    return head + f.read(n), n
+
+
 def _header_checksum(path: Path) -> int:
-    """xxh3 of the safetensors header (8-byte length + JSON); the tensor checksums cover the rest of the file."""
+    """xxh3 of the safetensors header; the tensor checksums cover the rest of the file."""
     with open(path, "rb") as f:
-        head = f.read(8)
-        (n,) = struct.unpack("<Q", head)
-        if n > os.fstat(f.fileno()).st_size - 8:
-            raise CorruptVersion("safetensors header length beyond the file")
-        return checksum(head + f.read(n))
+        return checksum(_read_header(f)[0])
 
 
 def _map_safetensors(path: Path, header_xxh3: int) -> tuple[dict, np.ndarray]:
@@ -59,15 +65,50 @@ def _map_safetensors(path: Path, header_xxh3: int) -> tuple[dict, np.ndarray]:
     cache (no copy, no first-touch page faults). On a local filesystem they stay valid after the version is pruned;
     on NFS another host's prune can invalidate them, hence `borrowed` below."""
     with open(path, "rb") as f:
-        head = f.read(8)
-        (n,) = struct.unpack("<Q", head)
-        if n > os.fstat(f.fileno()).st_size - 8:
-            raise CorruptVersion("safetensors header length beyond the file")
-        header = f.read(n)
-        if checksum(head + header) != header_xxh3:
+        header, n = _read_header(f)
+        if checksum(header) != header_xxh3:
             raise CorruptVersion("safetensors header checksum mismatch")
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    return json.loads(header), np.frombuffer(mapped, np.uint8)[8 + n :]
+    return json.loads(header[8:]), np.frombuffer(mapped, np.uint8)[8 + n :]
+
+
+def _read_manifest(path: Path, version: int) -> tuple[Manifest, int]:
+    """The manifest of `version` in `path`, verified, and the checksum it holds of its safetensors file's header."""
+    raw = path.read_bytes()
+    try:
+        doc = json.loads(raw)
+        body = {"manifest": doc["manifest"], "safetensors_header_xxh3": doc["safetensors_header_xxh3"]}
+        ok = _canonical(doc) == raw and checksum(_canonical(body)) == doc["xxh3"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptVersion(f"unreadable manifest: {exc}") from exc
+    if not ok:
+        raise CorruptVersion("manifest checksum mismatch")
+    manifest = Manifest.from_json(_canonical(body["manifest"]))
+    if manifest.version != version:
+        raise CorruptVersion(f"directory v{version} holds a manifest for version {manifest.version}")
+    return manifest, body["safetensors_header_xxh3"]
+
+
+def _verified_blobs(manifest: Manifest, header: dict, data: np.ndarray) -> dict[str, np.ndarray]:
+    """Each manifest entry's stored bytes, as views of `data`, once the file's layout matches the manifest exactly
+    and every blob its checksum."""
+    names = sorted(e.name for e in manifest.entries)
+    if sorted(k for k in header if k != "__metadata__") != names:
+        raise CorruptVersion("tensor names differ from the manifest")
+    blobs, end = {}, 0
+    for e in manifest.entries:
+        begin, stop = header[e.name]["data_offsets"]
+        shape = e.shape if e.encoding == "raw" else [e.nbytes]
+        if header[e.name]["shape"] != shape or stop - begin != e.nbytes or not 0 <= begin <= stop <= data.size:
+            raise CorruptVersion(f"tensor {e.name!r} does not match its manifest entry")
+        blobs[e.name] = data[begin:stop]
+        end = max(end, stop)
+    if end != data.size:
+        raise CorruptVersion("bytes after the last tensor")
+    for e, digest in zip(manifest.entries, checksums([blobs[e.name] for e in manifest.entries])):
+        if digest != e.blob_xxh3:
+            raise CorruptVersion(f"checksum mismatch in {e.name!r}")
+    return blobs
 
 
 def _versions(run_dir: Path) -> list[int]:
@@ -145,38 +186,16 @@ class DiskReceiver(Receiver):
     def _read(self, version: int) -> Message | None:
         vdir = self.run_dir / f"v{version:012d}"
         try:
-            raw = (vdir / MANIFEST).read_bytes()
-            try:
-                doc = json.loads(raw)
-                body = {"manifest": doc["manifest"], "safetensors_header_xxh3": doc["safetensors_header_xxh3"]}
-                ok = _canonical(doc) == raw and checksum(_canonical(body)) == doc["xxh3"]
-            except (ValueError, KeyError, TypeError) as exc:
-                raise CorruptVersion(f"unreadable manifest: {exc}") from exc
-            if not ok:
-                raise CorruptVersion("manifest checksum mismatch")
-            manifest = Manifest.from_json(_canonical(body["manifest"]))
-            if manifest.version != version:
-                raise CorruptVersion(f"directory v{version} holds a manifest for version {manifest.version}")
-            header, data = _map_safetensors(vdir / WEIGHTS, body["safetensors_header_xxh3"])
-            names = sorted(e.name for e in manifest.entries)
-            if sorted(k for k in header if k != "__metadata__") != names:
-                raise CorruptVersion("tensor names differ from the manifest")
-            blobs, end = {}, 0
-            for e in manifest.entries:
-                begin, stop = header[e.name]["data_offsets"]
-                shape = e.shape if e.encoding == "raw" else [e.nbytes]
-                if header[e.name]["shape"] != shape or stop - begin != e.nbytes or not 0 <= begin <= stop <= data.size:
-                    raise CorruptVersion(f"tensor {e.name!r} does not match its manifest entry")
-                blobs[e.name] = data[begin:stop]
-                end = max(end, stop)
-            if end != data.size:
-                raise CorruptVersion("bytes after the last tensor")
-            for e, digest in zip(manifest.entries, checksums([blobs[e.name] for e in manifest.entries])):
-                if digest != e.blob_xxh3:
-                    raise CorruptVersion(f"checksum mismatch in {e.name!r}")
+            manifest, header_xxh3 = _read_manifest(vdir / MANIFEST, version)
+            header, data = _map_safetensors(vdir / WEIGHTS, header_xxh3)
+            blobs = _verified_blobs(manifest, header, data)
         except FileNotFoundError:
             return None  # pruned while we read: not corruption, a newer version exists
-        except (struct.error, OSError, ValueError, KeyError, TypeError) as exc:
+        except OSError as exc:
+            if exc.errno == errno.ESTALE:  # pruned by the writer's host, on NFS
+                return None
+            raise CorruptVersion(f"unreadable safetensors file: {exc}") from exc
+        except (struct.error, ValueError, KeyError, TypeError) as exc:
             raise CorruptVersion(f"unreadable safetensors file: {exc}") from exc
         # borrowed: on a shared filesystem a mapped file pruned by the writer's host can vanish under us, so a delta
         # receiver copies what it keeps; a returned version should be loaded (put on device) before `keep` more land.

@@ -215,6 +215,28 @@ def test_disk_versions_past_twelve_digits_are_read(run_id, tmp_path):
             assert receiver.pull()[0] == version
 
 
+def test_a_disk_version_gone_stale_on_nfs_is_pruned_not_corrupt(run_id, tmp_path, monkeypatch):
+    """Another host's prune shows up on NFS as ESTALE, not FileNotFoundError: a newer version exists, the read is
+    not refused (which would remember a good version as bad)."""
+    import errno
+    from pathlib import Path
+
+    sender, receiver = _pair("disk", run_id, tmp_path)
+    with sender, receiver:
+        sender.push({"w": np.zeros(3, np.float32)}, 1)
+        read_bytes = Path.read_bytes
+
+        def stale(path):
+            if path.name == "manifest.json":
+                raise OSError(errno.ESTALE, "Stale file handle", str(path))
+            return read_bytes(path)
+
+        monkeypatch.setattr(Path, "read_bytes", stale)
+        assert receiver.pull() is None and receiver.refused == 0
+        monkeypatch.setattr(Path, "read_bytes", read_bytes)
+        assert receiver.pull()[0] == 1
+
+
 def test_disk_prunes_old_versions(run_id, tmp_path):
     sender, receiver = _pair("disk", run_id, tmp_path, keep=2)
     for v in range(5):
