@@ -269,20 +269,7 @@ class JaxEngine:
             st["dispatches"] += 1
             st["decode_rows"] += emitted.size
             st["decode_emitted"] += int(emitted.sum())
-            # KV read: counted at the longest running row's position after this dispatch's last step
-            live = state.pos[:b][state.finish[:b] == RUNNING]
-            kv_len = int(live.max()) + self.cfg.steps_per_dispatch if live.size else 1
-            st["bytes"] += cost.decode_bytes(
-                self.model_cfg,
-                self._itemsize,
-                self.cfg.steps_per_dispatch,
-                b,
-                self.cfg.max_seq_len,
-                kv_len,
-                self._cache_dtype.itemsize,
-                self.whole_cache,
-                self.page_len,
-            )
+            st["bytes"] += self._dispatch_bytes(state, b)
 
             # scatter this dispatch's tokens into the per-slot output buffers (vectorised: no per-token Python)
             step_idx = state.n_gen[None, :b] + np.cumsum(emitted, axis=0) - 1
@@ -309,6 +296,23 @@ class JaxEngine:
         done.sort(key=lambda c: (c.prompt_index, c.sample_index))
         self._record_stats(st, done, prompts, t_start, compiles_before)
         return done
+
+    def _dispatch_bytes(self, state: DecodeState, b: int) -> float:
+        """Bytes a decode dispatch of bucket `b` reads (rollout.cost), its KV counted at the longest running row's
+        position after the dispatch's last step; `state` is the state the dispatch started from."""
+        live = state.pos[:b][state.finish[:b] == RUNNING]
+        kv_len = int(live.max()) + self.cfg.steps_per_dispatch if live.size else 1
+        return cost.decode_bytes(
+            self.model_cfg,
+            self._itemsize,
+            self.cfg.steps_per_dispatch,
+            b,
+            self.cfg.max_seq_len,
+            kv_len,
+            self._cache_dtype.itemsize,
+            self.whole_cache,
+            self.page_len,
+        )
 
     def _admit(self, adm: Admission, state: DecodeState, max_new: int, st: dict) -> None:
         """Prefill each new prompt once (all but its last token), fan its KV out, and arm the slots for decode."""
