@@ -209,7 +209,7 @@ class RewardScorer:
     def __init__(self, fn: str = "dapo", *, timeout_s: float = 10.0, failure_reward: float = 0.0, workers: int = 2):
         resolve(fn)  # fail fast, in the caller's process
         self.spec, self.timeout_s, self.failure_reward, self.workers = fn, timeout_s, failure_reward, workers
-        self.errors = 0  # raised or returned a non-number
+        self.errors = 0  # raised, returned a non-number, or killed its worker
         self.timeouts = 0
         self._pool: ProcessPoolExecutor | None = None
         self._sample_s: float | None = None  # seconds per sample of the last round trip, chunk size follows it
@@ -248,23 +248,27 @@ class RewardScorer:
             return self._fail(f"returned {value!r:.40} instead of a number")
         try:
             number = float(value)
-        except (TypeError, ValueError, OverflowError):  # OverflowError: an int past float's range
+        except Exception:  # TypeError, ValueError, OverflowError (an int past float's range), a raising __float__
             return self._fail(f"returned a {type(value).__name__}, not a number")
         if not math.isfinite(number):
             return self._fail(f"returned {number}")
         return number
 
-    def _settle(self, job: list[int], fut, results: list[float], retry: deque) -> bool:
-        """Record a finished job's rewards in `results`; True if its worker died. A chunk that failed as a whole
-        (its worker died, its results would not unpickle) goes back to `retry` one sample at a time, so that the
-        culprit alone gets the failure reward."""
+    def _settle(self, job: list[int], fut, results: list[float], retry: deque, suspects: deque, alone: bool) -> bool:
+        """Record a finished job's rewards in `results`; True if its pool broke. A chunk that failed as a whole (its
+        results would not unpickle) goes back to `retry` one sample at a time, so that the culprit alone gets the
+        failure reward. A dead worker (os._exit, a segfault, the OOM killer) breaks every job in flight in its pool,
+        and which sample killed it is not known: each goes to `suspects`, to run again `alone`, where a sample that
+        kills its worker is the culprit."""
         try:
             outcomes = fut.result()
         except Exception as e:
             broken = isinstance(e, BrokenProcessPool)
-            if len(job) > 1:
+            if broken and not alone:
+                suspects.extend([i] for i in job)
+            elif len(job) > 1:
                 retry.extend([i] for i in job)
-            elif broken:  # a worker died (os._exit, segfault); every sample in flight in that pool fails with it
+            elif broken:
                 results[job[0]] = self._fail("killed its worker process")
             else:
                 results[job[0]] = self._fail(f"raised {type(e).__name__}: {e}")
@@ -272,6 +276,14 @@ class RewardScorer:
         for i, (ok, value) in zip(job, outcomes):
             results[i] = self._accept(value) if ok else self._fail(f"raised {value}")
         return False
+
+    def _may_send(self, waiting, suspects: deque, inflight: dict) -> bool:
+        """Whether another job goes out now: a suspect only into an empty pool, and nothing beside it."""
+        if any(alone for *_, alone in inflight.values()):
+            return False
+        if suspects:
+            return not inflight
+        return bool(waiting) and len(inflight) < self.workers
 
     def _chunk_size(self, remaining: int) -> int:
         """Samples for the next round trip: as many as the last ones suggest take ~10 % of one sample's time limit (the
@@ -290,35 +302,47 @@ class RewardScorer:
         results: list[float] = [self.failure_reward] * len(responses)
         pending = deque(range(len(responses)))  # not sent yet
         jobs: deque[list[int]] = deque()  # sent before and to be sent again as they are: retries, survivors of a kill
-        inflight: dict = {}  # future -> (sample indices, sent at, deadline)
-        while pending or jobs or inflight:
-            pool = self._get_pool()
-            while (pending or jobs) and len(inflight) < self.workers:
-                job = jobs.popleft() if jobs else [pending.popleft() for _ in range(self._chunk_size(len(pending)))]
-                pairs = [(responses[i], answers[i]) for i in job]
+        suspects: deque[list[int]] = deque()  # in flight when a worker died: each runs again alone (`_settle`)
+        inflight: dict = {}  # future -> (sample indices, sent at, deadline, alone)
+        while pending or jobs or suspects or inflight:
+            pool, broken, expired = self._get_pool(), False, []
+            while self._may_send(pending or jobs, suspects, inflight):
+                queue = suspects or jobs
+                job = queue.popleft() if queue else [pending.popleft() for _ in range(self._chunk_size(len(pending)))]
+                try:
+                    fut = pool.submit(_score_chunk, self.spec, [(responses[i], answers[i]) for i in job])
+                except BrokenProcessPool:  # a worker died between calls (the OOM killer, a thread the fn left)
+                    (suspects if queue is suspects else jobs).appendleft(job)
+                    broken = True
+                    break
                 now = time.monotonic()
-                inflight[pool.submit(_score_chunk, self.spec, pairs)] = (job, now, now + self.timeout_s)
-            first_deadline = min(deadline for _, _, deadline in inflight.values())
-            done, _ = wait(inflight, timeout=max(0.0, first_deadline - time.monotonic()), return_when=FIRST_COMPLETED)
-            broken = False
-            for fut in done:
-                job, sent, _ = inflight.pop(fut)
-                self._sample_s = (time.monotonic() - sent) / len(job)
-                broken |= self._settle(job, fut, results, jobs)
-            now = time.monotonic()
-            expired = [fut for fut, (_, _, deadline) in inflight.items() if deadline <= now]
-            for fut in expired:
-                job, _, _ = inflight.pop(fut)
-                if len(job) > 1:
-                    jobs.extend([i] for i in job)
-                    continue
-                self.timeouts += 1
-                if self.timeouts == 1:
-                    log.warning(
-                        "reward.fn %s ran past reward.timeout_s=%s; its worker is killed", self.spec, self.timeout_s
-                    )
+                inflight[fut] = (job, now, now + self.timeout_s, queue is suspects)
+            if inflight and not broken:
+                first_deadline = min(deadline for _, _, deadline, _ in inflight.values())
+                timeout = max(0.0, first_deadline - time.monotonic())
+                done, _ = wait(inflight, timeout=timeout, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    job, sent, _, alone = inflight.pop(fut)
+                    self._sample_s = (time.monotonic() - sent) / len(job)
+                    broken |= self._settle(job, fut, results, jobs, suspects, alone)
+                now = time.monotonic()
+                expired = [fut for fut, (_, _, deadline, _) in inflight.items() if deadline <= now]
+                for fut in expired:
+                    job, _, _, _ = inflight.pop(fut)
+                    if len(job) > 1:
+                        jobs.extend([i] for i in job)
+                        continue
+                    self.timeouts += 1
+                    if self.timeouts == 1:
+                        log.warning(
+                            "reward.fn %s ran past reward.timeout_s=%s; its worker is killed", self.spec, self.timeout_s
+                        )
             if expired or broken:  # kill the stuck or dead pool; restart the samples caught in it
-                jobs.extendleft(job for job, _, _ in inflight.values())
+                caught = [job for job, _, _, _ in inflight.values()]
+                if broken:  # their futures fail with the pool: any of them may have killed it
+                    suspects.extend([i] for job in caught for i in job)
+                else:
+                    jobs.extendleft(caught)
                 inflight.clear()
                 self._kill_pool()
         return results

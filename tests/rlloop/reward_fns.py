@@ -47,3 +47,22 @@ def dies(response: str, answer: str) -> float:
     if "die" in response:
         os._exit(1)
     return 1.0
+
+
+def dies_later(response: str, answer: str) -> float:
+    """ "slow" takes 1 s; "die" kills its worker 0.3 s in, while the other worker is still busy."""
+    if "slow" in response:
+        time.sleep(1.0)
+    if "die" in response:
+        time.sleep(0.3)
+        os._exit(1)
+    return 1.0
+
+
+class _LazyValue:
+    def __float__(self):
+        raise ZeroDivisionError("lazy value")
+
+
+def lazy_value(response: str, answer: str):
+    return _LazyValue()

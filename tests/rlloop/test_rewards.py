@@ -1,8 +1,11 @@
 """Reward rules (DAPO's, boxed + math-verify, custom) and the scorer's failure handling."""
 
+import multiprocessing
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -100,6 +103,36 @@ def test_scorer_survives_a_dying_worker():
         scores = scorer.score(["die"], ["1"])
         assert scores == [0.0] and scorer.errors == 1
         assert scorer.score(["ok", "ok"], ["1", "1"]) == [1.0, 1.0]
+    finally:
+        scorer.close()
+
+
+def test_a_dying_worker_fails_only_the_sample_that_killed_it():
+    """Two workers: "die" kills its own while "slow" is still running in the other. The pool breaks under both, but
+    only the sample that dies again when run alone is the culprit."""
+    scorer = RewardScorer("tests.rlloop.reward_fns:dies_later", timeout_s=10.0, failure_reward=-7.0, workers=2)
+    try:
+        assert scorer.score(["slow", "die"], ["1", "1"]) == [1.0, -7.0] and scorer.errors == 1
+    finally:
+        scorer.close()
+
+
+def test_a_worker_killed_between_calls_is_replaced():
+    """A worker that dies while idle (the OOM killer) breaks the pool: the next call gets a new one, not an error."""
+    scorer = RewardScorer("tests.rlloop.reward_fns:exact", failure_reward=-1.0, workers=2)
+    try:
+        assert scorer.score(["1", "2"], ["1", "1"]) == [1.0, 0.0]
+        os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)
+        time.sleep(0.5)
+        assert scorer.score(["1", "2"], ["1", "1"]) == [1.0, 0.0] and scorer.errors == 0
+    finally:
+        scorer.close()
+
+
+def test_a_value_whose_float_raises_is_a_failure_not_a_crash():
+    scorer = RewardScorer("tests.rlloop.reward_fns:lazy_value", failure_reward=-1.0, workers=1)
+    try:
+        assert scorer.score(["a"], ["1"]) == [-1.0] and scorer.errors == 1
     finally:
         scorer.close()
 
