@@ -34,7 +34,17 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
 
 def _completed(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
-    return sorted(p for p in root.glob(f"{PREFIX}*") if p.name[len(PREFIX) :].isdigit() and (p / "state.json").exists())
+    done = [p for p in root.glob(f"{PREFIX}*") if p.name[len(PREFIX) :].isdigit() and (p / "state.json").exists()]
+    return sorted(done, key=lambda p: int(p.name[len(PREFIX) :]))  # step_1000000 after step_999999
+
+
+def _remove(ckpt: Path) -> None:
+    """Delete a checkpoint: renamed out of `_completed`'s sight first, so that a removal killed half-way never leaves
+    a state.json without its manifest, which `verify` would take for an old, unverifiable checkpoint."""
+    doomed = ckpt.with_name(ckpt.name + ".removing")
+    if ckpt.exists():
+        ckpt.rename(doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _file_digest(path: Path) -> str:
@@ -115,15 +125,15 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, save_trainer, keep: i
         previous = _completed(run_dir)
         kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
         raise CheckpointError(f"writing checkpoint {final} failed ({e}); {kept}; rerun with --resume") from e
-    shutil.rmtree(final, ignore_errors=True)
+    _remove(final)
     tmp.rename(final)
     for old in _completed(run_dir):
         if int(old.name[len(PREFIX) :]) > step:  # an earlier run's, past this one: never the one just written
             log.warning("removing %s, a checkpoint of an earlier run in this directory", old)
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
     older = [p for p in _completed(run_dir) if p != final]  # all before `step` now
     for old in older[: max(len(older) - (keep - 1), 0)]:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     return final
 
 

@@ -4,6 +4,7 @@ and a fresh run in an old run's directory does not prune its own new checkpoint,
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -90,6 +91,35 @@ def test_a_fresh_run_in_an_old_directory_keeps_its_own_checkpoints(tmp_path):
     kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert kept == ["step_000002", "step_000003"]
     assert json.loads((tmp_path / "checkpoints" / "step_000003" / "state.json").read_text())["step"] == 3
+
+
+def test_checkpoints_past_a_million_steps_are_ordered_by_step(tmp_path):
+    for step in (999_999, 1_000_000, 1_000_001):
+        save_checkpoint(tmp_path, step, {}, trainer_writing(256))
+    assert latest_checkpoint(tmp_path).name == "step_1000001"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1000000", "step_1000001"]
+
+
+def test_a_checkpoint_being_removed_is_never_resumed(tmp_path, monkeypatch):
+    """A removal killed half-way (pruning, or replacing a step's checkpoint) leaves files behind; the first to go is
+    the checkpoint's name, so what is left is no checkpoint at all, not one without its manifest (loaded unverified)."""
+    from rlloop import checkpoint
+
+    for step in (4, 6):
+        save_checkpoint(tmp_path, step, {}, trainer_writing(256))
+
+    class Killed(Exception):
+        pass
+
+    def killed_half_way(path, ignore_errors=False):  # shutil.rmtree, killed after the manifest went
+        (Path(path) / "manifest.json").unlink(missing_ok=True)
+        raise Killed
+
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint.shutil, "rmtree", killed_half_way)
+        with pytest.raises(Killed):
+            checkpoint._remove(tmp_path / "checkpoints" / "step_000006")
+    assert latest_checkpoint(tmp_path).name == "step_000004"
 
 
 def test_a_fresh_run_tells_its_own_checkpoints_from_an_earlier_runs(tmp_path):
