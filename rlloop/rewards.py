@@ -7,8 +7,8 @@ Built-ins:
 - `package.module:function`: any `function(response: str, answer: str) -> float`.
 
 `RewardScorer` runs the function in worker processes: one that raises, returns something other than a finite number
-(None, a string, NaN, inf) or exceeds `timeout_s` gives that sample `failure_reward` and increments a counter; a
-stuck worker is killed and the run goes on.
+(None, a string, NaN, inf; a bool counts as 1 or 0), kills its worker or exceeds `timeout_s` gives that sample
+`failure_reward` and increments a counter; a stuck or dead worker is replaced and the run goes on.
 """
 
 from __future__ import annotations
@@ -116,12 +116,16 @@ def dapo_reward(response: str, answer: str) -> float:
 
 # --- boxed answers graded with math-verify ---------------------------------------------------------------------------
 def last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` (braces nested); for `\\boxed X` without a brace, as verl's
+    `last_boxed_only_string` reads it, what follows up to the next `$`."""
     start = text.rfind("\\boxed")
     if start < 0:
         return None
+    after = text[start + len("\\boxed") :]
+    if not after.lstrip().startswith("{"):
+        bare = after.split("$")[0].strip() if after[:1].isspace() else ""  # not \\boxedX, another command
+        return bare or None
     depth, begin = 0, text.find("{", start)
-    if begin < 0:
-        return None
     for i in range(begin, len(text)):
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         if depth == 0:

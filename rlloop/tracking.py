@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
 import uuid
 from pathlib import Path
 
@@ -112,7 +113,7 @@ class Tracker:
         return run
 
     def log(self, step: int, metrics: dict) -> None:
-        row = {"step": step, **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.wandb is not None:
@@ -160,11 +161,20 @@ class Tracker:
             self.wandb.finish()
 
 
+def _plain(value):
+    """A metric as metrics.jsonl holds it: numbers as floats, numpy's scalars included (json cannot write them).
+    NaN and inf are written as json's NaN / Infinity, which Python's json reads back."""
+    if getattr(value, "shape", None) == () and hasattr(value, "item"):  # a numpy scalar or 0-d array
+        value = value.item()
+    return float(value) if isinstance(value, numbers.Real) else value
+
+
 def run_summary(rows: list[dict]) -> dict[str, float]:
     """What W&B shows for the run as a whole: the last eval scores, the last reward, mean throughput."""
     summary = {"steps": max(r["step"] for r in rows)}
     for key in sorted({k for r in rows for k in r if k.startswith("eval/")}):
-        summary[f"final/{key}"] = _series(rows, key)[1][-1]
+        if values := _series(rows, key)[1]:
+            summary[f"final/{key}"] = values[-1]
     reward = _series(rows, "rollout/raw_reward")[1]
     if reward:
         summary["final/rollout/raw_reward"] = reward[-1]
@@ -190,6 +200,8 @@ def plot_curves(rows: list[dict], out: Path) -> None:
             sorted({k for r in rows for k in r if k.startswith(pattern[:-1])}) if pattern.endswith("*") else [pattern]
         )
         keys += [k for k in matches if _series(rows, k)[0]]
+    if not keys:  # nothing numeric to draw
+        return
     cols = 4
     fig, axes = plt.subplots(
         (len(keys) + cols - 1) // cols, cols, figsize=(4 * cols, 3 * ((len(keys) + cols - 1) // cols)), squeeze=False

@@ -59,6 +59,9 @@ def test_math_reward(response, answer, expected):
 def test_last_boxed_nested():
     assert last_boxed("\\boxed{a} and \\boxed{\\frac{1}{2}} end") == "\\frac{1}{2}"
     assert last_boxed("\\boxed{unclosed") is None
+    # without a brace, verl's reading (up to the next $), never a later, unrelated brace group
+    assert last_boxed("so $\\boxed 7$. Check: {x+1} is even") == "7"
+    assert last_boxed("\\boxedfoo {1}") is None
 
 
 def test_resolve_errors_name_the_problem():

@@ -46,6 +46,22 @@ def test_metrics_jsonl_resume_curves_and_report(tmp_path):
     assert "5 steps" in report and "4.0x smaller" in report and "eval/tiny" in report
 
 
+def test_numpy_scalars_are_logged_as_numbers_and_odd_rows_do_not_break_the_summary(tmp_path):
+    import numpy as np
+
+    from rlloop.tracking import plot_curves, run_summary
+
+    tracker = Tracker(load_config(TINY, ["tracking.progress=false"]), tmp_path)
+    tracker.log(1, {"rollout/raw_reward": np.float32(0.25), "train/tokens": np.int64(7), "train/flag": np.bool_(1)})
+    tracker.close()
+    assert read_metrics(tmp_path / "metrics.jsonl") == [
+        {"step": 1, "rollout/raw_reward": 0.25, "train/tokens": 7.0, "train/flag": 1.0}
+    ]
+    assert "final/eval/x" not in run_summary([{"step": 1, "eval/x": None}])  # an eval key with no number
+    plot_curves([{"step": 1, "train/other": 1.0}], tmp_path / "none.png")  # no curve to draw: no figure
+    assert not (tmp_path / "none.png").exists()
+
+
 def test_a_run_that_starts_over_before_its_first_checkpoint_logs_each_step_once(tmp_path):
     """A trainer rank that dies before the first checkpoint has the cluster rebuilt from step 0, whose evaluation
     runs again (as does a run started again in the same directory): its line, and the others, must not double."""
