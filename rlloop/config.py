@@ -303,6 +303,12 @@ class Config(Section):
                 "cluster.colocate: true needs cluster.device gpu or cpu: a TPU chip serves one process at "
                 "a time, so the engine and the trainer cannot take turns on it"
             )
+        if c.colocate and c.device == "gpu" and c.rollout_chips > c.rollout_engines:
+            raise ValueError(
+                f"cluster.colocate: true on GPUs needs one chip per engine (cluster.rollout_engines="
+                f"{c.rollout_chips}, not {c.rollout_engines}): Ray gives an actor a fraction of one GPU or whole ones,"
+                " so a tensor-parallel engine would not see its GPUs and its trainer ranks would share one"
+            )
         if c.colocate and c.rollout_chips != c.train_chips:
             raise ValueError(
                 f"cluster.colocate: true puts both roles on the same chips: cluster.rollout_chips "

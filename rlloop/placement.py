@@ -115,7 +115,8 @@ def plan_placement(cluster: ClusterSection, same_host: bool) -> Placement:
 
 def colocated_plan(cluster: ClusterSection, accel: str | None, cpus: float, same_host: bool) -> Placement:
     """Miles/slime's colocation: bundle i holds engine i (tp chips) and the tp trainer ranks of those chips. Each
-    role asks for half of the chips it uses, so Ray lets both onto the same chips; they take turns (the engine frees
+    role asks for half of the chips it uses, so Ray lets both onto the same chips (on GPUs tp is 1: Ray grants a
+    fraction of one GPU or whole ones, rlloop.config); they take turns (the engine frees
     its memory while the trainer steps, the trainer offloads while the engine generates). On CPU that makes each
     role compute on all of the bundle's cores in its turn (`cpus_per_actor` threads), where the split plan gives
     each its own cores and leaves them idle while the other works."""

@@ -78,6 +78,10 @@ BAD_OVERRIDES = [
         ["cluster.colocate=true", "cluster.device=gpu", "cluster.rollout_chips=1"],
         "cluster.rollout_chips (1) must equal",
     ),
+    (
+        ["cluster.colocate=true", "cluster.device=gpu", "cluster.rollout_chips=2", "cluster.train_chips=2"],
+        "cluster.colocate: true on GPUs needs one chip per engine (cluster.rollout_engines=2, not 1)",
+    ),
 ]
 
 

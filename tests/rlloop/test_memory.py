@@ -59,7 +59,8 @@ def test_an_engine_on_a_gpu_of_its_own_has_jax_s_share_of_it(capsys):
     XLA_PYTHON_CLIENT_MEM_FRACTION, set for the engine's actor); colocated, the engine allocates as it goes."""
     gpu = ["cluster.device_memory_gb=190", "cluster.device=gpu"]
     assert not plan_memory(load_config(REAL, ["cluster.device_memory_gb=190"])).fixes
-    assert not plan_memory(load_config(REAL, [*gpu, "cluster.colocate=true"])).fixes.get("rollout")
+    colocated = [*gpu, "cluster.colocate=true", "cluster.rollout_engines=2", "rollout.max_batch=128"]  # 178 GB
+    assert not plan_memory(load_config(REAL, colocated)).fixes.get("rollout")
     fix = plan_memory(load_config(REAL, gpu)).fixes["rollout"]
     assert "exceeds 171.0 GB (0.9 of it: JAX's share)" in fix
     rows = int(fix.split("rollout.max_batch <= ")[1].split()[0])

@@ -107,18 +107,28 @@ def test_a_local_ray_refuses_a_plan_it_cannot_hold_at_once(fake_tpu_host, tmp_pa
         Cluster(cfg, tmp_path)
 
 
+@ray.remote
+def visible_gpus() -> str:
+    import os
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "")
+
+
 def test_colocated_plan_puts_both_roles_on_the_same_chips(fake_tpu_host):
-    cfg = load_config(REAL, ["cluster.colocate=true", "cluster.device=gpu"])
+    """Two GPUs, an engine and a trainer rank on each: each pair sees its own GPU (with a two-chip engine, Ray gave
+    it one GPU and both ranks the other, which the config now refuses)."""
+    cfg = load_config(REAL, ["cluster.colocate=true", "cluster.device=gpu", "cluster.rollout_engines=2"])
     plan = plan_placement(cfg.cluster, same_host=True)
-    assert plan.bundles == [{"CPU": 3.0, "GPU": 2.0}] and plan.rollout_bundles == [0] and plan.trainer_bundles == [0, 0]
-    assert "bundle 0: rollout engine 0 + trainer rank 0 + trainer rank 1" in plan.describe()
+    assert plan.bundles == [{"CPU": 2.0, "GPU": 1.0}] * 2
+    assert plan.rollout_bundles == [0, 1] and plan.trainer_bundles == [0, 1]
+    assert "bundle 1: rollout engine 1 + trainer rank 1" in plan.describe()
     pg = placement_group(plan.bundles, strategy=plan.strategy)
     try:
         ray.get(pg.ready(), timeout=60)
-        engine = visible_chips.options(**actor_options(plan, 0, pg, role="rollout")).remote()
-        ranks = [visible_chips.options(**actor_options(plan, 0, pg, role="trainer")).remote() for _ in range(2)]
-        ready, _ = ray.wait([engine, *ranks], num_returns=3, timeout=60)
-        assert len(ready) == 3  # all three fit at once: they share the two chips
+        engines = [visible_gpus.options(**actor_options(plan, b, pg, role="rollout")).remote() for b in (0, 1)]
+        ranks = [visible_gpus.options(**actor_options(plan, b, pg, role="trainer")).remote() for b in (0, 1)]
+        engines, ranks = ray.get(engines, timeout=60), ray.get(ranks, timeout=60)
+        assert sorted(engines) == ["0", "1"] and ranks == engines
     finally:
         remove_placement_group(pg)
 
