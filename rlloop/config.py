@@ -12,7 +12,6 @@ so a knob is declared, defaulted and range-checked once, in its component. `Conf
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -29,15 +28,13 @@ from pydantic import (
     model_validator,
 )
 
+from rlloop.config_checks import check_across_sections
 from rlloop.config_errors import ConfigError, describe
 from rlloop.config_files import read_config
 from rollout import EngineConfig
-from rollout.buckets import default_prefill_buckets, validate_buckets
+from rollout.buckets import default_prefill_buckets
 from rollout.types import DType
 from trainer import LossConfig, TrainerConfig
-from trainer.config import resolve_parallel
-
-log = logging.getLogger(__name__)
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -265,104 +262,7 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
-        if (self.run.debug == "train-only") != (self.run.replay is not None):
-            raise ValueError(
-                "run.replay (the rollouts/ directory of a run made with tracking.save_rollouts or --debug "
-                "rollout-only) goes with run.debug: train-only, and train-only needs it"
-            )
-        if self.grpo.overlong_buffer >= self.rollout.max_response_len:
-            raise ValueError("grpo.overlong_buffer must be < rollout.max_response_len")
-        g = self.grpo
-        if g.overlong_buffer and g.std_scale and not g.dynamic_sampling:
-            # Eight wrong answers and one small length penalty: std scaling makes that penalty a full-size advantage
-            # (+0.35 x 7, -2.46). Dynamic sampling drops such groups by their raw reward first, as DAPO does.
-            log.warning(
-                "grpo.overlong_buffer with grpo.std_scale and without grpo.dynamic_sampling: in a group whose answers"
-                " are all equally right or wrong, the length penalty alone becomes full-size advantages; set "
-                "grpo.dynamic_sampling: true (DAPO's pairing) or grpo.std_scale: false"
-            )
-        if self.loop.mode != "sync" and self.grpo.tis_cap is None:
-            raise ValueError(
-                f"loop.mode={self.loop.mode} trains on samples of older weights: it needs the off-policy "
-                "correction against the rollout log-probs, grpo.tis_cap (e.g. 2.0), not null"
-            )
-        c = self.cluster
-        if not c.use_ray and c.train_chips > 1:
-            raise ValueError(
-                f"cluster.train_chips={c.train_chips}: trainer ranks are Ray actors; set cluster.use_ray: true"
-            )
-        if not c.use_ray and self.sync.transport == "ray":
-            raise ValueError("sync.transport: ray moves weights through Ray's object store; set cluster.use_ray: true")
-        if c.colocate and self.loop.mode != "sync":
-            raise ValueError(
-                f"cluster.colocate: true takes turns on the chips, so it cannot overlap rollout and "
-                f"training: loop.mode must be sync, got {self.loop.mode}"
-            )
-        if c.colocate and c.device == "tpu":
-            raise ValueError(
-                "cluster.colocate: true needs cluster.device gpu or cpu: a TPU chip serves one process at "
-                "a time, so the engine and the trainer cannot take turns on it"
-            )
-        if c.colocate and c.device == "gpu" and c.rollout_chips > c.rollout_engines:
-            raise ValueError(
-                f"cluster.colocate: true on GPUs needs one chip per engine (cluster.rollout_engines="
-                f"{c.rollout_chips}, not {c.rollout_engines}): Ray gives an actor a fraction of one GPU or whole ones,"
-                " so a tensor-parallel engine would not see its GPUs and its trainer ranks would share one"
-            )
-        if c.colocate and c.rollout_chips != c.train_chips:
-            raise ValueError(
-                f"cluster.colocate: true puts both roles on the same chips: cluster.rollout_chips "
-                f"({c.rollout_chips}) must equal cluster.train_chips ({c.train_chips})"
-            )
-        if c.rollout_engines > c.rollout_chips:
-            raise ValueError(
-                f"cluster.rollout_engines={c.rollout_engines} is more engines than cluster.rollout_chips="
-                f"{c.rollout_chips}: each engine needs at least one chip of its own"
-            )
-        if self.cluster.rollout_chips % self.cluster.rollout_engines:
-            raise ValueError(
-                f"cluster.rollout_chips={self.cluster.rollout_chips} does not split evenly over "
-                f"cluster.rollout_engines={self.cluster.rollout_engines}"
-            )
-        r, t, p = self.rollout, self.train, self.data.max_prompt_len
-        if t.compile == "model" and resolve_parallel(t.parallel, c.train_chips) == "fsdp":
-            raise ValueError(
-                f"train.compile=model compiles the whole decoder as one graph, but fsdp (train.parallel={t.parallel} "
-                f"with cluster.train_chips={c.train_chips}) shards it layer by layer: use train.compile=layers, or "
-                "train.parallel=ddp"
-            )
-        samples, shares = r.prompts_per_step * r.group_size, c.train_chips * t.minibatches
-        if samples % shares:  # ranks would get unequal shares, and optimizer steps unequal minibatches
-            raise ValueError(
-                f"rollout.prompts_per_step x rollout.group_size = {r.prompts_per_step} x {r.group_size} = {samples}"
-                f" samples per step do not split evenly over cluster.train_chips x train.minibatches = "
-                f"{c.train_chips} x {t.minibatches} = {shares}; make the product a multiple of {shares}"
-            )
-        if r.prefill_buckets and max(r.prefill_buckets) < p:  # None / []: the engine's defaults cover every prompt
-            raise ValueError(
-                f"rollout.prefill_buckets {list(r.prefill_buckets)} do not cover data.max_prompt_len={p}: a longer "
-                f"prompt cannot be prefilled; add a bucket >= {p} or lower data.max_prompt_len"
-            )
-        # The engine's own bucket rules (rollout.buckets), here rather than in an actor minutes later.
-        for kind, limit, why in (
-            ("prefill", p + r.max_response_len - 1, "data.max_prompt_len + rollout.max_response_len - 1"),
-            ("decode", r.max_batch, "rollout.max_batch"),
-        ):
-            try:
-                if getattr(r, f"{kind}_buckets"):
-                    validate_buckets(f"rollout.{kind}_buckets", getattr(r, f"{kind}_buckets"), limit, kind == "decode")
-            except ValueError as e:
-                raise ValueError(f"{e} ({why})") from None
-        # The components' own checks (cross-field ones too) at load time, not in an actor minutes later.
-        for section, build in (
-            ("grpo", self.loss_config),
-            ("rollout", self.engine_config),
-            ("train", self.trainer_config),
-        ):
-            try:
-                build()
-            except ValidationError as e:
-                raise ValueError("; ".join(describe(err, Config, section) for err in e.errors())) from None
+        check_across_sections(self)  # rlloop/config_checks.py
         return self
 
     @property
