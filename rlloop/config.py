@@ -1,8 +1,8 @@
 """The typed run config: YAML files (with `inherit:`) + dotted command-line overrides -> a validated `Config`.
 
 rlloop/config_files.py reads and merges the YAML and the `a.b=c` overrides (OmegaConf); pydantic checks every key, type
-and range here. Any problem becomes one `ConfigError` naming the key path and what is allowed; `rlloop.run` turns it
-into exit code 2.
+and range here, and rlloop/config_checks.py the combinations across sections. Any problem becomes one `ConfigError`
+naming the key path and what is allowed; `rlloop.run` turns it into exit code 2.
 
 One source of truth per knob: each component owns its typed config (`rollout.EngineConfig`, `trainer.TrainerConfig`,
 `trainer.LossConfig`), and the YAML sections `rollout:`, `train:` and `grpo:` are made from those fields (`knobs_of`),
