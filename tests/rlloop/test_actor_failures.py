@@ -21,6 +21,15 @@ TINY = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml"
 PROMPT, SHORT = [5, 6, 7], SamplingParams(max_new_tokens=4)
 
 
+def kill_engine(engine) -> None:
+    """`ray.kill`, and wait until the engine is gone: the kill is asynchronous, and a call made right after it was
+    now and then still served (a loaded CI host), so the call under test did not find the engine dead."""
+    ray.kill(engine)
+    with pytest.raises(ray.exceptions.RayActorError):
+        for _ in range(600):  # a probe an engine answers at once (its programs are compiled)
+            ray.get(engine.warmup.remote(), timeout=60)
+
+
 def test_the_runs_mailbox_outlives_an_engine_that_dies(ray_cluster, tmp_path):
     """Through the Ray transport the trainer's next push must still find the mailbox. A Ray actor lives as long as
     whoever created it: the first engine to ask did, before the driver made it, and after that engine's death the
@@ -29,7 +38,7 @@ def test_the_runs_mailbox_outlives_an_engine_that_dies(ray_cluster, tmp_path):
     cluster = Cluster(cfg, cfg.run_dir)
     try:
         cluster.warmup()
-        ray.kill(cluster.engines[0])
+        kill_engine(cluster.engines[0])
         out, _ = cluster.generate([PROMPT], 2, SHORT)  # on the rebuilt engine
         assert cluster.restarts == 1 and len(out) == 2
         assert cluster.sync_weights(version=1)["sync/rollout_version"] == 1
@@ -48,10 +57,10 @@ def test_a_colocated_engine_found_dead_by_its_sleep_or_wake_is_rebuilt(ray_clust
         cluster.warmup()
         out, _ = cluster.generate([PROMPT], 2, SHORT)
         batch = TrainBatch([PROMPT] * 2, [c.token_ids for c in out], [1.0, -1.0])
-        ray.kill(cluster.engines[0])
+        kill_engine(cluster.engines[0])
         cluster.start_train_step(batch, publish=1)()  # puts the engines to sleep first
         assert cluster.restarts == 1
-        ray.kill(cluster.engines[0])
+        kill_engine(cluster.engines[0])
         assert cluster.pull_weights()["sync/rollout_version"] == 1  # wakes them first
         assert cluster.restarts == 2
         assert cluster.generate([PROMPT], 2, SHORT)[0][0].weight_version == 1
