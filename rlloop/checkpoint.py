@@ -42,6 +42,7 @@ def _remove(ckpt: Path) -> None:
     """Delete a checkpoint: renamed out of `_completed`'s sight first, so that a removal killed half-way never leaves
     a state.json without its manifest, which `verify` would take for an old, unverifiable checkpoint."""
     doomed = ckpt.with_name(ckpt.name + ".removing")
+    shutil.rmtree(doomed, ignore_errors=True)  # left by a removal killed before (a rename onto it would fail)
     if ckpt.exists():
         ckpt.rename(doomed)
     shutil.rmtree(doomed, ignore_errors=True)
