@@ -82,6 +82,13 @@ class Cluster:
         self.placement: dict[str, str] = {}  # role -> Ray node id
         # run.debug leaves one role out (its bundles stay reserved, so the plan is the run's own)
         self.with_engines, self.with_trainers = cfg.run.debug != "train-only", cfg.run.debug != "rollout-only"
+        log.info(
+            "starting %d rollout engine(s) (%s, %s) and %d trainer rank(s)",
+            cfg.cluster.rollout_engines * self.with_engines,
+            cfg.rollout.backend,
+            cfg.cluster.device,
+            world * self.with_trainers,
+        )
         if not self.remote:  # one trainer rank (rlloop.config)
             self.engines = [RolloutWorker(**engine) for _ in range(cfg.cluster.rollout_engines * self.with_engines)]
             self.trainers = [TrainerWorker(**ranks[0])] if self.with_trainers else []

@@ -81,12 +81,17 @@ def run_recipe(cfg: Config, inputs: Inputs, resume: bool = False, trainer_restar
     state = load_state(ckpt) if ckpt else {"step": 0}
     start = state["step"]
     with ExitStack() as stack:  # closed in reverse: rollout thread, tracker, reward workers, cluster (actors, Ray)
+        t0 = time.perf_counter()
         cluster = stack.enter_context(closing(Cluster(cfg, run_dir)))
         rollout = stack.enter_context(closing(RolloutManager(cfg, cluster, tokenizer, data, eval_data)))
         tracker = stack.enter_context(closing(Tracker(cfg, run_dir, start)))
         (run_dir / "cluster.json").write_text(json.dumps(cluster.placement, indent=1))  # role -> Ray node id
-        (run_dir / "warmup.json").write_text(json.dumps(cluster.warmup(), indent=1))
+        warm = cluster.warmup()
+        (run_dir / "warmup.json").write_text(json.dumps(warm, indent=1))
+        compiled = f" (the engines compiled {len(warm)} programs)" if warm else ""
+        log.info("actors ready in %.1f s%s", time.perf_counter() - t0, compiled)
         if ckpt:  # model, optimizer and RNG from the checkpoint; the engine gets those weights; same data order
+            log.info("resuming from %s", ckpt)
             cluster.load(str(ckpt / "trainer"))
             if state["data"]:  # empty when --debug train-only replays saved rollouts: it draws no prompts
                 data.load_state_dict(state["data"])

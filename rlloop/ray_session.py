@@ -61,6 +61,10 @@ def local_ray(cfg: Config) -> bool:
     return not (cfg.cluster.address or os.environ.get("RAY_ADDRESS"))
 
 
+def _no_token_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
 def start_ray(cfg: Config) -> bool:
     """Connect to `cluster.address` (or RAY_ADDRESS), or start a local Ray, first ending the agents a killed earlier
     run left (`reap_orphaned_agents`); returns whether this process started it (and so must stop it)."""
@@ -69,6 +73,10 @@ def start_ray(cfg: Config) -> bool:
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
     if address is None:
         reap_orphaned_agents()
+    log.info("starting a local Ray" if address is None else f"connecting to Ray at {address}")
+    # Ray's notice that the local Ray it starts has token authentication on (its default since 2.5x) is not the
+    # user's to act on: the driver starts that Ray and stops it at the end
+    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(_no_token_notice)
     on_sigterm = signal.getsignal(signal.SIGTERM)
     try:
         ray.init(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shlex
 import signal
@@ -17,7 +18,10 @@ import sys
 
 from rlloop.config import Config, ConfigError, load_config, to_yaml
 from rlloop.data import Inputs
+from rlloop.tracking import log_to_terminal
 from trainer.config import resolve_parallel
+
+log = logging.getLogger("rlloop.run")  # not __name__: that is "__main__" under python -m
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -153,6 +157,7 @@ def dry_run(cfg: Config, notes: list[str] = ()) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    log_to_terminal()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from rlloop.data import DataError
@@ -163,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides + debug_overrides(args))
         check_references(cfg)
+        if not args.dry_run:
+            log.info("%s: %d steps into %s; checking model, tokenizer, data", cfg.run.name, cfg.run.steps, cfg.run_dir)
         inputs, notes = preflight(cfg, dry_run=args.dry_run)
     except (ConfigError, ModelError, DataError) as e:
         kind = "config" if isinstance(e, ConfigError) else "model" if isinstance(e, ModelError) else "data"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import numbers
+import sys
 import uuid
 from pathlib import Path
 
@@ -39,6 +40,28 @@ def read_metrics(path: Path) -> list[dict]:
                 raise
             log.warning("%s: its last line is cut short (%r); left out", path, line[:60])
     return rows
+
+
+class _AboveTheBar(logging.Handler):
+    """Writes each record on its own line above the progress bar (`tqdm.write`), which a plain stream handler
+    would cut through."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
+def log_to_terminal() -> None:
+    """rlloop's own log lines (a run's phases, then warnings) on stderr, time-stamped; once per process. For
+    `python -m rlloop.run`: a library user configures logging as they like."""
+    logger = logging.getLogger("rlloop")
+    if any(isinstance(h, _AboveTheBar) for h in logger.handlers):
+        return
+    handler = _AboveTheBar()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def rollouts_file(rollouts_dir: str | Path, step: int) -> Path:

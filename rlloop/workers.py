@@ -248,11 +248,16 @@ class TrainerWorker:
 
     def setup(self, master: tuple[str, int] | None = None) -> None:
         """Build the trainer; with several ranks this blocks until all have joined the process group."""
+        import transformers
+
         from trainer import Trainer
 
         if master is not None:
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master[0], str(master[1])
         self.trainer = Trainer(self.cfg, self.rank, self.world_size)
+        # The model is loaded (any download done): transformers' bar at each checkpoint's save_pretrained would cut
+        # through the run's own progress bar, as an actor's output reaches the driver's terminal
+        transformers.utils.logging.disable_progress_bar()
         if self.rank == 0:
             self.sender = self.sync.sender()
         freeze_heap()
