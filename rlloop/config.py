@@ -40,8 +40,9 @@ PositiveInt = Annotated[int, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
 Prob = Annotated[float, Field(gt=0, le=1)]
 TORCH_DEVICE = {"tpu": "tpu", "gpu": "cuda", "cpu": "cpu"}
-# A local path or hub id; `~` is the home directory, as in a shell (a hub id never starts with it)
-PathStr = Annotated[str, AfterValidator(os.path.expanduser)]
+# A local path or hub id; `~` is the home directory, as in a shell (a hub id never starts with it). Never empty:
+# `data.path=''` read the working directory, and `run.dir=''` wrote the run into it.
+PathStr = Annotated[str, Field(min_length=1), AfterValidator(os.path.expanduser)]
 
 
 def _types_in(annotation) -> set:

@@ -168,8 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides + debug_overrides(args))
         check_references(cfg)
-        if not args.dry_run:
-            log.info("%s: %d steps into %s; checking model, tokenizer, data", cfg.run.name, cfg.run.steps, cfg.run_dir)
         inputs, notes = preflight(cfg, dry_run=args.dry_run)
     except (ConfigError, ModelError, DataError) as e:
         kind = "config" if isinstance(e, ConfigError) else "model" if isinstance(e, ModelError) else "data"
@@ -185,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer import NonFiniteTraining
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    log.info("%s: model, tokenizer and data checked; %d steps into %s", cfg.run.name, cfg.run.steps, cfg.run_dir)
     try:
         run_dir = train(cfg, resume=args.resume, inputs=inputs)
     except ClusterError as e:

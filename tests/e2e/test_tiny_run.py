@@ -112,7 +112,7 @@ def test_tiny_example_with_ray_learns_and_leaves_nothing_behind(tmp_path):
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
     # the terminal shows the run's phases, and no other program's progress bars or notices
-    for phase in ("checking model, tokenizer, data", "starting a local Ray", "trainer rank(s)", "actors ready in"):
+    for phase in ("model, tokenizer and data checked", "starting a local Ray", "trainer rank(s)", "actors ready in"):
         assert phase in out, out[-3000:]
     assert "Writing model shards" not in out and "Token authentication" not in out, out[-3000:]
     rows = [m for m in metrics(tmp_path) if m["step"] > 0]

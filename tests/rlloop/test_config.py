@@ -69,6 +69,9 @@ BAD_OVERRIDES = [
     (["loop.mode=async", "grpo.tis_cap=null"], "grpo.tis_cap"),
     (["loop.mode=fully_async", "grpo.tis_cap=null"], "loop.mode=fully_async"),
     (["loop.mode=eventually"], "loop.mode"),
+    (["data.path="], "data.path"),  # None for a key that must be a path
+    (["data.path=''"], "data.path: String should have at least 1 character"),  # not the working directory
+    (["run.dir=''"], "run.dir: String should have at least 1 character"),
     (["cluster.rollout_engines=3"], "cluster.rollout_engines=3"),
     (["cluster.use_ray=false"], "cluster.train_chips=2: trainer ranks are Ray actors"),
     (["cluster.use_ray=false", "cluster.train_chips=1", "sync.transport=ray"], "sync.transport: ray moves weights"),
