@@ -118,7 +118,7 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, save_trainer, keep: i
         (tmp / "trainer").mkdir(parents=True)
         save_trainer(str(tmp / "trainer"))
         (tmp / MANIFEST).write_text(json.dumps(_manifest(tmp), indent=1))
-        (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1))
+        (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=1))
     except Exception as e:  # a full disk, a trainer rank that failed to write: nothing half-written stays
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, TrainerDied):  # not a failed write: the loop rebuilds from the previous checkpoint
