@@ -36,6 +36,7 @@ from rlloop.bench.machine import machine
 from rlloop.bench.rollout import make_prompts, save_random_qwen3
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml"
+PARTS = ("engine", "engine_long", "trainer", "tiny", "nccl")
 QWEN3_0_6B = dict(
     vocab_size=151936,
     hidden_size=1024,
@@ -241,7 +242,7 @@ def bench_nccl(path: Path, workdir: Path) -> dict:
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m rlloop.bench device", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes: the code paths, not the figures")
-    ap.add_argument("--parts", default="engine,engine_long,trainer,tiny,nccl")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {','.join(PARTS)}")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -249,17 +250,20 @@ def parse_args(argv):
     ap.add_argument("--tiny-steps", type=int, default=5)
     ap.add_argument("--long-cache", type=int, default=2048, help="engine_long's cache, filled by its responses")
     args = ap.parse_args(argv)
+    args.parts = args.parts.split(",")
+    if unknown := [p for p in args.parts if p not in PARTS]:
+        ap.error(f"--parts: unknown {', '.join(map(repr, unknown))}; expected a comma list of {','.join(PARTS)}")
     if args.quick:
         args.prompts, args.n, args.prompt_len, args.new_tokens, args.tiny_steps, args.long_cache = 2, 2, 8, 8, 2, 384
     return args
 
 
 def main(argv: list[str]) -> None:
+    args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     # The engine and the trainer parts share this process's GPU: JAX must not reserve 75% of it up front.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    args = parse_args(argv)
     report: dict = {"bench": "device", **machine(), "quick": args.quick}
     with tempfile.TemporaryDirectory(prefix="rlloop_bench_device_") as tmp:
         workdir = Path(tmp)
@@ -271,7 +275,7 @@ def main(argv: list[str]) -> None:
             "tiny": lambda: bench_tiny(args, workdir),
             "nccl": lambda: bench_nccl(path, workdir),
         }
-        for name in args.parts.split(","):
+        for name in args.parts:
             t0 = time.perf_counter()
             try:
                 report[name] = parts[name]()

@@ -1,7 +1,8 @@
 """`python -m rlloop.bench e2e`: TRL's GRPOTrainer vs rlloop on the same GRPO work, end to end, seconds per step.
 
     python -m rlloop.bench e2e [--settings tiny,30m] [--steps N] [--rounds R] [--quick] [--threads T]
-                               [--modes sync,async[,colocate]] [--frameworks trl,rlloop] [--dtype float32|bfloat16]
+                               [--modes sync,async[,fully_async,colocate]] [--frameworks trl,rlloop]
+                               [--dtype float32|bfloat16]
 
 Both settings are examples/grpo_dapo_tiny.yaml (its tokenizer, the prompts rlloop's loader draws, rlloop's DAPO
 verifier, 16 prompts x 8 samples, lr, loss dapo with eps 0.2/0.28, beta 0, temperature 1) on one of two models:
@@ -11,24 +12,29 @@ verifier, 16 prompts x 8 samples, lr, loss dapo with eps 0.2/0.28, beta 0, tempe
           policy never writes "Answer:": its reward stays at -1, the setting is for timing (and so trains with
           train.skip_zero_advantage off, or every sample would be skipped)
 TRL runs in this process (rlloop/bench/trl_runner.py: as its docs say for CPU, on the same prompts in the same order,
-one optimizer step per 128 samples, rlloop's AdamW settings and constant lr). rlloop runs its real loop
-(`rlloop.loop.train`, Ray actors; engine and trainer on one core each) in each of --modes; `colocate` is sync with both
-roles on all cores in turns (cluster.colocate); a mode may add options (`async+compile`, `async+no_skip`):
-`+compile` runs with `train.compile: layers`, `+compile_model` with `train.compile: model` (the whole decoder as one
-graph), `+no_skip` with `train.skip_zero_advantage: false`. --dtype is both
-sides' precision: float32 (the default), or bfloat16, where rlloop runs `model.dtype: bfloat16` (bf16 weights and
-compute, fp32 AdamW masters) and TRL the mixed precision the transformers docs give for CPU training (`bf16=True`:
-fp32 weights, bf16 autocast). The runs go back to back (rlloop's first mode, TRL, then the other modes), --rounds
-times over: the machine is shared and noisy, so a ratio is taken within each round, from runs a minute apart, and the
-median round is reported (each run's s/step too; every round's figures are in the JSON).
+one optimizer step per 128 samples, rlloop's AdamW settings and constant lr) with --threads torch threads (default:
+every core this process may use). rlloop runs its real loop (`rlloop.loop.train`, Ray actors) in each of --modes on
+the same --threads cores: in sync, async and fully_async (`loop.mode`) engine and trainer on half of them each
+(cluster.cpus_per_actor = threads // 2: they need 2 or more, and an odd count leaves one idle); `colocate` is sync
+with both roles on all of them in turns (cluster.colocate). Each run's `cores` says what its engine and trainer had.
+A mode may add options (`async+compile`, `async+no_skip`): `+compile` runs with `train.compile: layers`,
+`+compile_model` with `train.compile: model` (the whole decoder as one graph), `+no_skip` with
+`train.skip_zero_advantage: false`. --dtype is both sides' precision: float32 (the default), or bfloat16, where rlloop
+runs `model.dtype: bfloat16` (bf16 weights and compute, fp32 AdamW masters) and TRL the mixed precision the
+transformers docs give for CPU training (`bf16=True`: fp32 weights, bf16 autocast). The runs go back to back
+(rlloop's first mode, TRL, then the other modes), --rounds times over: the machine is shared and noisy, so a ratio is
+taken within each round, from runs a minute apart, and the median round is reported (each run's s/step too; every
+round's figures are in the JSON).
 
-Per setting: s/step (mean after the warm-up steps), TRL/rlloop, rlloop's per-step breakdown from metrics.jsonl
-(rollout, train, sync, other = the rest of the step; in async, rollout is the driver's wait for the next batch
-and train its wait for the training in flight, both inside the step's time), a roofline bound
-(training FLOPs, each prompt once per group, with causal attention and the LM head on responses only, plus generation
-FLOPs, both as rollout.cost counts them, over the matmul peak; generation is bounded by decode bytes over the memory
-bandwidth where that is slower; peaks measured by rlloop.bench.peaks in --dtype on --threads cores, best of several)
-and every run's step over it, and the per-step reward curves.
+Per setting: s/step (mean after the warm-up steps; in async and fully_async the last step is left out too: step k's
+time holds the wait for batch k + 1, and the last has none to wait for), TRL/rlloop, rlloop's per-step breakdown
+from metrics.jsonl (rollout, train, sync, other = the rest of the step; in async and fully_async, rollout is the
+driver's wait for the next batch and train its wait for the training in flight, both inside the step's time), a
+roofline bound (training FLOPs, each prompt once per group, with causal attention and the LM head on responses only,
+plus generation FLOPs, both as rollout.cost counts them, over the matmul peak; generation is bounded by decode bytes,
+each decode step reading the weights and the KV pages in use at that step, over the memory bandwidth where that is
+slower; peaks measured by rlloop.bench.peaks in --dtype on --threads cores, best of several) and every run's step
+over it, and the per-step reward curves.
 Ends with one JSON line.
 """
 
@@ -45,6 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rlloop.bench import positive_int
 from rlloop.bench.machine import machine
 from rlloop.bench.trl_runner import run_trl
 
@@ -52,6 +59,10 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "grpo_dapo_tiny.yaml"
 TRL_VERSION = "1.16.0"  # the `bench` extra
 WIDE_HIDDEN = 768  # wide_model(768): 4 layers x 12 h^2 + a 99-token embedding, ~28.4M parameters
+SETTINGS = ("tiny", "30m")
+FRAMEWORKS = ("trl", "rlloop")
+MODES = ("sync", "async", "fully_async", "colocate")
+ASYNC_MODES = ("async", "fully_async")  # step k's perf/step_s holds the driver's wait for batch k + 1
 DEFAULT_STEPS = {"tiny": 12, "30m": 4}
 DEFAULT_ROUNDS = {"tiny": 3, "30m": 1}  # a tiny round takes about a minute, a 30m one half an hour
 MODE_OPTIONS = {
@@ -78,8 +89,7 @@ def setting_overrides(name: str, work: Path) -> list[str]:
     if name == "30m":
         from rlloop.bench.loop import wide_model
 
-        path = work / f"wide-{WIDE_HIDDEN}"
-        model = path if path.exists() else wide_model(work, WIDE_HIDDEN)
+        model = wide_model(work, WIDE_HIDDEN)
         overrides = [f"model.path={model}", "rollout.max_response_len=128", "rollout.ignore_eos=true"]
         # Its constant reward gives every sample a zero advantage: the trainer would skip them all.
         return [*overrides, "train.skip_zero_advantage=false"]
@@ -97,8 +107,34 @@ def draw_prompts(cfg, steps: int):
     return [data.next_batch(cfg.rollout.prompts_per_step) for _ in range(steps)], tokenizer
 
 
-def mean_after(values: list[float], skip: int) -> float:
-    return float(np.mean(values[skip:]))
+def timed_steps(values: list, skip: int, mode: str) -> list:
+    """The steps a run's means are over: those after the `skip` warm-up steps, and in the async modes not the last
+    either (it has no next batch to wait for: shorter than the others by that wait)."""
+    return values[skip:-1] if mode.split("+")[0] in ASYNC_MODES else values[skip:]
+
+
+def summarize(rows: list[dict], mode: str, skip: int) -> dict:
+    """A run's figures from its metrics.jsonl rows (steps 1..N): means over `timed_steps`, and every step's."""
+
+    def mean(key: str) -> float:
+        return float(np.mean(timed_steps([r.get(key, 0.0) for r in rows], skip, mode)))
+
+    # In the async modes the generation overlaps the train step: only the wait for the batch is on the step's path.
+    rollout_key = "perf/rollout_wait_s" if mode.split("+")[0] in ASYNC_MODES else "perf/rollout_s"
+    parts = {"rollout": mean(rollout_key), "train": mean("perf/train_s"), "sync": mean("perf/sync_s")}
+    s_per_step = mean("perf/step_s")
+    parts["other"] = s_per_step - sum(parts.values())
+    return {
+        "s_per_step": s_per_step,
+        "breakdown_s": parts,
+        "rollout_busy_s": mean("perf/rollout_busy_s"),
+        "train_busy_s": mean("perf/train_busy_s"),
+        "step_s": [r["perf/step_s"] for r in rows],
+        "rewards": [r["rollout/raw_reward"] for r in rows],
+        "response_len": [r["rollout/response_len/mean"] for r in rows],
+        "response_len_max": [r["rollout/response_len/max"] for r in rows],
+        "compiles": sum(r.get("perf/compiles", 0.0) for r in rows),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------- rlloop
@@ -109,41 +145,22 @@ def run_rlloop(cfg_overrides: list[str], mode: str, steps: int, skip: int, run_d
 
     # No eval (TRL runs none: the steps compare the same work), no checkpoints.
     overrides = [*cfg_overrides, f"run.steps={steps}", "run.save_every=0", "run.eval_every=0"]
-    mode, *options = mode.split("+")
-    unknown = set(options) - set(MODE_OPTIONS)
-    if unknown:
-        raise SystemExit(f"--modes: unknown option(s) {sorted(unknown)}; expected +{' +'.join(MODE_OPTIONS)}")
+    loop_mode, *options = mode.split("+")  # main checked both
     overrides += [f"run.dir={run_dir}", "tracking.progress=false", *(MODE_OPTIONS[o] for o in options)]
-    if mode == "colocate":  # both roles on all `threads` cores, in turns (rlloop.placement.colocated_plan)
-        overrides += ["loop.mode=sync", "cluster.colocate=true", f"cluster.cpus_per_actor={threads}"]
-    else:
-        overrides.append(f"loop.mode={mode}")
+    if loop_mode == "colocate":  # both roles on all `threads` cores, in turns (rlloop.placement.colocated_plan)
+        overrides += ["loop.mode=sync", "cluster.colocate=true"]
+        each = threads
+    else:  # each role on half of them, its own: together the cores TRL and the peaks run on
+        overrides.append(f"loop.mode={loop_mode}")
+        each = threads // 2
+    overrides.append(f"cluster.cpus_per_actor={each}")
     t0 = time.perf_counter()
     train(load_config(TINY, overrides))
     wall = time.perf_counter() - t0
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] > 0]
-    step_s = [r["perf/step_s"] for r in rows]
-    # In async the generation overlaps the train step: only the wait for the batch is on the step's path.
-    rollout_key = "perf/rollout_wait_s" if mode == "async" else "perf/rollout_s"
-    parts = {
-        "rollout": mean_after([r.get(rollout_key, 0.0) for r in rows], skip),
-        "train": mean_after([r.get("perf/train_s", 0.0) for r in rows], skip),
-        "sync": mean_after([r.get("perf/sync_s", 0.0) for r in rows], skip),
-    }
-    s_per_step = mean_after(step_s, skip)
-    parts["other"] = s_per_step - sum(parts.values())
-    return {
-        "s_per_step": s_per_step,
-        "breakdown_s": parts,
-        "rollout_busy_s": mean_after([r.get("perf/rollout_busy_s", 0.0) for r in rows], skip),
-        "train_busy_s": mean_after([r.get("perf/train_busy_s", 0.0) for r in rows], skip),
-        "step_s": step_s,
-        "rewards": [r["rollout/raw_reward"] for r in rows],
-        "response_len": [r["rollout/response_len/mean"] for r in rows],
-        "response_len_max": [r["rollout/response_len/max"] for r in rows],
-        "compiles": sum(r.get("perf/compiles", 0.0) for r in rows),
-        "setup_s": wall - sum(step_s),  # Ray, actors, model loads, XLA warmup: outside the steps
-    }
+    out = summarize(rows, mode, skip)
+    # Ray, actors, model loads, XLA warmup: outside the steps
+    return out | {"cores": {"engine": each, "trainer": each}, "setup_s": wall - sum(out["step_s"])}
 
 
 # -------------------------------------------------------------------------------------------------------- roofline
@@ -187,8 +204,12 @@ def step_work(cfg, batches, rl: dict, skip: int) -> dict:
         train = train_flops(mc, [(lp, [resp_mean] * g) for lp in lens])
         # Each prompt prefilled once (GRPO fan-out copies its KV), then every sample decoded.
         gen_flops = generate_flops(mc, [lp - 1 for lp in lens], [(lp, resp_mean) for lp in lens for _ in range(g)])
-        # All rows decode together: one pass over the weights per decode step, each row's KV as the engine reads it.
-        gen_bytes = decode_bytes(mc, itemsize, resp_max, g * len(lens), max_len, max(lens) + resp_max, kv_itemsize)
+        # All rows decode together: one pass over the weights per decode step, and each row's KV as the engine reads
+        # it at that step (the pages in use by the longest row, which grow as it does), not all at the final length.
+        rows = g * len(lens)
+        gen_bytes = sum(
+            decode_bytes(mc, itemsize, 1, rows, max_len, max(lens) + j + 1, kv_itemsize) for j in range(resp_max)
+        )
         per_step.append((trained, train, gen_flops, gen_bytes))
     trained, train, gen_flops, gen_bytes = (float(np.mean(c)) for c in zip(*per_step[skip:]))
     return {
@@ -218,7 +239,7 @@ def bound(work: dict, peaks: dict) -> dict:
 def bench_setting(name: str, args, work: Path, trl_reason: str | None) -> dict:
     from rlloop.config import load_config
 
-    steps = args.steps or (2 if args.quick else DEFAULT_STEPS[name])
+    steps = args.steps or (args.quick_steps if args.quick else DEFAULT_STEPS[name])
     skip = 2 if steps >= 6 else 1 if steps >= 2 else 0  # warm-up steps left out of the means
     overrides = [*setting_overrides(name, work), f"model.dtype={args.dtype}"]
     cfg = load_config(TINY, overrides)
@@ -226,8 +247,8 @@ def bench_setting(name: str, args, work: Path, trl_reason: str | None) -> dict:
     r = cfg.rollout
     out: dict = dict(steps=steps, warmup_steps=skip, prompts_per_step=r.prompts_per_step, group_size=r.group_size)
     out |= dict(max_response_len=r.max_response_len, ignore_eos=r.ignore_eos)
-    frameworks = args.frameworks.split(",")
-    modes = args.modes.split(",") if "rlloop" in frameworks else []
+    frameworks = args.frameworks
+    modes = args.modes if "rlloop" in frameworks else []
     with_trl = "trl" in frameworks and not trl_reason
     order = modes[:1] + (["trl"] if with_trl else []) + modes[1:]  # TRL between the rlloop runs
     rounds = args.rounds or (1 if args.quick else DEFAULT_ROUNDS[name])
@@ -291,33 +312,76 @@ def describe(name: str, r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> None:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The arguments, every one checked (a usage error, exit 2) before any run starts."""
     ap = argparse.ArgumentParser(prog="python -m rlloop.bench e2e", description=__doc__.split("\n")[0])
     ap.add_argument("--settings", default=None, help="comma list of tiny,30m (default both; --quick: tiny)")
-    ap.add_argument("--steps", type=int, default=0, help=f"steps per run (default {DEFAULT_STEPS}; --quick: 2)")
-    ap.add_argument("--rounds", type=int, default=0, help=f"runs of each, alternating (default {DEFAULT_ROUNDS})")
-    ap.add_argument("--quick", action="store_true", help="a smoke run: 2 steps, 1 round, tiny, sync only unless told")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads for TRL and cores for the peaks (0: all)")
-    ap.add_argument("--modes", default=None, help="of sync,async,colocate, each [+compile|+compile_model][+no_skip]")
+    ap.add_argument(
+        "--steps", type=positive_int, help=f"steps per run (default {DEFAULT_STEPS}; --quick: 2, 3 with an async mode)"
+    )
+    ap.add_argument("--rounds", type=positive_int, help=f"runs of each, alternating (default {DEFAULT_ROUNDS})")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: 2 steps (3 with an async mode), 1 round, tiny, sync unless told",
+    )
+    ap.add_argument(
+        "--threads", type=int, default=0, help="TRL's torch threads, rlloop's cores and the peaks' cores (0: all)"
+    )
+    ap.add_argument(
+        "--modes", default=None, help="of sync,async,fully_async,colocate, each [+compile|+compile_model][+no_skip]"
+    )
     ap.add_argument("--frameworks", default="trl,rlloop", help="trl,rlloop or one of them")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both sides' precision")
     args = ap.parse_args(argv)
-    args.settings = args.settings or ("tiny" if args.quick else "tiny,30m")
-    args.modes = args.modes or ("sync" if args.quick else "sync,async")
-    args.threads = args.threads or len(os.sched_getaffinity(0))
+
+    def listed(flag: str, text: str, allowed) -> list[str]:
+        items = text.split(",")
+        if unknown := [x for x in items if x not in allowed]:
+            ap.error(f"{flag}: unknown {', '.join(map(repr, unknown))}; expected a comma list of {','.join(allowed)}")
+        return items
+
+    args.settings = listed("--settings", args.settings or ("tiny" if args.quick else "tiny,30m"), SETTINGS)
+    args.frameworks = listed("--frameworks", args.frameworks, FRAMEWORKS)
+    args.modes = (args.modes or ("sync" if args.quick else "sync,async")).split(",")
+    for mode in args.modes:
+        loop_mode, *options = mode.split("+")
+        if loop_mode not in MODES:
+            ap.error(f"--modes: unknown mode {loop_mode!r}; expected one of {', '.join(MODES)}")
+        if unknown := [o for o in options if o not in MODE_OPTIONS]:
+            ap.error(f"--modes: {mode}: unknown option(s) {', '.join(unknown)}; expected +{' +'.join(MODE_OPTIONS)}")
+    loop_modes = {m.split("+")[0] for m in args.modes} if "rlloop" in args.frameworks else set()
+    cores = len(os.sched_getaffinity(0))
+    if not 0 <= args.threads <= cores:
+        ap.error(f"--threads {args.threads}: this process may use {cores} core(s) (0: all of them)")
+    args.threads = args.threads or cores
+    if args.threads < 2 and loop_modes - {"colocate"}:
+        ap.error(
+            f"--threads {args.threads}: --modes {', '.join(sorted(loop_modes - {'colocate'}))} run the engine and the "
+            "trainer on half of the cores each, so need 2 or more (colocate runs on 1)"
+        )
+    # An async mode leaves the warm-up step and the last step out of its means: 3 steps leave one timed.
+    asynchronous = bool(loop_modes & set(ASYNC_MODES))
+    if asynchronous and args.steps is not None and args.steps < 3:
+        ap.error(f"--steps {args.steps}: the async modes need 3 or more (the warm-up and the last step are not timed)")
+    args.quick_steps = 3 if asynchronous else 2
+    return args
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    trl_reason = trl_missing() if "trl" in args.frameworks.split(",") else None
+    trl_reason = trl_missing() if "trl" in args.frameworks else None
     if trl_reason:
         print(f"TRL column missing: {trl_reason}", flush=True)
     trl_version = None if trl_reason or "trl" not in args.frameworks else __import__("trl").__version__
     result: dict = dict(bench="e2e", **machine(), threads=args.threads, dtype=args.dtype)
     result |= dict(trl_version=trl_version, trl_missing=trl_reason, load_avg_start=os.getloadavg()[0])
-    names = args.settings.split(",")
     peaks = [measure_peaks(args.threads, args.dtype)]
     with tempfile.TemporaryDirectory(prefix="rlloop_bench_e2e_") as tmp:
-        for name in names:
+        for name in args.settings:
             result[name] = bench_setting(name, args, Path(tmp), trl_reason)
             # Between and after the runs: the best one is the peak.
             peaks.append(measure_peaks(args.threads, args.dtype))
@@ -331,7 +395,7 @@ def main(argv: list[str]) -> None:
     result["peak_matmul_flops"], result["peak_mem_bytes_per_s"] = best["matmul_flops"], best["mem_bytes_per_s"]
     result["peak_matmul_flops_each"] = [p["matmul_flops"] for p in peaks]
     result["load_avg_end"] = os.getloadavg()[0]  # other work on the machine: the ratios are what to read
-    for name in names:
+    for name in args.settings:
         finish(result[name], best)
         print(describe(name, result[name]), flush=True)
     if trl_reason:

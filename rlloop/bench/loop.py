@@ -7,9 +7,11 @@ in each mode, on two settings:
               engine of --balanced-slots KV slots (rollout.max_batch), so the 128 samples decode in waves, as on a
               memory-bound accelerator: generation and training then take about the same time, the case the
               async modes exist for
-and reports seconds per step (mean over the steps after the first two, which include the async pipeline's fill),
-each actor's busy fraction (its own seconds in generate / train_step over the wall time of those steps), staleness,
-and learning (raw reward over the last steps; eval accuracy at the end where the setting evaluates).
+and reports seconds per step (mean over the steps after the first two, which include the async pipeline's fill, and
+before the last, which in the async modes has no next batch to wait for: every mode over the same steps, so --steps
+is 4 or more), each actor's busy fraction (its own seconds in generate / train_step over the wall time of those
+steps), staleness, and learning (raw reward over the first and last steps; eval accuracy at the start and the end
+where the setting evaluates: tiny, at the last step, whose eval is taken out of its step time).
 
 Part 2 is rollout only: one generate call of --engine-prompts prompts x 8 samples through `Cluster.generate` on a
 random Qwen3 --engine-hidden wide (compute, not dispatch overhead, dominates its decode), with 1 engine on one core
@@ -39,12 +41,15 @@ MODES = ("sync", "async", "fully_async")
 
 
 def wide_model(workdir: Path, hidden: int) -> Path:
-    """The tiny task's tokenizer with a random Qwen3 `hidden` wide (4 layers)."""
+    """The tiny task's tokenizer with a random Qwen3 `hidden` wide (4 layers), in `workdir`; the one made there
+    already if there is one (the same seed: the same model)."""
     import torch
     import transformers
 
     src = ROOT / "rlloop" / "assets" / "tiny" / "model"
     out = workdir / f"wide-{hidden}"
+    if out.exists():
+        return out
     shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.safetensors"))
     cfg = transformers.AutoConfig.from_pretrained(src)
     cfg.update(
@@ -74,14 +79,21 @@ def run_mode(setting: str, mode: str, overrides: list[str], workdir: Path) -> di
     t0 = time.perf_counter()
     train(cfg)
     wall = time.perf_counter() - t0
-    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] > 0]
-    timed = rows[2:]
-    step_s = sum(r["perf/step_s"] for r in timed)
+    return summarize(read_metrics(run_dir / "metrics.jsonl")) | {"wall_s": wall}
+
+
+def summarize(metrics: list[dict]) -> dict:
+    """A run's figures from its metrics.jsonl rows. Timed are the steps after the first two (the async pipeline's
+    fill) and before the last (in the async modes step k's time holds the wait for batch k + 1, and the last has
+    none), without their evaluation: the same steps in every mode, the same work."""
+    rows = [r for r in metrics if r["step"] > 0]
+    timed = rows[2:-1]
+    step_s = sum(r["perf/step_s"] - r.get("perf/eval_s", 0.0) for r in timed)
 
     def total(key: str) -> float:
         return sum(r.get(key, 0.0) for r in timed)
 
-    evals = [r[k] for r in read_metrics(run_dir / "metrics.jsonl") for k in r if k.startswith("eval/")]
+    evals = [r[k] for r in metrics for k in r if k.startswith("eval/")]
     return {
         "s_per_step": step_s / len(timed),
         "rollout_busy": total("perf/rollout_busy_s") / step_s,
@@ -93,7 +105,6 @@ def run_mode(setting: str, mode: str, overrides: list[str], workdir: Path) -> di
         "eval_start": evals[0] if evals else None,
         "eval_end": evals[-1] if evals else None,
         "steps": len(rows),
-        "wall_s": wall,
     }
 
 
@@ -143,7 +154,7 @@ def engines_throughput(model: Path, prompts_n: int, max_len: int, workdir: Path)
 
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m rlloop.bench loop", description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=positive_int, default=12, help="steps per run")
+    ap.add_argument("--steps", type=positive_int, default=12, help="steps per run (4 or more: 2 fill, 1 last, untimed)")
     ap.add_argument("--engine-hidden", type=int, default=384, help="width of the random model of part 2")
     ap.add_argument(
         "--balanced-hidden",
@@ -156,6 +167,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--engine-prompts", type=int, default=32)
     ap.add_argument("--settings", default="tiny,balanced", help="comma list of tiny,balanced")
     args = ap.parse_args(argv)
+    if args.steps < 4:
+        ap.error(f"--steps {args.steps}: 4 or more (the first two and the last step are not timed)")
     if unknown := set(args.settings.split(",")) - {"tiny", "balanced"}:
         ap.error(f"--settings: unknown {', '.join(sorted(unknown))}; expected tiny and/or balanced")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -5,11 +5,13 @@ matmul for FLOP/s (in the dtype, accumulating in fp32) and a large jitted fp32 e
 once) for bytes/s. Best of a few timed runs after a compile+warmup run, repeated for at least a second: on a shared
 host a neighbour (or the hypervisor) takes the cores in bursts, and five runs of ~10 ms can all land in one (the same
 2 cores read 110 and 193 GFLOP/s in back-to-back processes with five). Cached per process and dtype, because
-benchmarks ask repeatedly and a measurement costs seconds. `python -m rlloop.bench peaks` prints the numbers.
+benchmarks ask repeatedly and a measurement costs seconds. `python -m rlloop.bench peaks [DTYPE ...]` prints the
+numbers for each dtype (float32, bfloat16; default float32), then one JSON line.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import time
@@ -73,8 +75,15 @@ def measure_peaks(dtype: str = "float32") -> dict[str, float]:
 
 
 def main(argv: list[str]) -> None:
-    dtypes = argv or ["float32"]
-    results = [measure_peaks(d) for d in dtypes]
+    from rollout.types import DTYPES
+
+    ap = argparse.ArgumentParser(prog="python -m rlloop.bench peaks", description=__doc__.split("\n")[0])
+    # No `choices`: argparse checks a list default of nargs="*" against them as one value and refuses it.
+    ap.add_argument("dtypes", nargs="*", metavar="DTYPE", help=f"of {', '.join(DTYPES)} (default float32)")
+    args = ap.parse_args(argv)
+    if unknown := [d for d in args.dtypes if d not in DTYPES]:
+        ap.error(f"argument DTYPE: unknown {', '.join(map(repr, unknown))}; expected {' or '.join(DTYPES)}")
+    results = [measure_peaks(d) for d in args.dtypes or ["float32"]]
     for r in results:
         print(
             f"{r['device_kind']} {r['dtype']}: matmul {r['matmul_flops'] / 1e9:.1f} GFLOP/s, "

@@ -11,9 +11,11 @@ bytes, as the JAX engine counts them with `rollout.cost`, by the peaks that `rll
 device. The "jax" column is one engine in this process, one XLA device on all its cores; "jax_tp" one engine in a
 process of its own as a run starts it on several cores, a single-threaded device per core, tensor-parallel
 (rlloop.placement.cpu_engine_tp); `--engines N` adds N JAX engines side by side, each in its own process on 1/N of the
-cores with 1/N of the prompts (`engine_worker.py`), as `cluster.rollout_engines` runs them; the same requests, so the
-same tokens and FLOPs. Timings are best-of---repeats (default 3), the engines taking turns within each round so that
-load from other processes on a shared machine hits all alike. The last line is one JSON object.
+cores with 1/N of the prompts (`engine_worker.py`), as `cluster.rollout_engines` runs them (N: 2 by default, 1 on a
+single core; at most the cores the run has); the same requests, so the same tokens and FLOPs. --threads T runs it all
+on T of the cores the process may use (the JSON's "threads" and "cpus": the cores it ran on). Timings are
+best-of---repeats (default 3), the engines taking turns within each round so that load from other processes on a
+shared machine hits all alike. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rlloop.bench import positive_int
 from rlloop.bench.machine import machine
 from rlloop.bench.vllm_runner import vllm_missing, vllm_runner
 from rollout.types import DTYPES
@@ -307,7 +310,7 @@ def limit_cpu_threads(threads: int) -> None:
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m rlloop.bench rollout", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="4 prompts x 4 samples x 32 tokens")
-    ap.add_argument("--models", default="tiny,30m")
+    ap.add_argument("--models", default="tiny,30m", help=f"comma list of {','.join(MODEL_SPECS)}")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--n", type=int, default=8, help="samples per prompt (rows = prompts x n)")
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -315,7 +318,7 @@ def parse_args(argv):
     ap.add_argument("--max-prompt-len", type=int, default=64)
     ap.add_argument(
         "--repeats",
-        type=int,
+        type=positive_int,
         default=None,
         help="timed runs per engine after its warmup; the best is reported (default 3, --quick 2)",
     )
@@ -328,10 +331,10 @@ def parse_args(argv):
     )
     ap.add_argument(
         "--engines",
-        type=int,
-        default=2,
+        type=positive_int,
+        default=None,
         help="also run this many JAX engines side by side, each in its own process on its share of the cores and "
-        "the rows, as cluster.rollout_engines does (1: none side by side)",
+        "the rows, as cluster.rollout_engines does (1: none side by side; default 2, or 1 on one core)",
     )
     ap.add_argument(
         "--vllm-python",
@@ -339,11 +342,18 @@ def parse_args(argv):
         help="the python of a vLLM-CPU environment: adds a vLLM column (default $RLLOOP_VLLM_PYTHON)",
     )
     args = ap.parse_args(argv)
-    args.vllm_missing = vllm_missing(args.vllm_python)
+    if unknown := [m for m in args.models.split(",") if m not in MODEL_SPECS]:
+        ap.error(f"--models: unknown {', '.join(map(repr, unknown))}; expected a comma list of {','.join(MODEL_SPECS)}")
+    # The cores the run will have: main pins the process to --threads of them before any engine starts.
     cores = len(os.sched_getaffinity(0))
-    if args.engines > cores:
-        print(f"--engines {args.engines}: this process may use {cores} core(s); running {cores}", flush=True)
-        args.engines = cores
+    if not 0 <= args.threads <= cores:
+        ap.error(f"--threads {args.threads}: this process may use {cores} core(s) (0: all of them)")
+    cores = args.threads or cores
+    if args.engines is None:
+        args.engines = min(2, cores)
+    elif args.engines > cores:  # each engine needs a core of its own
+        ap.error(f"--engines {args.engines}: the run has {cores} core(s) (--threads or this process's), one per engine")
+    args.vllm_missing = vllm_missing(args.vllm_python)
     if args.quick:
         args.prompts, args.n, args.new_tokens = 4, 4, 32
     args.repeats = args.repeats or (2 if args.quick else 3)
@@ -351,9 +361,9 @@ def parse_args(argv):
 
 
 def main(argv: list[str]) -> None:
+    args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    args = parse_args(argv)
     if args.threads:
         limit_cpu_threads(args.threads)
     from rlloop.bench.peaks import measure_peaks
@@ -372,7 +382,7 @@ def main(argv: list[str]) -> None:
                 "bench": "rollout",
                 "device": peaks["device_kind"],
                 **machine(),
-                "threads": args.threads or os.cpu_count(),
+                "threads": len(os.sched_getaffinity(0)),  # the cores it ran on (pinned to --threads), as "cpus"
                 "dtype": args.dtype,
                 "vllm_missing": args.vllm_missing,
                 "peak_matmul_flops": peaks["matmul_flops"],

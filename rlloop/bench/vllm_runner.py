@@ -18,7 +18,10 @@ def vllm_missing(python: str | None) -> str | None:
     """Why there is no vLLM column, or None when `python` is an interpreter with vLLM."""
     if not python:
         return "no vLLM-CPU environment given (--vllm-python or RLLOOP_VLLM_PYTHON; docs/benchmarks.md says how)"
-    probe = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+    try:
+        probe = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+    except OSError as e:  # no such file, not executable: a wrong path, or a stale RLLOOP_VLLM_PYTHON
+        return f"{python} cannot be run: {e}"
     if probe.returncode:
         return f"{python} cannot import vllm: {(probe.stderr.strip().splitlines() or ['?'])[-1]}"
     return None

@@ -7,6 +7,8 @@ import pkgutil
 import subprocess
 import sys
 
+import pytest
+
 import rlloop.bench
 from rlloop.bench.__main__ import BENCHES
 
@@ -33,6 +35,47 @@ def test_a_bad_argument_is_a_usage_error():
     for args, named in [(["sync", "--mb", "0"], "argument --mb: 0 is not >= 1"), (["loop", "--settings", "x"], "x")]:
         out = subprocess.run([sys.executable, "-m", "rlloop.bench", *args], capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and named in out.stderr.splitlines()[-1], out.stderr[-2000:]
+
+
+# (bench, argv, what the error names): each refused before any work, as a usage error (exit 2) naming the argument.
+BAD_ARGUMENTS = [
+    ("e2e", ["--settings", "tiny,big"], "--settings: unknown 'big'"),
+    ("e2e", ["--modes", "sync,asnyc"], "--modes: unknown mode 'asnyc'"),
+    ("e2e", ["--modes", "sync,async+compile+bogus"], "--modes: async+compile+bogus: unknown option(s) bogus"),
+    ("e2e", ["--frameworks", "trl,rlop"], "--frameworks: unknown 'rlop'"),
+    ("e2e", ["--steps", "-1"], "argument --steps: -1 is not >= 1"),
+    ("e2e", ["--steps", "0"], "argument --steps: 0 is not >= 1"),
+    ("e2e", ["--rounds", "0"], "argument --rounds: 0 is not >= 1"),
+    ("e2e", ["--threads", "1", "--modes", "colocate,fully_async"], "--threads 1: --modes fully_async run"),
+    ("e2e", ["--threads", "100000"], "--threads 100000: this process may use"),
+    ("e2e", ["--steps", "2", "--modes", "sync,fully_async"], "--steps 2: the async modes need 3"),
+    ("e2e", ["--quick", "--steps", "2", "--modes", "async"], "--steps 2: the async modes need 3"),
+    ("rollout", ["--repeats", "-1"], "argument --repeats: -1 is not >= 1"),
+    ("rollout", ["--repeats", "0"], "argument --repeats: 0 is not >= 1"),
+    ("rollout", ["--threads", "1", "--engines", "2"], "--engines 2: the run has 1 core(s)"),
+    ("rollout", ["--models", "tiny,3m"], "--models: unknown '3m'"),
+    ("device", ["--parts", "engine,foo"], "--parts: unknown 'foo'"),
+    ("peaks", ["float64"], "argument DTYPE: unknown 'float64'"),
+    ("loop", ["--steps", "3"], "--steps 3: 4 or more"),
+]
+
+
+@pytest.mark.parametrize("bench, argv, named", BAD_ARGUMENTS, ids=[f"{b} {' '.join(a)}" for b, a, _ in BAD_ARGUMENTS])
+def test_a_bad_argument_is_refused_before_any_work(bench, argv, named, capsys, monkeypatch):
+    """In this process: a bench that got past its arguments would start its work (models, Ray, subprocesses)."""
+    monkeypatch.delenv("RLLOOP_VLLM_PYTHON", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(f"rlloop.bench.{bench}").main(argv)
+    assert exit_.value.code == 2
+    assert named in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_peaks_has_a_usage():
+    """`peaks --help` was a TypeError. (`peaks float32`, as e2e calls it, runs in test_bench_e2e.)"""
+    out = subprocess.run(
+        [sys.executable, "-m", "rlloop.bench", "peaks", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.startswith("usage: python -m rlloop.bench peaks [-h] [DTYPE ...]")
 
 
 def test_the_json_lines_name_the_cpu_by_family_and_vector_units():

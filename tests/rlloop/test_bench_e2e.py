@@ -10,10 +10,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from rlloop.bench.e2e import median_run
+from rlloop.bench.e2e import median_run, parse_args, step_work, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,6 +65,8 @@ def test_rlloop_half():
     assert len(rl["step_s"]) == len(rl["rewards"]) == 2 and all(positive(s) for s in rl["step_s"])
     assert all(-1.0 <= r <= 1.0 for r in rl["rewards"])  # DAPO's verifier: +1 / -1 per sample
     assert rl["compiles"] == 0
+    # sync: engine and trainer on half of the cores TRL and the peaks ran on each
+    assert rl["cores"] == {"engine": result["threads"] // 2, "trainer": result["threads"] // 2}
     roof = tiny["roofline"]
     for key in ("params", "trained_tokens", "train_flops", "gen_flops", "decode_bytes", "bound_s", "train_s"):
         assert positive(roof[key]), key
@@ -94,8 +97,62 @@ def test_the_median_round_is_reported_with_every_round():
     assert median_run(runs[:1])["s_per_step_rounds"] == [0.3]
 
 
-def test_an_unknown_mode_option_is_named(tmp_path):
-    from rlloop.bench.e2e import run_rlloop
+def metrics_rows(step_s: list[float], wait_s: list[float]) -> list[dict]:
+    """metrics.jsonl rows of steps 1..N with the given step times and waits for the batch (rollout_s: 10x the wait)."""
+    return [
+        {"step": k + 1, "perf/step_s": s, "perf/rollout_wait_s": w, "perf/rollout_s": 10 * w, "perf/train_s": 0.5}
+        | {"rollout/raw_reward": -1.0, "rollout/response_len/mean": 16.0, "rollout/response_len/max": 16}
+        for k, (s, w) in enumerate(zip(step_s, wait_s))
+    ]
 
-    with pytest.raises(SystemExit, match="bogus"):
-        run_rlloop([], "async+compile+bogus", steps=1, skip=0, run_dir=tmp_path, threads=1)
+
+def test_the_async_modes_leave_their_last_step_out_of_the_means():
+    """Step k's time holds the wait for batch k + 1 in the async modes: the last step has none and is left out. Sync
+    steps are each whole."""
+    rows = metrics_rows([9.0, 2.0, 4.0, 1.0], [0.0, 0.2, 0.4, 0.0])
+    sync = summarize(rows, "sync", skip=1)
+    assert sync["s_per_step"] == pytest.approx(7 / 3)
+    assert sync["breakdown_s"]["rollout"] == pytest.approx(2.0)  # the generation itself: on the step's path
+    for mode in ("async", "fully_async", "fully_async+compile"):
+        run = summarize(rows, mode, skip=1)
+        assert run["s_per_step"] == pytest.approx(3.0), mode
+        assert run["breakdown_s"]["rollout"] == pytest.approx(0.3), mode  # the wait, not the overlapped generation
+        assert run["breakdown_s"]["other"] == pytest.approx(3.0 - 0.3 - 0.5), mode
+        assert run["step_s"] == [9.0, 2.0, 4.0, 1.0]  # every step's time is still reported
+
+
+def test_the_defaults_fit_the_modes():
+    assert parse_args(["--quick", "--modes", "sync,fully_async"]).quick_steps == 3  # warm-up, timed, last
+    assert parse_args(["--quick"]).quick_steps == 2
+    args = parse_args(["--threads", "1", "--modes", "colocate"])  # colocate's roles take turns on all cores
+    assert args.threads == 1 and args.modes == ["colocate"] and args.settings == ["tiny", "30m"]
+
+
+def test_decode_bytes_are_counted_step_by_step():
+    """Generation's bytes: each decode step reads the weights and the KV pages in use at that step, as rollout.cost
+    counts one step (decode_kv_positions), not every step at the final length."""
+    from rlloop.config import load_config
+    from rollout.cost import cache_dtype, decode_kv_positions, kv_bytes_per_token, weight_bytes
+    from rollout.model_config import ModelConfig
+    from trainer.memory import ITEMSIZE
+
+    cfg = load_config(ROOT / "examples" / "grpo_dapo_tiny.yaml", [])
+    g = cfg.rollout.group_size
+    # Two steps of 2 prompts; the longest prompt's responses cross a page (64 positions) of the 144-position cache.
+    batches = [[SimpleNamespace(token_ids=[5] * n) for n in lens] for lens in ([60, 30], [20, 10])]
+    rl = {"response_len": [10.0, 12.0], "response_len_max": [16, 16]}
+    work = step_work(cfg, batches, rl, skip=0)
+
+    mc = ModelConfig.from_dir(cfg.model.path)
+    max_len = cfg.data.max_prompt_len + cfg.rollout.max_response_len
+    weights = weight_bytes(mc, ITEMSIZE[cfg.model.dtype])
+    per_position = kv_bytes_per_token(mc, ITEMSIZE[cache_dtype(cfg.model.dtype, "cpu")])
+
+    def generation(longest: int, rows: int, steps: int) -> float:
+        kv = [decode_kv_positions(max_len, longest + j + 1) for j in range(steps)]
+        return sum(weights + rows * n * per_position for n in kv)
+
+    expected = [generation(60, 2 * g, 16), generation(20, 2 * g, 16)]
+    assert work["decode_bytes"] == pytest.approx(sum(expected) / 2)
+    # Every step charged at the final length (76 positions: two pages) counts more than the steps read.
+    assert expected[0] < 16 * (weights + 2 * g * decode_kv_positions(max_len, 60 + 16) * per_position)

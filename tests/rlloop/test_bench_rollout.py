@@ -10,9 +10,21 @@ from rlloop.bench import rollout
 from rlloop.bench.vllm_runner import vllm_missing
 
 
-def test_without_vllm_the_column_says_why():
+def test_without_vllm_the_column_says_why(tmp_path):
     assert "--vllm-python" in vllm_missing(None)
     assert "cannot import vllm" in vllm_missing(sys.executable)  # rlloop's own environment has no vLLM
+    # a wrong path, or a stale RLLOOP_VLLM_PYTHON: a reason too, not a FileNotFoundError
+    assert vllm_missing(str(tmp_path / "nowhere" / "python")).startswith(f"{tmp_path / 'nowhere' / 'python'} cannot")
+    (tmp_path / "python").write_text("")  # not executable
+    assert "cannot be run" in vllm_missing(str(tmp_path / "python"))
+
+
+def test_the_engines_fit_the_cores_the_run_has(monkeypatch):
+    """--threads pins the run to that many cores, one engine each at most: the default of 2 engines drops to 1."""
+    monkeypatch.delenv("RLLOOP_VLLM_PYTHON", raising=False)
+    assert rollout.parse_args(["--threads", "1"]).engines == 1
+    assert rollout.parse_args(["--threads", "1", "--engines", "1"]).engines == 1
+    assert rollout.parse_args([]).engines == min(2, len(os.sched_getaffinity(0)))
 
 
 def test_quick_rollout_bench_ends_with_a_json_line(capsys, monkeypatch):
@@ -21,6 +33,7 @@ def test_quick_rollout_bench_ends_with_a_json_line(capsys, monkeypatch):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     (tiny,) = result["results"]
     assert result["bench"] == "rollout" and "--vllm-python" in result["vllm_missing"]
+    assert result["threads"] == result["cpus"] == len(os.sched_getaffinity(0))  # the cores it ran on
     assert tiny["vllm_tok_s"] is None and tiny["compiles_after_warmup"] == 0
     assert tiny["rows"] == 16 and tiny["jax_tok_s"] > 0 and tiny["hf_tok_s"] > 0
     assert 0 < tiny["mfu"] < 1 and 0 < tiny["mbu"] < 1
