@@ -13,7 +13,7 @@ import hashlib
 import logging
 import re
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -55,6 +55,7 @@ class Cluster:
         self._warming: list = []  # the engines' warmup() calls in flight
         self._stepped = False  # whether the trainer ranks have taken a step
         self._local_queue = ThreadPoolExecutor(1, thread_name_prefix="rlloop-trainer")  # without Ray: trainer calls
+        self._train_results = ThreadPoolExecutor(1, thread_name_prefix="rlloop-train-wait")  # waits on train steps
         self.engines: list = []
         self.trainers: list = []
         sync, threads = sync_spec(cfg, run_dir), cfg.cluster.cpus_per_actor
@@ -247,17 +248,17 @@ class Cluster:
         completions.sort(key=lambda c: (c.prompt_index, c.sample_index))
         return completions, merge_stats({e: stats for (e, _), (_, stats) in zip(calls, results)})
 
-    def _call_engines(self, method: str) -> list:
-        """`method()` on every engine at once; one that died (or hung) is rebuilt and called again. Without Ray, in
-        turn, each under its lock (a generation may be running on it from the rollout thread)."""
+    def _call_engines(self, method: str, *args) -> list:
+        """`method(*args)` on every engine at once; one that died (or hung) is rebuilt and called again. Without Ray,
+        in turn, each under its lock (a generation may be running on it from the rollout thread)."""
         if not self.remote:
             results = []
             for lock, engine in zip(self._engine_locks, self.engines):
                 with lock:
-                    results.append(getattr(engine, method)())
+                    results.append(getattr(engine, method)(*args))
             return results
-        refs = [getattr(engine, method).remote() for engine in self.engines]
-        return [self._engine_result(e, ref, method, ()) for e, ref in enumerate(refs)]
+        refs = [getattr(engine, method).remote(*args) for engine in self.engines]
+        return [self._engine_result(e, ref, method, args) for e, ref in enumerate(refs)]
 
     def _engine_result(self, e: int, ref, method: str, args: tuple, batches: int = 1):
         """The result of engine e's call; if the engine died (or hung past cluster.actor_timeout_s, for each of the
@@ -315,13 +316,11 @@ class Cluster:
                 self._pending[e] += (len(prompts[i]) + max_new) * n
         return [sorted(s) for s in shares]
 
-    def start_train_step(
-        self, batch, publish: int | None = None, profile: str | None = None
-    ) -> Callable[[], dict[str, float]]:
+    def start_train_step(self, batch, publish: int | None = None, profile: str | None = None) -> Future[dict]:
         """Queue one train step on every rank, behind any step still running there; with `publish`, rank 0 then
-        publishes the new weights as that version (if the step changed them), queued behind the step so that it costs
-        no round trip of its own; with `profile` (a directory), rank r traces its step into `profile`/trainer_rank{r}.
-        The returned function waits for the step's metrics."""
+        publishes the new weights as that version (if the step changed them: `perf/push_s` in the metrics), queued
+        behind the step so that it costs no round trip of its own; with `profile` (a directory), rank r traces its
+        step into `profile`/trainer_rank{r}. Returns the step's metrics as a future, done as soon as the ranks are."""
         from trainer import shard_batch
 
         world = len(self.trainers)
@@ -347,7 +346,7 @@ class Cluster:
             done = results()  # each call's result is equal on all ranks
             return done[0][0] | (done[1][0] if publish is not None else {}) | freed
 
-        return metrics
+        return self._train_results.submit(metrics)
 
     def push_weights(self, version: int) -> dict[str, float]:
         """Rank 0 publishes `version` (the other ranks join the export's gather under fsdp); the engines take it at
@@ -355,12 +354,13 @@ class Cluster:
         pushed = self._call_all(self.trainers, "push_weights", [(version,)] * len(self.trainers))
         return pushed[0] if pushed else {}
 
-    def pull_weights(self) -> dict[str, float]:
-        """Every engine loads the newest version (queued behind a generation in flight, as slime's async loop does);
-        engine 0's receiver metrics, the receivers' counts over every engine there has been, each engine's version."""
+    def pull_weights(self, at_most: int | None = None) -> dict[str, float]:
+        """Every engine loads the newest version, or the newest up to `at_most` (queued behind a generation in flight,
+        as slime's async loop does); engine 0's receiver metrics, the receivers' counts over every engine there has
+        been, each engine's version."""
         if self.cfg.cluster.colocate:  # the engines' turn: their cache and weights come back before they load
             self._call_engines("wake")
-        pulled = self._call_engines("pull_weights")
+        pulled = self._call_engines("pull_weights", at_most)
         out = dict(pulled[0]) if pulled else {}
         for e, m in enumerate(pulled):
             self._receiver_counts[e] = {key: m[key] for key in RECEIVER_COUNTS if key in m}
@@ -383,6 +383,7 @@ class Cluster:
     def close(self) -> None:
         """Stop the workers (gracefully first, so shared memory is released), then Ray if we started it."""
         workers = [*self.engines, *self.trainers]
+        self._train_results.shutdown(wait=False)  # a wait still under way ends with its actors below
         if not self.remote:
             self._local_queue.shutdown(wait=True)  # a step in flight finishes before its trainer closes
             for w in workers:

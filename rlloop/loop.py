@@ -13,6 +13,7 @@ import logging
 import time
 from contextlib import ExitStack, closing, contextmanager, nullcontext
 from pathlib import Path
+from typing import Callable
 
 from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, load_state, save_checkpoint
 from rlloop.cluster import Cluster
@@ -112,7 +113,6 @@ def run_recipe(cfg: Config, inputs: Inputs, resume: bool = False, trainer_restar
             the next training."""
             if training is not None:
                 metrics |= training(clock.queued)
-            batches.trained(step)  # the async mode's generation of step + 2 may load its weights now
             if cfg.loop.mode != "sync":  # the engines generate while the trainer trains: what the driver waited
                 metrics["perf/rollout_wait_s"] = clock.waited
             if evaluating and step % cfg.run.eval_every == 0:
@@ -147,7 +147,9 @@ def run_recipe(cfg: Config, inputs: Inputs, resume: bool = False, trainer_restar
                 if batch.samples is not None:
                     tracker.log_samples(step, batch.samples)  # tracking.save_rollouts, W&B sample tables
                     if cluster.trainers:  # none in --debug rollout-only
-                        training = start_training(cfg, cluster, step, batch.samples)
+                        training = start_training(cfg, cluster, step, batch.samples, batches.trained)
+            if training is None:  # nothing to train on: the weights stay as they are
+                batches.trained(step, published=False)
             if pending:
                 finish(*pending)
             pending = (step, batch.metrics, training)
@@ -159,18 +161,21 @@ def run_recipe(cfg: Config, inputs: Inputs, resume: bool = False, trainer_restar
     return run_dir
 
 
-def start_training(cfg: Config, cluster: Cluster, step: int, samples):
+def start_training(cfg: Config, cluster: Cluster, step: int, samples, trained: Callable[[int, bool], None]):
     """Queue the step's training and the publication of its weights (in the trainer's same round trip): the sync
     mode's engines load them now, the async modes' before (async) or while (fully_async) they generate. A step that
-    applied no update (non-finite) publishes nothing, nor does --debug train-only, which has no engine. Returns the
-    wait for its metrics, which counts `queued` seconds of the driver's in queueing as training."""
+    applied no update (non-finite) or failed publishes nothing, nor does --debug train-only, which has no engine.
+    The rollout schedule hears `trained(step, published)` as soon as the trainer is done, not once the driver, a
+    batch later, waits for the step: fully_async's producer may be waiting for those weights to start a chunk.
+    Returns the wait for the step's metrics, which counts `queued` seconds of the driver's in queueing as training."""
     training = cluster.start_train_step(
         samples.to_train_batch(), publish=step if cluster.engines else None, profile=profile_dir(cfg, step)
     )
+    training.add_done_callback(lambda done: trained(step, not done.exception() and "perf/push_s" in done.result()))
 
     def wait(queued: float) -> dict[str, float]:
         t0 = time.perf_counter()
-        metrics = training()
+        metrics = training.result()
         blocked = queued + time.perf_counter() - t0
         push_s = min(metrics.get("perf/push_s", 0.0), blocked)  # as far as the driver waited for it
         t1 = time.perf_counter()

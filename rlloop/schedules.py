@@ -45,8 +45,9 @@ class SyncRollout:
     def next(self, step: int) -> StepRollout:
         return self.manager.collect(step)
 
-    def trained(self, step: int) -> None:
-        """The loop's word that `step` has trained and published its weights."""
+    def trained(self, step: int, published: bool = True) -> None:
+        """The loop's word that `step` has trained and, if `published`, published its weights (a step that changed
+        nothing publishes nothing). It may come from another thread, and out of order with the step before."""
 
     def resume_state(self) -> dict:
         return self.manager.data.state_dict()
@@ -69,16 +70,17 @@ class OneStepOffPolicy:
         cursor = self.manager.data.state_dict()  # taken before the thread draws: the resume point of `step`
         self.pending = (step, cursor, self.pool.submit(self._pull_and_collect, step))
 
-    def trained(self, step: int) -> None:
+    def trained(self, step: int, published: bool = True) -> None:
         with self.cond:
-            self.trained_through = step
+            self.trained_through = max(self.trained_through, step)
             self.cond.notify_all()
 
     def _pull_and_collect(self, step: int) -> StepRollout:
         """In the rollout thread: once step - 2 has trained and published (the loop may start this while it still
-        trains, with step - 1 queued behind it), the engines load the newest weights, those of step - 2, then
-        generate `step`. The load is off the training path: the trainer is on step - 1, whose weights come a whole
-        train step later. After a checkpoint the step waits for the checkpoint's own weights: a run resumed from it
+        trains, with step - 1 queued behind it), the engines load its weights and generate `step`; those of step - 2
+        even if step - 1 has published too by then (a pull delayed past a train step made a run differ from its
+        rerun). The load is off the training path: the trainer is on step - 1, whose weights come a whole train
+        step later. After a checkpoint the step waits for the checkpoint's own weights: a run resumed from it
         has no older ones, so both generate the step from the same weights and the resumed run goes on exactly as
         the uninterrupted one (an overlap given up every run.save_every steps)."""
         newest = step - 1 if self.manager.cfg.run.saves_at(step - 1) else step - 2
@@ -86,7 +88,7 @@ class OneStepOffPolicy:
             self.cond.wait_for(lambda: self.closing or self.trained_through >= newest)
             if self.closing:
                 raise RuntimeError(f"the run stopped before step {step} was generated")
-        pulled = self.manager.cluster.pull_weights()
+        pulled = self.manager.cluster.pull_weights(at_most=newest)
         batch = self.manager.collect(step)
         batch.metrics |= pulled
         return batch
@@ -126,7 +128,9 @@ class FullyAsyncRollout:
         trains = manager.cfg.run.debug != "rollout-only"
         self.manager, self.max_staleness = manager, loop.max_staleness if trains else math.inf
         self.want = manager.cfg.rollout.prompts_per_step
-        self.version = start  # the newest weight version trained or seen on a sample
+        self.version = start  # the newest weight version published or seen on a sample
+        self.unpublished: set[int] = set()  # steps that changed no weight (trained nothing, or a non-finite step)
+        self.training: set[int] = set()  # steps taken by the trainer and not yet trained
         self.first = start + 1  # the first step this run trains
         self.asking = start + 1  # the step whose batch `next` takes now or next
         self.starving = False  # `next` waits on an empty buffer: a chunk starts whatever its staleness
@@ -197,12 +201,21 @@ class FullyAsyncRollout:
                 self.pausing = False
                 self.cond.notify_all()
 
+    def _behind(self, version: int, step: int) -> int:
+        """How many weight updates the trainer of `step` holds past `version`: it holds step - 1's weights, and each
+        step since `version` changed them, but for those that published nothing. Counted in step numbers alone, two
+        such steps in a row (dynamic sampling that kept no group) made every later group look too stale, for ever."""
+        return step - 1 - version - sum(version < s < step for s in self.unpublished)
+
     def _admits(self) -> bool:
-        """Whether a new chunk's groups would be at most `max_staleness` versions behind the trainer that takes them:
-        behind `buffer` groups, its last one goes to step `asking + (buffer + want - 1) // want`, whose trainer holds
-        that step - 1, and it starts on version `version` or newer. A starving trainer is always served."""
+        """Whether a new chunk's groups would be at most `max_staleness` updates behind the trainer that takes them:
+        behind `buffer` groups, its last one goes to step `asking + (buffer + want - 1) // want`, and it starts on
+        version `version` or newer. A starving trainer is served at once unless a step in training may publish the
+        weights that make the chunk fresh enough (at max_staleness 0, a chunk started before step k's weights were
+        out was generated only to be dropped, two chunks a step)."""
         last_step = self.asking + (len(self.buffer) + self.want - 1) // self.want
-        return self.starving or last_step - 1 - self.version <= self.max_staleness
+        starved = self.starving and not self.training
+        return starved or self._behind(self.version, last_step) <= self.max_staleness
 
     def next(self, step: int) -> StepRollout:
         """The oldest `prompts_per_step` fresh groups; blocks until the producer has them, or with dynamic sampling
@@ -221,7 +234,7 @@ class FullyAsyncRollout:
                     break
                 grp = self.buffer.popleft()
                 self.cond.notify_all()  # room in the buffer: the producer may go on
-                if step - 1 - grp.first_version > self.max_staleness:  # the trainer holds version step - 1
+                if self._behind(grp.first_version, step) > self.max_staleness:
                     self.dropped_stale += 1
                 else:
                     taken.append(grp)
@@ -231,15 +244,20 @@ class FullyAsyncRollout:
                 "rollout/zero_std_groups_dropped": self.dropped_zero_std,
             }
             self.asking = step + 1
+            self.training.add(step)
             self.cond.notify_all()
         batch = self.manager.batch(step, taken, tally)
         batch.metrics |= counts
         return batch
 
-    def trained(self, step: int) -> None:
+    def trained(self, step: int, published: bool = True) -> None:
         """The engines take new weights as they are published; a chunk held back as too stale may start now."""
         with self.cond:
-            self.version = max(self.version, step)
+            self.training.discard(step)
+            if published:
+                self.version = max(self.version, step)
+            else:
+                self.unpublished.add(step)
             self.cond.notify_all()
 
     def resume_state(self) -> dict:
@@ -277,7 +295,7 @@ class ReplayRollout:
         except (ValueError, KeyError, TypeError) as e:  # json's errors are ValueErrors
             raise DataError(f"run.replay: {path} is not a saved step's rollouts ({type(e).__name__}: {e})") from None
 
-    def trained(self, step: int) -> None:
+    def trained(self, step: int, published: bool = True) -> None:
         pass
 
     def resume_state(self) -> dict:

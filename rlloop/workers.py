@@ -190,10 +190,10 @@ class RolloutWorker:
                 took = time.perf_counter() - now
                 self._look_s = took if self._look_s == 0.0 else min(self._look_s, took)
 
-    def _pull_in_flight(self) -> bool:
-        """Load the newest verified version if there is one (True); a refused (corrupt) version keeps the old
-        weights."""
-        got = self.receiver.pull()
+    def _pull_in_flight(self, at_most: int | None = None) -> bool:
+        """Load the newest verified version (at most `at_most`) if there is one (True); a refused (corrupt) version
+        keeps the old weights."""
+        got = self.receiver.pull(at_most)
         if got is not None:
             version, arrays = got
             self.engine.load_weights(arrays, version)
@@ -215,10 +215,10 @@ class RolloutWorker:
         self.engine.load_weights(arrays, version)
         self.version = version
 
-    def pull_weights(self) -> dict[str, float]:
-        """Load the newest verified version, if any, and report the receiver's sync metrics."""
+    def pull_weights(self, at_most: int | None = None) -> dict[str, float]:
+        """Load the newest verified version (at most `at_most`), if any, and report the receiver's sync metrics."""
         t0 = time.perf_counter()
-        self._pull_in_flight()
+        self._pull_in_flight(at_most)
         return {
             **self.receiver.metrics(),
             "sync/rollout_version": self.version,

@@ -265,10 +265,14 @@ class Receiver(_Endpoint):
         }
 
     # -- protocol --
-    def pull(self) -> tuple[int, dict[str, np.ndarray]] | None:
-        """The newest verified version newer than the last one returned, or None. Never raises on bad data."""
+    def pull(self, at_most: int | None = None) -> tuple[int, dict[str, np.ndarray]] | None:
+        """The newest verified version newer than the last one returned, or None. Never raises on bad data. With
+        `at_most`, no version above it: a version the sender published before a newer one is still there to read
+        (the disk and Ray transports keep `keep` versions, shm the last two)."""
         for _ in range(5):
             latest = self._latest()
+            if latest is not None and at_most is not None:
+                latest = min(latest, at_most)
             if (
                 latest is None
                 or latest in self._bad

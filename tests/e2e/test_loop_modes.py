@@ -2,6 +2,8 @@
 without losing or repeating a prompt, and 2 engines that share every step's work and every weight version."""
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -70,13 +72,15 @@ def test_no_trained_sample_is_staler_than_allowed_and_versions_are_recorded(tmp_
     assert_breakdown_fits(metrics)
 
 
-def test_fully_async_generates_no_chunk_only_to_drop_it(tmp_path):
+@pytest.mark.parametrize("max_staleness", [1, 0])
+def test_fully_async_generates_no_chunk_only_to_drop_it(tmp_path, max_staleness):
     """The producer starts a chunk only if its groups will be fresh enough when the trainer takes them, so none is
     generated and then dropped as too stale (without that, 64 here, half as many as were trained: the engine ran ahead
-    of the trainer)."""
+    of the trainer). At max_staleness 0 it waits for the weights of the step in training rather than start a chunk
+    on older ones (two chunks a step were dropped so when the producer heard of new weights only a batch later)."""
     overrides = [
         "loop.mode=fully_async",
-        "loop.max_staleness=1",
+        f"loop.max_staleness={max_staleness}",
         "rollout.prompts_per_step=16",
         "run.steps=8",
         "run.save_every=0",
@@ -85,7 +89,46 @@ def test_fully_async_generates_no_chunk_only_to_drop_it(tmp_path):
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "train/loss" in m] == list(range(1, 9))
     assert metrics[-1]["rollout/stale_groups_dropped"] == 0
-    assert max(m["rollout/staleness/max"] for m in metrics) == 1  # it still runs ahead as far as allowed
+    assert max(m["rollout/staleness/max"] for m in metrics) == max_staleness  # it runs ahead as far as allowed
+
+
+@pytest.mark.timeout(300)  # it used to run for ever
+def test_fully_async_goes_on_after_steps_that_trained_nothing(tmp_path, monkeypatch):
+    """Dynamic sampling keeps no group in two steps' rounds (the first 128 samples all score 1), so they train and
+    publish nothing; then groups disagree again, and the steps after train on them: they come from the weights the
+    trainer holds. Staleness counted in step numbers made every later group two versions stale: each was dropped, and
+    the engines generated for ever."""
+    monkeypatch.setenv("RLLOOP_TEST_SCORED", str(tmp_path / "scored"))
+    overrides = [
+        "loop.mode=fully_async",
+        "loop.max_staleness=1",
+        "grpo.dynamic_sampling=true",
+        "grpo.max_sampling_rounds=2",
+        "reward.fn=tests.rlloop.reward_fns:agree_first_128",
+        "run.steps=4",
+        "run.save_every=0",
+    ]
+    train(load_config(TINY, LOCAL + [*overrides, f"run.dir={tmp_path / 'run'}"]))
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [("train/loss" in m) for m in metrics] == [False, False, True, True]
+    assert metrics[-1]["rollout/stale_groups_dropped"] == 0
+
+
+def test_async_generates_each_step_on_the_weights_two_steps_back_however_late_it_pulls(tmp_path, monkeypatch):
+    """async generates step k on step k - 2's weights. The rollout thread's pull is delayed here past a whole train
+    step (a loaded host), so step k - 1's weights are out by then too; the engines used to load those, the newest, and
+    the run differed from one on an idle host."""
+    pull = Cluster.pull_weights
+
+    def late_pull(self, *args, **kwargs):
+        if threading.current_thread().name.startswith("rlloop-rollout"):
+            time.sleep(0.5)
+        return pull(self, *args, **kwargs)
+
+    monkeypatch.setattr(Cluster, "pull_weights", late_pull)
+    train(load_config(TINY, LOCAL + ["loop.mode=async", "run.steps=5", "run.save_every=0", f"run.dir={tmp_path}"]))
+    versions = {step: {r["weight_version"] for r in rows} for step, rows in trained_rows(tmp_path).items()}
+    assert versions == {1: {0}, 2: {0}, 3: {1}, 4: {2}, 5: {3}}
 
 
 @pytest.mark.parametrize("mode", ["sync", "fully_async"])

@@ -66,3 +66,15 @@ class _LazyValue:
 
 def lazy_value(response: str, answer: str):
     return _LazyValue()
+
+
+def agree_first_128(response: str, answer: str) -> float:
+    """The first 128 samples scored (over every worker process, counted in the file RLLOOP_TEST_SCORED) all score 1:
+    their groups carry no signal. Later ones score their response's length parity: groups that disagree."""
+    fd = os.open(os.environ["RLLOOP_TEST_SCORED"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        os.write(fd, b".")
+        scored = os.lseek(fd, 0, os.SEEK_CUR)  # an append's end is this call's own place in the count
+    finally:
+        os.close(fd)
+    return 1.0 if scored <= 128 else float(len(response) % 2)

@@ -58,7 +58,7 @@ def test_a_colocated_engine_found_dead_by_its_sleep_or_wake_is_rebuilt(ray_clust
         out, _ = cluster.generate([PROMPT], 2, SHORT)
         batch = TrainBatch([PROMPT] * 2, [c.token_ids for c in out], [1.0, -1.0])
         kill_engine(cluster.engines[0])
-        cluster.start_train_step(batch, publish=1)()  # puts the engines to sleep first
+        cluster.start_train_step(batch, publish=1).result()  # puts the engines to sleep first
         assert cluster.restarts == 1
         kill_engine(cluster.engines[0])
         assert cluster.pull_weights()["sync/rollout_version"] == 1  # wakes them first

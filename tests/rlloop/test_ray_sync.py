@@ -130,3 +130,18 @@ def test_ray_restarted_sender_starts_a_new_epoch(ray_cluster, run_id):
     resumed.push({"w": np.full(10, 40, np.int32)}, 40)
     version, got = receiver.pull()
     assert version == 40 and (got["w"] == 40).all()
+
+
+def test_ray_pull_of_at_most_a_version_applies_its_delta_though_a_newer_one_is_out(ray_cluster, run_id):
+    rng = np.random.default_rng(0)
+    sender = make_ray_sender(run_id=run_id, delta=True, keyframe_every=10)
+    receiver = make_ray_receiver(run_id=run_id, delta=True)
+    states = [_weights(rng)]
+    states += [_step(states[-1], rng) for _ in range(2)]
+    sender.push(states[0], 0)
+    assert receiver.pull(at_most=0)[0] == 0
+    assert not sender.push(states[1], 1).keyframe and not sender.push(states[2], 2).keyframe
+    version, got = receiver.pull(at_most=1)
+    assert version == 1 and _same_bits(got, states[1])
+    version, got = receiver.pull()
+    assert version == 2 and _same_bits(got, states[2])

@@ -448,3 +448,24 @@ def test_weights_are_readable_by_their_owner_only(run_id, tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE(os.stat(tmp_path / run_id).st_mode) == 0o700
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("delta", [False, True])
+def test_a_pull_of_at_most_a_version_loads_it_though_a_newer_one_is_out(transport, delta, run_id, tmp_path):
+    """The async loop mode's engine loads step k - 2's weights for step k even when k - 1's are out already."""
+    rng = np.random.default_rng(0)
+    sender, receiver = _pair(transport, run_id, tmp_path, delta=delta, keyframe_every=4)
+    with sender, receiver:
+        states = [_state(rng) for _ in range(3)]
+        sender.push(states[0], 0)
+        assert receiver.pull(at_most=0)[0] == 0
+        sender.push(states[1], 1)
+        sender.push(states[2], 2)
+        version, got = receiver.pull(at_most=1)
+        assert version == 1
+        _assert_bits_equal(got, states[1])
+        assert receiver.pull(at_most=1) is None  # nothing newer than what it has, up to 1
+        version, got = receiver.pull()
+        assert version == 2
+        _assert_bits_equal(got, states[2])
