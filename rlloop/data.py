@@ -89,6 +89,40 @@ def _load_files(files: list[Path], fmt: str, path: str, key: str):
         raise DataError(f"{key} {path}: cannot read as {fmt} ({reason}); is it a broken or truncated file?") from None
 
 
+def _split_files(directory: Path, split: str, key: str) -> list[Path]:
+    """The data files of `split` in a directory, named as on the hub (train-00000-of-00002.parquet, data/test.jsonl,
+    eval.jsonl; a directory whose names say no split is all "train"), picked as `datasets.load_dataset(directory,
+    split=split)` picks them: reading every file mixed a snapshot's test split into its training data."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    try:
+        by_split = DataFilesDict.from_local_or_remote(get_data_patterns(str(directory)), base_path=str(directory))
+    except FileNotFoundError:  # datasets' EmptyDatasetError too: no file at all
+        by_split = {}
+    named = {str(s): sorted(Path(f) for f in fs if Path(f).suffix in FILE_FORMATS) for s, fs in by_split.items()}
+    named = {s: fs for s, fs in named.items() if fs}
+    if not named:
+        raise DataError(f"{key} {directory}: a directory with no .parquet, .jsonl or .json files in it")
+    if split not in named:
+        raise DataError(f"{key} {directory}: no {split!r} split in it (its files name {', '.join(sorted(named))})")
+    return named[split]
+
+
+def _load_saved(directory: Path, split: str, key: str):
+    """A directory written by `Dataset.save_to_disk` (or a DatasetDict's: `split` of it)."""
+    import datasets
+
+    try:
+        saved = datasets.load_from_disk(str(directory))
+    except Exception as e:
+        raise DataError(f"{key} {directory}: cannot read as a saved dataset ({type(e).__name__}: {e})") from None
+    if isinstance(saved, datasets.DatasetDict):
+        if split not in saved:
+            raise DataError(f"{key} {directory}: no {split!r} split in it (it has {', '.join(saved)})")
+        saved = saved[split]
+    return saved
+
+
 def load_rows(path: str, split: str = "train", key: str = "data.path"):
     """A `datasets.Dataset` from a hub id, a parquet/jsonl file or a directory of them; errors name `key`."""
     import datasets
@@ -101,9 +135,9 @@ def load_rows(path: str, split: str = "train", key: str = "data.path"):
             raise DataError(f"{key} {path}: no rows (empty file)")
         return _load_files([local], FILE_FORMATS[local.suffix], path, key)
     if local.is_dir():
-        files = sorted(f for f in local.rglob("*") if f.suffix in FILE_FORMATS)
-        if not files:
-            raise DataError(f"{key} {path}: a directory with no .parquet, .jsonl or .json files in it")
+        if (local / "state.json").is_file() or (local / "dataset_dict.json").is_file():
+            return _load_saved(local, split, key)
+        files = _split_files(local, split, key)
         formats = {FILE_FORMATS[f.suffix] for f in files}
         if len(formats) > 1:
             raise DataError(f"{key} {path}: a directory mixing parquet and json files; keep one format")

@@ -47,6 +47,26 @@ def test_parquet_and_directory_sources_agree(tmp_path, tok):
     assert sorted(p.answer for p in a) == sorted(str(2 * i + 1) for i in range(10))
 
 
+def test_a_directory_holding_several_splits_gives_the_one_asked_for(tmp_path, tok):
+    """A hub snapshot's data/train-*.parquet and data/test-*.parquet: data.path at the snapshot trains on the train
+    split alone (as `datasets.load_dataset(dir, split=...)` reads it), not on both; a `save_to_disk` directory reads
+    too. The shipped tiny data directory holds train.jsonl and eval.jsonl: 336 rows to train on, not 400."""
+    import datasets
+
+    (tmp_path / "snap" / "data").mkdir(parents=True)
+    df = pd.DataFrame(rows(10))
+    df.iloc[:6].to_parquet(tmp_path / "snap" / "data" / "train-00000-of-00001.parquet")
+    df.iloc[6:].to_parquet(tmp_path / "snap" / "data" / "test-00000-of-00001.parquet")
+    (tmp_path / "snap" / "README.md").write_text("a dataset card")
+    assert len(PromptData(str(tmp_path / "snap"), tok)) == 6
+    assert len(PromptData(str(tmp_path / "snap"), tok, split="test")) == 4
+    with pytest.raises(DataError, match="no 'validation' split in it"):
+        PromptData(str(tmp_path / "snap"), tok, split="validation")
+    assert len(PromptData(str(ASSETS / "data"), tok)) == len(TRAIN.read_text().splitlines()) == 336
+    datasets.DatasetDict(train=datasets.Dataset.from_pandas(df)).save_to_disk(tmp_path / "saved")
+    assert len(PromptData(str(tmp_path / "saved"), tok)) == 10
+
+
 def test_seeded_order_and_resume(tok):
     full = PromptData(str(TRAIN), tok, seed=7)
     first = [p.index for p in full.next_batch(300)] + [p.index for p in full.next_batch(100)]  # crosses an epoch
