@@ -183,6 +183,9 @@ class JaxEngine:
         if self._host_params is not None:  # released (colocation): applied when it resumes
             self._host_params = host
         else:
+            # The old weights go before the new ones arrive, as vLLM and slime update in place: two copies at once
+            # are ~8 GB a chip more than the memory plan gives a 4B model. (A dispatch still running holds its own.)
+            self.params = None
             self.params = jax.device_put(host, self._shardings)
         self.weight_version = int(version)
 

@@ -39,9 +39,8 @@ def make_mesh(tp: int) -> Mesh:
 
 
 def param_spec(cfg: ModelConfig, param: Param, tp: int) -> P:
-    """The tensor's split axis on the mesh; replicated when it has none, or when that axis does not divide by tp
-    (only the LM head can: check_tp guarantees heads and MLP channels divide)."""
-    if param.tp_axis is None or param.shape(cfg)[param.tp_axis] % tp:
+    """The tensor's split axis on the mesh; replicated when it is not split (`Param.split`)."""
+    if not param.split(cfg, tp):
         return P()
     return P(*(AXIS if i == param.tp_axis else None for i in range(len(param.dims))))
 

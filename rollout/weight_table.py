@@ -30,6 +30,11 @@ class Param:
     def hf_shape(self, cfg: ModelConfig) -> tuple[int, ...]:
         return self.shape(cfg)[::-1] if self.transposed else self.shape(cfg)
 
+    def split(self, cfg: ModelConfig, tp: int) -> bool:
+        """Whether the tensor is split over a `tp`-device mesh: it has a split axis and that axis divides by tp
+        (only the LM head's may not: rollout.sharding.check_tp guarantees heads and MLP channels divide)."""
+        return self.tp_axis is not None and self.shape(cfg)[self.tp_axis] % tp == 0
+
 
 def dim_sizes(cfg: ModelConfig) -> dict[str, int]:
     return {

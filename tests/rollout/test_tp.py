@@ -83,3 +83,35 @@ def test_tp_must_divide_heads(model_dir):
         check_tp(mc, 3)
     with pytest.raises(ValueError, match="tp=64"):
         check_tp(mc, 64)
+
+
+def _bytes_per_device(arrays) -> dict[int, int]:
+    held: dict[int, int] = {}
+    for a in arrays:
+        for shard in a.addressable_shards:
+            held[shard.device.id] = held.get(shard.device.id, 0) + shard.data.nbytes
+    return held
+
+
+def test_each_device_holds_the_planned_bytes_and_one_copy_of_the_weights_while_loading(model_dir, monkeypatch):
+    """At tp=2 the embedding and the norms are whole on both devices and the projections halved (the plan used to
+    halve all of it); a weight load drops the old weights before the new arrive, so no device holds two copies."""
+    from rollout.cost import engine_memory
+    from rollout.weights import expected_shapes
+
+    engine = small_engine(model_dir, tp=2)
+    plan = engine_memory(engine.model_cfg, 4, 8, 64, tp=2, head_copy=engine._head_copy, kv_itemsize=4)
+    assert set(_bytes_per_device(jax.tree.leaves(engine.params)).values()) == {plan["weights"]}
+    assert set(_bytes_per_device(jax.tree.leaves(engine.cache)).values()) == {plan["kv_cache"]}
+
+    put, peak = jax.device_put, {}
+
+    def put_and_look(*args, **kwargs):
+        out = put(*args, **kwargs)
+        peak.update(_bytes_per_device(jax.live_arrays()))
+        return out
+
+    monkeypatch.setattr(jax, "device_put", put_and_look)
+    before = _bytes_per_device(jax.live_arrays())
+    engine.load_weights({n: np.ones(s, np.float32) for n, s in expected_shapes(engine.model_cfg).items()}, 1)
+    assert peak and all(peak[d] <= before[d] for d in before), (before, peak)
