@@ -82,7 +82,7 @@ def component_kwargs(section: BaseModel, component: type) -> dict:
 class RunSection(Section):
     name: str = "grpo"
     dir: PathStr = "runs/{name}"  # {name} is filled in
-    seed: int = 0
+    seed: NonNegInt = 0
     steps: PositiveInt = 100
     save_every: NonNegInt = 20  # 0: never
     eval_every: NonNegInt = 20  # 0: never

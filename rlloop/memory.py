@@ -49,8 +49,11 @@ def model_shape(path: str) -> ModelConfig | None:
         cached = str(shipped) if shipped.is_file() else None
     if cached is None:
         return None
-    with open(cached) as f:
-        return ModelConfig.from_hf_dict(json.load(f))
+    try:
+        with open(cached) as f:
+            return ModelConfig.from_hf_dict(json.load(f))
+    except (ValueError, KeyError, OSError):  # a family the JAX engine has no decoder for (the hf backend runs it)
+        return None
 
 
 @dataclass
@@ -117,18 +120,24 @@ def plan_memory(cfg: Config) -> MemoryPlan | None:
     if engine["total"] > usable:
         per_row = engine_cfg.max_seq_len * kv_bytes_per_token(shape, kv_item) // engine_cfg.tp
         rows = (usable - engine["weights"]) // per_row
+        more_chips = "more chips per engine (cluster.rollout_chips / cluster.rollout_engines)"
+        if rows >= 1:
+            fix = (
+                f"rollout.max_batch <= {rows} fits, or fewer positions per row (rollout.max_response_len, "
+                f"data.max_prompt_len), or {more_chips}"
+            )
+        else:  # no row count helps
+            fix = f"the weights alone ({engine['weights'] / GB:.1f} GB) do not fit: {more_chips}"
         plan.fixes["rollout"] = (
             f"rollout: {engine['total'] / GB:.1f} GB per chip exceeds {usable / GB:.1f} GB{share} by "
-            f"{(engine['total'] - usable) / GB:.1f} GB; rollout.max_batch <= {rows} fits, or fewer positions per "
-            f"row (rollout.max_response_len, data.max_prompt_len), or more chips per engine (cluster.rollout_chips "
-            f"/ cluster.rollout_engines)"
+            f"{(engine['total'] - usable) / GB:.1f} GB; {fix}"
         )
     if trainer["total"] > device:
         plan.fixes["trainer"] = (
             f"trainer: {trainer['total'] / GB:.1f} GB per rank exceeds {device / GB:.1f} GB by "
-            f"{(trainer['total'] - device) / GB:.1f} GB; lower train.micro_batch_tokens, set "
-            f"train.gradient_checkpointing: true, or shard over more ranks (cluster.train_chips with "
-            f"train.parallel: fsdp)"
+            f"{(trainer['total'] - device) / GB:.1f} GB; lower train.micro_batch_tokens, "
+            f"{'' if cfg.train.gradient_checkpointing else 'set train.gradient_checkpointing: true, '}"
+            f"or shard over more ranks (cluster.train_chips with train.parallel: fsdp)"
         )
     return plan
 

@@ -77,7 +77,14 @@ def read_model_config(model: ModelSection) -> tuple[dict, str]:
 def _check_weights(path: Path) -> None:
     for index in SHARD_INDEXES:
         if (path / index).is_file():
-            shards = set(json.loads((path / index).read_text()).get("weight_map", {}).values())
+            try:
+                weight_map = json.loads((path / index).read_text())["weight_map"]
+                shards = set(weight_map.values())
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ModelError(
+                    f"model.path: {path / index} is not a readable shard index ({type(e).__name__}: {e}); an "
+                    "interrupted download?"
+                ) from None
             missing = sorted(s for s in shards if not (path / s).is_file())
             if missing:
                 raise ModelError(

@@ -201,6 +201,8 @@ MODEL_CASES = [  # (id, how to break a copy d of the tiny model, overrides (defa
     ("missing-weight-shard", lambda d: [(d / "model.safetensors").rename(d / SHARD.format(1)),
                                         (d / "model.safetensors.index.json").write_text(json.dumps(SHARDS))], [],
      [f"model.safetensors.index.json lists 1 weight file(s) that are not there: {SHARD.format(2)}"]),
+    ("truncated-shard-index", lambda d: (d / "model.safetensors.index.json").write_text('{"weight_map": {"a'), [],
+     ["model.safetensors.index.json is not a readable shard index", "an interrupted download?"]),
     ("gpt2", lambda d: (d / "config.json").write_text(json.dumps(GPT2)), [],
      ["model_type 'gpt2' (GPT2LMHeadModel)", "supports model_type qwen3, qwen2, llama"]),
     ("mistral-moe", lambda d: edit_json(d / "config.json", **MIXTRAL), [],

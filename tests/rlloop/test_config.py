@@ -69,6 +69,7 @@ BAD_OVERRIDES = [
     (["loop.mode=async", "grpo.tis_cap=null"], "grpo.tis_cap"),
     (["loop.mode=fully_async", "grpo.tis_cap=null"], "loop.mode=fully_async"),
     (["loop.mode=eventually"], "loop.mode"),
+    (["run.seed=-1"], "run.seed"),
     (["data.path="], "data.path"),  # None for a key that must be a path
     (["data.path=''"], "data.path: String should have at least 1 character"),  # not the working directory
     (["run.dir=''"], "run.dir: String should have at least 1 character"),

@@ -72,9 +72,21 @@ def test_an_engine_on_a_gpu_of_its_own_has_jax_s_share_of_it(capsys):
 
 
 def test_a_trainer_that_does_not_fit_names_its_keys(capsys):
+    """Gradient checkpointing is named only where it is off (the recipe turns it on)."""
     assert main([REAL, "cluster.device_memory_gb=40", "rollout.max_batch=16", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert "trainer:" in err and "train.micro_batch_tokens" in err and "train.parallel: fsdp" in err
+    assert "gradient_checkpointing" not in err
+    assert (
+        main([REAL, "cluster.device_memory_gb=40", "rollout.max_batch=16", "train.gradient_checkpointing=false"]) == 2
+    )
+    assert "set train.gradient_checkpointing: true" in capsys.readouterr().err
+
+
+def test_weights_that_alone_do_not_fit_a_chip_ask_for_more_chips_not_fewer_rows(capsys):
+    assert main([REAL, "cluster.device_memory_gb=4", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "the weights alone (4.4 GB) do not fit: more chips per engine" in err and "max_batch <=" not in err
 
 
 def test_a_sample_longer_than_the_micro_batch_budget_is_planned_whole():
