@@ -215,6 +215,16 @@ def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer.encode("\n".join(m["content"] for m in messages))
 
 
+def encodes_any_text(tokenizer) -> bool:
+    """Whether the tokenizer encodes text of any characters (byte-level, byte fallback or an unknown token), probed
+    with characters a small vocabulary lacks."""
+    try:
+        tokenizer.encode("\u00e9\u03c0\u4e2d\U0001f600\x00")
+    except Exception:
+        return False
+    return True
+
+
 class PromptData:
     """Seeded, resumable batches of tokenized prompts."""
 
@@ -267,8 +277,11 @@ class PromptData:
     def _parse(self, index: int) -> tuple[list[dict], list[int], str]:
         """(messages, token ids, answer) of row `index`."""
         messages, answer = self._parse_row(index, self.rows[int(index)])
+        return messages, self._encode(index, messages), answer
+
+    def _encode(self, index: int, messages: list[dict]) -> list[int]:
         try:
-            return messages, encode_prompt(self.tokenizer, messages), answer
+            return encode_prompt(self.tokenizer, messages)
         except Exception as e:  # a tokenizer without an unknown token (the tiny one) meets a character it lacks
             raise DataError(f"{self.key} {self.source}: row {index}: the tokenizer cannot encode it: {e}") from None
 
@@ -305,16 +318,19 @@ class PromptData:
     def validate(self) -> None:
         """Check every row now, in the driver, so that a bad row fails before anything starts, not at the step
         that draws it: each row's prompt and answer, and its length against `max_prompt_len`. Only rows whose byte
-        bound exceeds the limit are tokenized (DAPO-Math-17k's 1.8 M rows take seconds, not a tokenizer pass)."""
+        bound exceeds the limit are tokenized (DAPO-Math-17k's 1.8 M rows take seconds, not a tokenizer pass), unless
+        the tokenizer cannot encode every text (no byte fallback, no unknown token: the tiny one), where every row is:
+        one with a character it lacks ended the run at the step that drew it."""
         columns = sorted({key.split(".")[0] for key in (self.prompt_key, self.answer_key)})
         index, fits, shortest = 0, 0, None
+        every_row = not encodes_any_text(self.tokenizer)
         for batch in self.rows.select_columns(columns).iter(batch_size=4096):
             for values in zip(*(batch[c] for c in columns)):
                 messages, _ = self._parse_row(index, dict(zip(columns, values)))
-                if self._token_bound(messages) <= self.max_prompt_len:
+                if not every_row and self._token_bound(messages) <= self.max_prompt_len:
                     fits += 1
                 else:
-                    tokens = len(encode_prompt(self.tokenizer, messages))
+                    tokens = len(self._encode(index, messages))
                     if tokens > self.max_prompt_len and self.on_long_prompt == "error":
                         raise self._too_long(index, tokens)
                     fits += tokens <= self.max_prompt_len

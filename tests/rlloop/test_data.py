@@ -100,6 +100,23 @@ def test_a_prompt_the_tokenizer_cannot_encode_names_its_row(tmp_path, tok):
     assert len(data.next_batch(2)) == 2
     with pytest.raises(DataError, match="bad.jsonl: row 2: the tokenizer cannot encode it"):
         data.next_batch(1)
+    # and the check before a run finds it, though the row is short (rows within the length bound went untokenized)
+    with pytest.raises(DataError, match="bad.jsonl: row 2: the tokenizer cannot encode it"):
+        PromptData(str(path), tok).validate()
+
+
+def test_a_tokenizer_that_encodes_any_text_is_told_from_one_that_does_not(tok):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from rlloop.data import encodes_any_text
+
+    byte_level = Tokenizer(models.BPE())
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_level.train_from_iterator(["1 + 2"], trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet))
+    assert encodes_any_text(PreTrainedTokenizerFast(tokenizer_object=byte_level))
+    assert not encodes_any_text(tok)  # the tiny character vocabulary, no unknown token
 
 
 def test_long_prompts_are_dropped_and_counted_or_an_error(tmp_path, tok):
