@@ -5,8 +5,8 @@ recipe on two backends, modes or rank counts, two seeds each) becomes one curve 
 each step after a rolling mean over `--smooth` steps (per-step rewards are noisy; eval metrics are not smoothed).
 Group B's seed spread is the pooled standard deviation of its runs around their mean curve, floored by the standard
 error of one smoothed point (the runs' noise around their own rolling mean), so one run per group still has a scale,
-except for an eval metric (never smoothed): with one run in B it has none, and gets no verdict. The verdict per
-metric is
+except for an eval metric (never smoothed): with one run in B it has none, and gets no verdict. A step where a run
+logged a non-finite value (NaN) is left out for all. The verdict per metric is
 
     distance = mean over shared steps of |mean_A - mean_B| / spread_B        within: distance <= --tolerance (2)
 
@@ -47,8 +47,13 @@ def expand(patterns, runs: list[list[dict]]) -> list[str]:
 
 
 def logged_steps(runs: list[list[dict]], metric: str) -> set[int]:
-    """The steps at which every run logged `metric`."""
-    return set.intersection(*({r["step"] for r in rows if metric in r} for rows in runs))
+    """The steps at which every run logged `metric` as a finite number (metrics.jsonl keeps a NaN as NaN: one in
+    one run made the whole metric's distance NaN)."""
+    return set.intersection(*({r["step"] for r in rows if _finite(r.get(metric))} for rows in runs))
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and bool(np.isfinite(value))
 
 
 def curves(
@@ -155,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error("no metric was logged at the same steps by both groups: nothing to compare")
         for metric, v in verdicts.items():
             if v["within"] is None:
-                print(f"{metric:32s} no scale: one run in B, not smoothed; give B a second seed")
+                print(f"{metric:32s} no scale: B's runs do not vary (one run, or equal ones) and it is not smoothed")
                 continue
             word = "within" if v["within"] else "OUTSIDE"
             print(f"{metric:32s} {word:8s} distance {v['distance']:.2f} spreads (spread {v['spread']:.4g})")

@@ -46,6 +46,19 @@ def test_an_eval_metric_of_one_run_has_no_scale_rather_than_any_gap_outside(tmp_
     assert verdict["rollout/raw_reward"] == {"distance": 0.0, "within": True}
 
 
+def test_a_nan_at_one_step_of_one_run_leaves_that_step_out(runs, tmp_path, capsys):
+    """metrics.jsonl keeps a non-finite value as NaN (a non-finite train step's loss): the step is left out for every
+    run, where it made the metric's distance NaN, OUTSIDE, and the JSON line invalid."""
+    long, _ = runs
+    path = tmp_path / "long0" / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[3]["rollout/raw_reward"] = float("nan")
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main([*long, "--vs", *long, "--out", str(tmp_path / "c.png")]) == 0
+    verdict = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert verdict["rollout/raw_reward"] == {"distance": 0.0, "within": True}
+
+
 @pytest.mark.parametrize(
     "args, named",
     [
