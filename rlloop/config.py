@@ -99,6 +99,11 @@ class RunSection(Section):
         """Whether the loop checkpoints after `step`: every `save_every` steps and the last."""
         return bool(self.save_every) and (step % self.save_every == 0 or step == self.steps)
 
+    def evals_at(self, step: int) -> bool:
+        """Whether the loop evaluates after `step`: every `eval_every` steps and the last (as verl's final validation;
+        the run's summary reports the trained policy's accuracy, not the last multiple's)."""
+        return bool(self.eval_every) and (step % self.eval_every == 0 or step == self.steps)
+
     @field_validator("dir")
     @classmethod
     def _dir_fills_in_name_only(cls, v: str) -> str:

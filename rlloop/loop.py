@@ -49,6 +49,13 @@ def train(cfg: Config, resume: bool = False, inputs: Inputs | None = None) -> Pa
     # A fresh run in a directory that holds an earlier run's checkpoints leaves them until its first save; a rebuild
     # before then starts over, not from the earlier run's step.
     inherited = frozenset() if resume else checkpoint_marks(cfg.run_dir)
+    if inherited:
+        log.warning(
+            "%s holds an earlier run (checkpoints %s); this one starts from step 0 and replaces it: its metrics now, "
+            "its checkpoints at this run's first save. To continue it instead, add --resume",
+            cfg.run_dir,
+            ", ".join(sorted(name for name, _, _ in inherited)),
+        )
     resumed = load_state(ckpt) if resume and (ckpt := latest_checkpoint(cfg.run_dir)) else {"step": 0}
     if resume and not checkpoint_marks(cfg.run_dir):
         log.warning("--resume: %s holds no checkpoint; the run starts from step 0", cfg.run_dir / "checkpoints")
@@ -115,7 +122,7 @@ def run_recipe(cfg: Config, inputs: Inputs, resume: bool = False, trainer_restar
                 metrics |= training(clock.queued)
             if cfg.loop.mode != "sync":  # the engines generate while the trainer trains: what the driver waited
                 metrics["perf/rollout_wait_s"] = clock.waited
-            if evaluating and step % cfg.run.eval_every == 0:
+            if evaluating and cfg.run.evals_at(step):
                 # fully_async's producer starts no chunk meanwhile
                 with batches.paused() if cfg.loop.mode == "fully_async" else nullcontext():
                     t0 = time.perf_counter()
@@ -153,7 +160,7 @@ def run_recipe(cfg: Config, inputs: Inputs, resume: bool = False, trainer_restar
             if pending:
                 finish(*pending)
             pending = (step, batch.metrics, training)
-            if cfg.loop.mode == "sync" or cfg.run.saves_at(step) or (evaluating and step % cfg.run.eval_every == 0):
+            if cfg.loop.mode == "sync" or cfg.run.saves_at(step) or (evaluating and cfg.run.evals_at(step)):
                 finish(*pending)
                 pending = None
         if pending:

@@ -15,6 +15,8 @@ import os
 import shlex
 import signal
 import sys
+import tempfile
+from pathlib import Path
 
 from rlloop.config import Config, ConfigError, load_config, to_yaml
 from rlloop.data import Inputs
@@ -77,6 +79,16 @@ def ray_job_working_dir() -> str | None:
     return os.getcwd() if job.get("runtime_env", {}).get("working_dir") else None
 
 
+def can_make_dirs_in(directory: Path) -> bool:
+    """Whether a directory can be made in `directory`, tried (and undone): permission bits say yes to root anywhere,
+    /proc and read-only mounts included."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".rlloop-probe-", dir=directory))
+    except OSError:
+        return False
+    return True
+
+
 def check_references(cfg: Config) -> None:
     """Problems we can find before starting anything heavy, reported like config errors."""
     from rlloop.rewards import resolve
@@ -86,7 +98,7 @@ def check_references(cfg: Config) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     nearest = next(p for p in [cfg.run_dir, *cfg.run_dir.parents] if p.exists())  # "." for a relative one
-    if not nearest.is_dir() or not os.access(nearest, os.W_OK | os.X_OK):
+    if not nearest.is_dir() or not can_make_dirs_in(nearest):
         raise ConfigError(f"run.dir {cfg.run_dir} cannot be made there: {nearest} is not a directory it can write to")
     if not cfg.run_dir.is_absolute() and (temp_copy := ray_job_working_dir()):
         raise ConfigError(

@@ -249,22 +249,28 @@ def make_report(cfg: Config, rows: list[dict]) -> str:
     _, reward = _series(rows, "rollout/raw_reward")
     k = max(1, min(5, len(reward) // 3))
     steps = max(r["step"] for r in rows)
+    # --debug runs one role: say so, and leave out what the other would have done
+    what = {
+        "rollout-only": "rollouts (--debug rollout-only: no training)",
+        "train-only": f"GRPO training on the rollouts of {cfg.run.replay} (--debug train-only: no engine)",
+    }.get(cfg.run.debug, "GRPO")
+    source = f"rollout backend {cfg.rollout.backend}" if cfg.run.debug != "train-only" else "saved rollouts"
+    sync = f"; sync {cfg.sync.transport}{' + delta' if cfg.sync.delta else ''}" if cfg.run.debug == "off" else ""
     lines = [
-        f"# {cfg.run.name}: {steps} steps of GRPO on {cfg.model.path}",
+        f"# {cfg.run.name}: {steps} steps of {what} on {cfg.model.path}",
         "",
         f"- data: {cfg.data.path}; {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples "
-        f"per step; rollout backend {cfg.rollout.backend}; sync {cfg.sync.transport}"
-        f"{' + delta' if cfg.sync.delta else ''}",
+        f"per step; {source}{sync}",
         f"- reward (rollout/raw_reward): first {k} steps {_mean(reward[:k]):.3f} -> last {k} steps "
         f"{_mean(reward[-k:]):.3f}",
     ]
     for key in sorted({k for r in rows for k in r if k.startswith("eval/")}):
         steps, values = _series(rows, key)
         lines.append(f"- {key}: " + ", ".join(f"step {s}: {v:.3f}" for s, v in zip(steps, values)))
-    timing = {
-        key: _mean(_series(rows, key)[1])
-        for key in ("perf/step_s", "perf/rollout_s", "perf/train_s", "perf/sync_s", "perf/rollout_tok_per_s")
-    }
+    timed = ["perf/step_s", "perf/rollout_s", "perf/train_s", "perf/sync_s", "perf/rollout_tok_per_s"]
+    if cfg.run.debug != "off":  # one role: nothing is synced, and the other's times are not there
+        timed = [key for key in timed if key != "perf/sync_s" and _series(rows, key)[1]]
+    timing = {key: _mean(_series(rows, key)[1]) for key in timed}
     lines.append("- mean per step: " + ", ".join(f"{k.split('/')[1]} {v:.3g}" for k, v in timing.items()))
     sent, full = _series(rows, "sync/bytes")[1], _series(rows, "sync/full_bytes")[1]
     if sent and sum(sent):

@@ -252,3 +252,15 @@ def test_colocated_run_frees_the_engine_while_training_and_matches_the_split_run
         assert m["perf/compiles"] == 0  # and back without compiling
     for key in ("rollout/raw_reward", "train/loss", "train/grad_norm"):
         assert [m[key] for m in colocated] == [m[key] for m in split], key
+
+
+def test_the_last_step_is_evaluated_and_a_run_started_over_another_says_it_replaces_it(tmp_path, caplog):
+    """Eval every 2 steps of 3: at 0, 2 and the last (the summary's final eval used to be step 2's). Then a fresh run
+    in the same directory, without --resume, warns that it replaces the one there."""
+    args = LOCAL + ["run.steps=3", "run.eval_every=2", "eval.samples=1", "run.save_every=2", f"run.dir={tmp_path}"]
+    train(load_config(TINY, args))
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if any(k.startswith("eval/") for k in m)] == [0, 2, 3]
+    with caplog.at_level("WARNING", logger="rlloop.loop"):
+        train(load_config(TINY, [*args, "run.steps=1"]))
+    assert f"{tmp_path} holds an earlier run (checkpoints step_000002, step_000003)" in caplog.text

@@ -147,9 +147,13 @@ def test_unreadable_config_file(how, capsys, tmp_path, monkeypatch):
 
 
 def test_a_run_dir_that_cannot_be_made_is_refused_before_anything_starts(capsys, tmp_path):
+    """A file in the way; and /proc, whose permission bits say yes to root, where a directory cannot be made (it
+    used to fail after Ray had started, with a traceback)."""
     (tmp_path / "afile").write_text("")
     assert main([TINY, f"run.dir={tmp_path / 'afile' / 'run'}", "--dry-run"]) == 2
     assert f"cannot be made there: {tmp_path / 'afile'} is not a directory it can write to" in capsys.readouterr().err
+    assert main([TINY, "run.dir=/proc/rlloop-run"]) == 2
+    assert "run.dir /proc/rlloop-run cannot be made there: /proc is not a directory" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("run_dir", ["runs/{seed}", "runs/{name"])

@@ -42,6 +42,9 @@ def test_train_only_replays_a_run_exactly(tmp_path):
         assert [r[key] for r in after] == [r[key] for r in before], key  # bit for bit: same weights, same batch
     assert json.loads((replay / "warmup.json").read_text()) == {}  # no engine was built
     assert "sync/version" not in after[-1] and "perf/rollout_s" not in after[-1]
+    report = (replay / "report.md").read_text()  # says what ran, and nothing of what did not
+    assert "steps of GRPO training on the rollouts of" in report and "--debug train-only" in report
+    assert "nan" not in report and "rollout_s" not in report and "sync" not in report
 
 
 @pytest.mark.parametrize("mode", ["sync", "async", "fully_async"])
@@ -57,6 +60,9 @@ def test_rollout_only_generates_scores_and_saves_without_a_trainer(tmp_path, mod
     # the engine never got new weights: every step sampled from the initial policy
     assert {r["weight_version"] for r in saved} == {0}
     assert [r["rollout/staleness/max"] for r in logged] == [0, 0, 0]  # no trainer is ahead of them
+    report = (tmp_path / "report.md").read_text()
+    assert "3 steps of rollouts (--debug rollout-only: no training)" in report
+    assert "nan" not in report and "train_s" not in report and "sync" not in report
 
 
 def test_the_resume_command_printed_on_ctrl_c_keeps_the_debug_mode():
