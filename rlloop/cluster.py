@@ -295,17 +295,23 @@ class Cluster:
             self.engines[e] = engine = ray.remote(RolloutWorker).options(**opts).remote(**kwargs)
             try:
                 ray.get(engine.warmup.remote(), timeout=self.cfg.cluster.actor_start_timeout_s)
+                if not self.trainers:  # --debug rollout-only: the model's own weights are the only policy
+                    break
                 # It has the checkpoint's weights: give it the trainer's current ones directly (an object ref, never
                 # through the driver), and make the next push a keyframe, since it has no base for deltas.
                 current = [t.current_weights.remote() for t in self.trainers]  # every rank joins an fsdp gather
                 ray.get(engine.load_weights.remote(current[0]), timeout=self.cfg.cluster.actor_timeout_s)
+            except ray.exceptions.RayTaskError as err:  # raised in the engine: its argument, rank 0's weights, failed
+                if isinstance(err.cause, ray.exceptions.RayActorError):  # rank 0 died too: rebuild from a checkpoint
+                    raise TrainerDied(f"a trainer actor died while rollout engine {e} restarted: {err.cause}") from None
+                raise
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
                 why = f"its restart: {type(err).__name__}"
                 continue
             self._gather(self.trainers[1:], "current_weights", current[1:])  # a dead rank: TrainerDied
             self._call_all(self.trainers[:1], "force_keyframe", [()])
-            log.warning("rollout engine %d is back (%d/%d)", e, self.restarts, most)
-            return
+            break
+        log.warning("rollout engine %d is back (%d/%d)", e, self.restarts, most)
 
     def _assign(self, prompts: list[list[int]], n: int, max_new: int) -> list[list[int]]:
         shares = [[] for _ in self.engines]

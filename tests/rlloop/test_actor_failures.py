@@ -11,7 +11,7 @@ ray = pytest.importorskip("ray")
 
 from rlloop.cluster import Cluster  # noqa: E402
 from rlloop.config import load_config  # noqa: E402
-from rlloop.errors import ClusterError  # noqa: E402
+from rlloop.errors import ClusterError, TrainerDied  # noqa: E402
 from rollout import SamplingParams  # noqa: E402
 from trainer import TrainBatch  # noqa: E402
 
@@ -64,6 +64,35 @@ def test_a_colocated_engine_found_dead_by_its_sleep_or_wake_is_rebuilt(ray_clust
         assert cluster.pull_weights()["sync/rollout_version"] == 1  # wakes them first
         assert cluster.restarts == 2
         assert cluster.generate([PROMPT], 2, SHORT)[0][0].weight_version == 1
+    finally:
+        cluster.close()
+
+
+def test_an_engine_that_dies_with_the_trainer_is_the_trainer_s_death_and_one_alone_in_rollout_only_heals(
+    ray_cluster, tmp_path
+):
+    """Both die (the OOM killer): the restarted engine's weights, from the trainer, never come. That is the trainer's
+    death, which the loop heals from the last checkpoint; it used to be taken for the new engine's, which was killed
+    and restarted until run.max_restarts ended the run. In --debug rollout-only, which has no trainer, an engine
+    rebuilt keeps the model's weights (it failed on the trainer it has not got)."""
+    cfg = load_config(TINY, ["rollout.backend=hf", "run.max_restarts=3", f"run.dir={tmp_path / 'both'}"])
+    cluster = Cluster(cfg, cfg.run_dir)
+    try:
+        cluster.warmup()
+        ray.kill(cluster.trainers[0])
+        kill_engine(cluster.engines[0])
+        with pytest.raises(TrainerDied, match="a trainer actor died while rollout engine 0 restarted"):
+            cluster.generate([PROMPT], 2, SHORT)
+        assert cluster.restarts == 1
+    finally:
+        cluster.close()
+    cfg = load_config(TINY, ["rollout.backend=hf", "run.debug=rollout-only", f"run.dir={tmp_path / 'alone'}"])
+    cluster = Cluster(cfg, cfg.run_dir)
+    try:
+        cluster.warmup()
+        kill_engine(cluster.engines[0])
+        out, _ = cluster.generate([PROMPT], 2, SHORT)
+        assert cluster.restarts == 1 and len(out) == 2
     finally:
         cluster.close()
 
