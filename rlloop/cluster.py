@@ -77,6 +77,10 @@ class Cluster:
         self._pending = [0] * cfg.cluster.rollout_engines
         self._balance = threading.Lock()
         self._engine_locks = [threading.Lock() for _ in range(cfg.cluster.rollout_engines)]
+        # Full batches of generation queued on each engine (Ray): a call behind them waits that long too. And one
+        # lock per engine for its restart: two threads that find it dead rebuild it once.
+        self._queued = [0] * cfg.cluster.rollout_engines
+        self._restarting = [threading.Lock() for _ in range(cfg.cluster.rollout_engines)]
         self.restarts = 0  # engines rebuilt after dying (rollout/engine_restarts)
         self._receiver_counts: dict[int, dict[str, float]] = {}  # RECEIVER_COUNTS: each engine's last pulled
         self._retired_counts = dict.fromkeys(RECEIVER_COUNTS, 0.0)  # those of engines rebuilt (new ones count from 0)
@@ -224,12 +228,18 @@ class Cluster:
             ([prompts[i] for i in idx], n, share_sampling(sampling, e), in_flight_updates, engine_trace(profile, e))
             for e, idx in calls
         ]
+        own = [batches_in(len(idx) * n, self.cfg.rollout.max_batch) for _, idx in calls]
         try:
             if self.remote:
-                refs = [self.engines[e].generate.remote(*a) for (e, _), a in zip(calls, args)]
+                with self._balance:  # a generation waits for those queued before it on its engine, then its own
+                    waits = [self._queued[e] + b for (e, _), b in zip(calls, own)]
+                    for (e, _), b in zip(calls, own):
+                        self._queued[e] += b
+                called = [self.engines[e] for e, _ in calls]
+                refs = [engine.generate.remote(*a) for engine, a in zip(called, args)]
                 results = [
-                    self._engine_result(e, ref, "generate", a, batches_in(len(idx) * n, self.cfg.rollout.max_batch))
-                    for (e, idx), a, ref in zip(calls, args, refs)
+                    self._engine_result(e, engine, ref, "generate", a, batches)
+                    for (e, _), engine, a, ref, batches in zip(calls, called, args, refs, waits)
                 ]
             else:
                 results = []
@@ -238,8 +248,10 @@ class Cluster:
                         results.append(self.engines[e].generate(*a))
         finally:
             with self._balance:
-                for e, idx in calls:
+                for (e, idx), b in zip(calls, own):
                     self._pending[e] -= sum(len(prompts[i]) + sampling.max_new_tokens for i in idx) * n
+                    if self.remote:
+                        self._queued[e] -= b
         completions = []
         for (_, idx), (share, _) in zip(calls, results):
             for c in share:
@@ -257,13 +269,21 @@ class Cluster:
                 with lock:
                     results.append(getattr(engine, method)(*args))
             return results
-        refs = [getattr(engine, method).remote(*args) for engine in self.engines]
-        return [self._engine_result(e, ref, method, args) for e, ref in enumerate(refs)]
+        with self._balance:  # behind the generations queued on each engine (the loop's eval pull in the async modes)
+            waits = [1 + queued for queued in self._queued]
+        called = list(self.engines)
+        refs = [getattr(engine, method).remote(*args) for engine in called]
+        return [
+            self._engine_result(e, engine, ref, method, args, waits[e])
+            for e, (engine, ref) in enumerate(zip(called, refs))
+        ]
 
-    def _engine_result(self, e: int, ref, method: str, args: tuple, batches: int = 1):
-        """The result of engine e's call; if the engine died (or hung past cluster.actor_timeout_s, for each of the
-        `batches` full batches a generation holds), it is rebuilt with the trainer's current weights and the call is
-        made again on it: a sampled share comes out the same, since its seeds depend only on the request."""
+    def _engine_result(self, e: int, engine, ref, method: str, args: tuple, batches: int = 1):
+        """The result of `ref`, the call `method(*args)` made on engine e (`engine`). If the engine died, or hung past
+        cluster.actor_timeout_s for each of the `batches` full batches of generation the call waits for (those queued
+        before it and its own: an eval's pull queued behind a long generation was taken for a hung engine), it is
+        rebuilt with the trainer's current weights, once however many threads find it dead, and the call is made
+        again on it."""
         import ray
 
         timeout = self.cfg.cluster.actor_timeout_s
@@ -271,8 +291,11 @@ class Cluster:
             try:
                 return ray.get(ref, timeout=timeout and timeout * batches)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e_info:
-                self._restart_engine(e, f"{method}(): {type(e_info).__name__}")
-                ref = getattr(self.engines[e], method).remote(*args)
+                with self._restarting[e]:
+                    if self.engines[e] is engine:  # not rebuilt meanwhile by another thread that found it dead
+                        self._restart_engine(e, f"{method}(): {type(e_info).__name__}")
+                    engine = self.engines[e]
+                ref = getattr(engine, method).remote(*args)
 
     def _restart_engine(self, e: int, why: str) -> None:
         """Rebuild engine e, which died or hung during `why`, and load the trainer's current weights into it. A

@@ -3,6 +3,9 @@ calls finds it dead, and the run goes on (the calls and settings that the end-to
 tests/e2e/test_tiny_run.py, split engine and trainer through shm, do not reach; the engine is killed with `ray.kill`,
 as a SIGKILL would); an actor that cannot start is one clear error."""
 
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -93,6 +96,28 @@ def test_an_engine_that_dies_with_the_trainer_is_the_trainer_s_death_and_one_alo
         kill_engine(cluster.engines[0])
         out, _ = cluster.generate([PROMPT], 2, SHORT)
         assert cluster.restarts == 1 and len(out) == 2
+    finally:
+        cluster.close()
+
+
+def test_an_engine_that_two_threads_find_dead_is_restarted_once(ray_cluster, tmp_path):
+    """The async modes' rollout thread generates while the loop's eval pull waits behind it on the same engine; the
+    engine dies. Each thread used to restart it, the second killing the first's new engine: two or three restarts of
+    run.max_restarts for one death. And the pull, queued behind 16 batches, waits as long as they may take."""
+    overrides = ["rollout.backend=hf", "rollout.max_batch=8", "rollout.decode_buckets=[8]", "run.max_restarts=3"]
+    cfg = load_config(TINY, [*overrides, f"run.dir={tmp_path}"])
+    cluster = Cluster(cfg, cfg.run_dir)
+    prompts = [[5 + i % 7, 6, 7, 8, 9] for i in range(16)]
+    long = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    try:
+        cluster.warmup()
+        with ThreadPoolExecutor(1) as rollout_thread:
+            generation = rollout_thread.submit(cluster.generate, prompts, 8, long)
+            time.sleep(0.3)  # its 16 batches are queued on the engine
+            threading.Timer(0.3, ray.kill, [cluster.engines[0]]).start()
+            cluster.pull_weights()
+            out, _ = generation.result()
+        assert len(out) == 16 * 8 and cluster.restarts == 1
     finally:
         cluster.close()
 
