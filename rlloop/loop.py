@@ -151,10 +151,9 @@ def run_recipe(cfg: Config, inputs: Inputs, resume: bool = False, trainer_restar
                 batch = batches.next(step)  # rollout + reward + advantages
             training = None
             with clock.queueing():
-                if batch.samples is not None:
-                    tracker.log_samples(step, batch.samples)  # tracking.save_rollouts, W&B sample tables
-                    if cluster.trainers:  # none in --debug rollout-only
-                        training = start_training(cfg, cluster, step, batch.samples, batches.trained)
+                tracker.log_samples(step, batch.samples)  # tracking.save_rollouts, W&B sample tables
+                if batch.samples is not None and cluster.trainers:  # none in --debug rollout-only
+                    training = start_training(cfg, cluster, step, batch.samples, batches.trained)
             if training is None:  # nothing to train on: the weights stay as they are
                 batches.trained(step, published=False)
             if pending:

@@ -287,8 +287,8 @@ class ReplayRollout:
             raise DataError(f"run.replay: {path} is missing (the saved run has no rollouts of step {step})")
         try:
             rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            if not rows:
-                raise ValueError("it holds no sample")
+            if not rows:  # the step had nothing to train on (dynamic sampling kept no group): nor has its replay
+                return StepRollout(None, {})
             # the verifier's rewards before overlong shaping, as the run logged them (of the groups it kept)
             raw_reward = float(np.mean([r["raw_reward"] for r in rows]))
             return StepRollout(SavedSamples(rows), {"rollout/raw_reward": raw_reward})

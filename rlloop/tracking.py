@@ -147,14 +147,15 @@ class Tracker:
             self.bar.update(step - self.bar.n)
 
     def log_samples(self, step: int, samples) -> None:
-        """A step's samples (`samples.rows()`): every one as a JSON line in rollouts/step_N.jsonl with
+        """A step's samples (`samples.rows()`; None for a step that has none to train on: its file is empty, for
+        --debug train-only to replay it as such): every one as a JSON line in rollouts/step_N.jsonl with
         `tracking.save_rollouts`, and a W&B table of them every `tracking.sample_every` steps."""
         t = self.cfg.tracking
-        table_now = self.wandb is not None and t.sample_every and step % t.sample_every == 0
+        table_now = self.wandb is not None and t.sample_every and step % t.sample_every == 0 and samples is not None
         save = t.save_rollouts or self.cfg.run.debug == "rollout-only"  # what train-only replays
         if not (save or table_now):
             return
-        rows = samples.rows()
+        rows = samples.rows() if samples is not None else []
         if save:
             out = self.run_dir / "rollouts"
             out.mkdir(exist_ok=True)

@@ -107,6 +107,18 @@ def test_train_only_on_fewer_saved_steps_than_run_steps_is_a_config_error(tmp_pa
     assert not (tmp_path / "run").exists()
 
 
+def test_a_run_whose_steps_trained_nothing_is_replayed_so(tmp_path):
+    """Dynamic sampling kept no group (every sample scores the same): the rollout-only run saves each step empty, and
+    train-only replays them as steps with nothing to train on (the replay used to stop at the first: no rollouts)."""
+    nothing = ["grpo.dynamic_sampling=true", "grpo.max_sampling_rounds=1", "reward.fn=tests.rlloop.reward_fns:constant"]
+    assert main([TINY, *COMMON, *nothing, f"run.dir={tmp_path / 'gen'}", "--debug", "rollout-only"]) == 0
+    assert [rollouts_file(tmp_path / "gen" / "rollouts", s).read_text() for s in (1, 2, 3)] == ["", "", ""]
+    replaying = [f"run.dir={tmp_path / 'replay'}", "--debug", "train-only", "--replay", str(tmp_path / "gen/rollouts")]
+    assert main([TINY, *COMMON, *replaying]) == 0
+    logged = rows(tmp_path / "replay")
+    assert [r["step"] for r in logged] == [1, 2, 3] and not any("train/loss" in r for r in logged)
+
+
 def test_a_saved_step_cut_short_is_a_data_error_naming_it(tmp_path):
     saved = tmp_path / "rollouts"
     saved.mkdir()
