@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             word = "within" if v["within"] else "OUTSIDE"
             print(f"{metric:32s} {word:8s} distance {v['distance']:.2f} spreads (spread {v['spread']:.4g})")
     plot(groups, metrics, args.smooth, Path(args.out))
-    print(f"overlay: {args.out}")
+    print(f"overlay: {args.out}" + ("" if args.vs else " (no --vs group: nothing judged)"))
     print(json.dumps({m: {"distance": v["distance"], "within": v["within"]} for m, v in verdicts.items()}))
     return 0 if all(v["within"] is not False for v in verdicts.values()) else 1
 

@@ -205,6 +205,9 @@ ENGINE_GPU_MEM_FRACTION = 0.9
 def actor_env(cfg: Config, threads: int, rollout: bool, cores: range) -> dict[str, str]:
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     env.update({"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"})
+    # An actor's progress bars (transformers' "Loading weights", a download's) reach the driver's terminal line by
+    # line, through the run's own bar; the driver says what the actors do (rlloop.loop)
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if cfg.cluster.device == "cpu":
         # A CPU "chip" is cores of its own (its bundle's): XLA and torch size their pools from the cores a process
         # may run on, so without pinning every actor spreads over every core and they slow each other down.

@@ -112,6 +112,8 @@ def check_references(cfg: Config) -> None:
     memory = plan_memory(cfg)
     if memory is not None:
         memory.check()
+    if cfg.run.replay is not None and not Path(cfg.run.replay).is_dir():
+        raise ConfigError(f"run.replay: {cfg.run.replay} is not a directory (a run's rollouts/, saved by it)")
     if cfg.run.replay is not None:  # --debug train-only: the saved rollouts of every step it is to train
         from rlloop.tracking import rollouts_file
 

@@ -71,39 +71,15 @@ def test_a_colocated_engine_found_dead_by_its_sleep_or_wake_is_rebuilt(ray_clust
         cluster.close()
 
 
-def test_an_engine_that_dies_with_the_trainer_is_the_trainer_s_death_and_one_alone_in_rollout_only_heals(
+def test_an_engine_found_dead_by_two_threads_restarts_once_and_one_dead_with_the_trainer_is_the_trainer_s_death(
     ray_cluster, tmp_path
 ):
-    """Both die (the OOM killer): the restarted engine's weights, from the trainer, never come. That is the trainer's
-    death, which the loop heals from the last checkpoint; it used to be taken for the new engine's, which was killed
-    and restarted until run.max_restarts ended the run. In --debug rollout-only, which has no trainer, an engine
-    rebuilt keeps the model's weights (it failed on the trainer it has not got)."""
-    cfg = load_config(TINY, ["rollout.backend=hf", "run.max_restarts=3", f"run.dir={tmp_path / 'both'}"])
-    cluster = Cluster(cfg, cfg.run_dir)
-    try:
-        cluster.warmup()
-        ray.kill(cluster.trainers[0])
-        kill_engine(cluster.engines[0])
-        with pytest.raises(TrainerDied, match="a trainer actor died while rollout engine 0 restarted"):
-            cluster.generate([PROMPT], 2, SHORT)
-        assert cluster.restarts == 1
-    finally:
-        cluster.close()
-    cfg = load_config(TINY, ["rollout.backend=hf", "run.debug=rollout-only", f"run.dir={tmp_path / 'alone'}"])
-    cluster = Cluster(cfg, cfg.run_dir)
-    try:
-        cluster.warmup()
-        kill_engine(cluster.engines[0])
-        out, _ = cluster.generate([PROMPT], 2, SHORT)
-        assert cluster.restarts == 1 and len(out) == 2
-    finally:
-        cluster.close()
-
-
-def test_an_engine_that_two_threads_find_dead_is_restarted_once(ray_cluster, tmp_path):
     """The async modes' rollout thread generates while the loop's eval pull waits behind it on the same engine; the
-    engine dies. Each thread used to restart it, the second killing the first's new engine: two or three restarts of
-    run.max_restarts for one death. And the pull, queued behind 16 batches, waits as long as they may take."""
+    engine dies. Each thread used to restart it, the second killing the first's new engine: two or three of
+    run.max_restarts for one death. (The pull, queued behind 16 batches, waits as long as they may take.)
+    Then engine and trainer die together (the OOM killer): the rebuilt engine's weights, from the trainer, never
+    come. That is the trainer's death, which the loop heals from the last checkpoint; it was taken for the new
+    engine's, which was killed and restarted until run.max_restarts ended the run."""
     overrides = ["rollout.backend=hf", "rollout.max_batch=8", "rollout.decode_buckets=[8]", "run.max_restarts=3"]
     cfg = load_config(TINY, [*overrides, f"run.dir={tmp_path}"])
     cluster = Cluster(cfg, cfg.run_dir)
@@ -118,6 +94,25 @@ def test_an_engine_that_two_threads_find_dead_is_restarted_once(ray_cluster, tmp
             cluster.pull_weights()
             out, _ = generation.result()
         assert len(out) == 16 * 8 and cluster.restarts == 1
+
+        ray.kill(cluster.trainers[0])
+        kill_engine(cluster.engines[0])
+        with pytest.raises(TrainerDied, match="a trainer actor died while rollout engine 0 restarted"):
+            cluster.generate([PROMPT], 2, SHORT)
+        assert cluster.restarts == 2
+    finally:
+        cluster.close()
+
+
+def test_an_engine_rebuilt_in_rollout_only_keeps_the_model_s_weights(ray_cluster, tmp_path):
+    """--debug rollout-only has no trainer to take weights from (an IndexError ended the run)."""
+    cfg = load_config(TINY, ["rollout.backend=hf", "run.debug=rollout-only", f"run.dir={tmp_path}"])
+    cluster = Cluster(cfg, cfg.run_dir)
+    try:
+        cluster.warmup()
+        kill_engine(cluster.engines[0])
+        out, _ = cluster.generate([PROMPT], 2, SHORT)
+        assert cluster.restarts == 1 and len(out) == 2
     finally:
         cluster.close()
 

@@ -95,6 +95,12 @@ def test_replay_without_train_only_is_a_config_error(tmp_path, capsys):
     assert "run.replay" in capsys.readouterr().err
 
 
+def test_a_replay_directory_that_is_not_there_is_named(tmp_path, capsys):
+    args = [TINY, *COMMON, f"run.dir={tmp_path / 'run'}", "--debug", "train-only", "--replay", str(tmp_path / "nope")]
+    assert main(args) == 2
+    assert f"run.replay: {tmp_path / 'nope'} is not a directory" in capsys.readouterr().err
+
+
 def test_train_only_on_fewer_saved_steps_than_run_steps_is_a_config_error(tmp_path, capsys):
     """Found before anything starts, not at the missing step after the others have trained."""
     saved = tmp_path / "rollouts"
