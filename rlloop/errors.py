@@ -1,5 +1,6 @@
 """What an actor's death or an unplaceable plan raises, apart from the cluster that raises it, so that code which must
-tell a recoverable death from a failed write (`rlloop/checkpoint.py`) need not import the cluster and its workers."""
+tell a recoverable death from a failed write (`rlloop/checkpoint.py`) need not import the cluster and its workers;
+and what bad data raises, wherever it is read."""
 
 
 class ClusterError(RuntimeError):
@@ -8,3 +9,7 @@ class ClusterError(RuntimeError):
 
 class TrainerDied(ClusterError):
     """A trainer rank's actor died: the loop rebuilds the cluster from the last checkpoint (run.max_restarts)."""
+
+
+class DataError(ValueError):
+    """Bad or unusable data; the message names the source and the problem."""

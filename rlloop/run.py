@@ -130,7 +130,7 @@ def preflight(cfg: Config, dry_run: bool = False) -> tuple[Inputs | None, list[s
     """Check the model (config.json and file list: no weights), tokenizer and every data row from the driver,
     before a run directory, Ray or an actor exists: ModelError / DataError. Returns the loaded inputs, which the loop
     then uses, and notes on what a dry run skipped (it checks only what is on this machine: it downloads nothing)."""
-    from rlloop import data, model
+    from rlloop import data, data_files, model
 
     sources = {"model.path": cfg.model.path, "model.tokenizer": cfg.model.tokenizer or cfg.model.path}
     remote = [key for key, src in sources.items() if not model.is_local(src)]
@@ -138,7 +138,7 @@ def preflight(cfg: Config, dry_run: bool = False) -> tuple[Inputs | None, list[s
         return None, [f"{', '.join(remote)} not checked: a hub id (a dry run downloads nothing)"]
     model.check_model(cfg)
     paths = {"data.path": cfg.data.path, "eval.path": cfg.eval.path}
-    remote = [key for key, src in paths.items() if src and not data.is_local(src)]
+    remote = [key for key, src in paths.items() if src and not data_files.is_local(src)]
     if dry_run and remote:
         model.load_tokenizer(cfg.model)
         return None, [f"{', '.join(remote)} not checked: a hub dataset (a dry run downloads nothing)"]
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     log_to_terminal()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from rlloop.data import DataError
+    from rlloop.errors import DataError
     from rlloop.model import ModelError
 
     # Config, reward, model and data problems end here, exit 2, before the run directory, Ray or any actor exists:

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from rlloop.config import LoopSection
-from rlloop.data import DataError
+from rlloop.errors import DataError
 from rlloop.profiling import profile_dir
 from rlloop.rollout_manager import Group, RolloutManager, RolloutTally, StepRollout, sampling_seed
 from rlloop.tracking import rollouts_file

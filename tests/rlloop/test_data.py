@@ -6,7 +6,8 @@ import pandas as pd
 import pytest
 from transformers import AutoTokenizer
 
-from rlloop.data import DataError, PromptData
+from rlloop.data import PromptData
+from rlloop.errors import DataError
 from rlloop.tiny import ASSETS, make_rows
 
 TRAIN = ASSETS / "data" / "train.jsonl"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlloop.data import DataError
+from rlloop.errors import DataError
 from rlloop.run import Terminated, main, parse_args, resume_command, stopped_by
 from rlloop.schedules import ReplayRollout
 from rlloop.tracking import rollouts_file
