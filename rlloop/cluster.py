@@ -1,10 +1,10 @@
 """The rollout engine and the trainer ranks, placed on chips as Ray actors, or run in this process.
 
-This is the only place that knows about Ray actors and placement groups: the loop calls `Cluster` methods and gets
-plain results back. A local Ray starts when neither `cluster.address` nor `RAY_ADDRESS` names one (and is stopped at
-the end: rlloop/ray_session.py, held by the loop across its clusters, or by a `Cluster` that started it); inside
-`ray job submit` the job's cluster is used. Actors are thin `ray.remote` wrappers around `rlloop.workers`; with
-`cluster.use_ray: false` the same workers run in the driver.
+This is the only place that knows about Ray actors and placement groups, with rlloop/engine_pool.py (the engines' calls
+and restarts): the loop calls `Cluster` methods and gets plain results back. A local Ray starts when neither
+`cluster.address` nor `RAY_ADDRESS` names one (and is stopped at the end: rlloop/ray_session.py, held by the loop across
+its clusters, or by a `Cluster` that started it); inside `ray job submit` the job's cluster is used. Actors are thin
+`ray.remote` wrappers around `rlloop.workers`; with `cluster.use_ray: false` the same workers run in the driver.
 """
 
 from __future__ import annotations
@@ -12,21 +12,19 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
 from rlloop.config import Config
-from rlloop.engine_shares import batches_in, merge_stats, share_sampling
+from rlloop.engine_pool import EnginePool
 from rlloop.errors import ClusterError, TrainerDied
 from rlloop.placement import actor_env, actor_options, check_cluster_fits, check_one_node_fits, plan_placement
-from rlloop.profiling import engine_trace, rank_trace
+from rlloop.profiling import rank_trace
 from rlloop.ray_session import local_ray, start_ray
 from rlloop.workers import RolloutWorker, SyncSpec, TrainerWorker, freeze_heap
 
 PLACEMENT_TIMEOUT_S = 120
-RECEIVER_COUNTS = ("sync/refused", "sync/keyframe_requests")  # running counts of each engine's weight receiver
 log = logging.getLogger(__name__)
 
 
@@ -56,7 +54,7 @@ class Cluster:
         self._stepped = False  # whether the trainer ranks have taken a step
         self._local_queue = ThreadPoolExecutor(1, thread_name_prefix="rlloop-trainer")  # without Ray: trainer calls
         self._train_results = ThreadPoolExecutor(1, thread_name_prefix="rlloop-train-wait")  # waits on train steps
-        self.engines: list = []
+        self.pool = EnginePool(cfg, [])
         self.trainers: list = []
         sync, threads = sync_spec(cfg, run_dir), cfg.cluster.cpus_per_actor
         engine = dict(
@@ -72,18 +70,6 @@ class Cluster:
             dict(trainer=cfg.trainer_config(), rank=r, world_size=world, sync=sync, threads=threads)
             for r in range(world)
         ]
-        # Work handed to each engine and not yet returned (prompt + response tokens), for balancing; and, without
-        # Ray, one lock per engine: a local engine is not safe to call from two threads (the async loop modes).
-        self._pending = [0] * cfg.cluster.rollout_engines
-        self._balance = threading.Lock()
-        self._engine_locks = [threading.Lock() for _ in range(cfg.cluster.rollout_engines)]
-        # Full batches of generation queued on each engine (Ray): a call behind them waits that long too. And one
-        # lock per engine for its restart: two threads that find it dead rebuild it once.
-        self._queued = [0] * cfg.cluster.rollout_engines
-        self._restarting = [threading.Lock() for _ in range(cfg.cluster.rollout_engines)]
-        self.restarts = 0  # engines rebuilt after dying (rollout/engine_restarts)
-        self._receiver_counts: dict[int, dict[str, float]] = {}  # RECEIVER_COUNTS: each engine's last pulled
-        self._retired_counts = dict.fromkeys(RECEIVER_COUNTS, 0.0)  # those of engines rebuilt (new ones count from 0)
         self.placement: dict[str, str] = {}  # role -> Ray node id
         # run.debug leaves one role out (its bundles stay reserved, so the plan is the run's own)
         self.with_engines, self.with_trainers = cfg.run.debug != "train-only", cfg.run.debug != "rollout-only"
@@ -95,7 +81,8 @@ class Cluster:
             world * self.with_trainers,
         )
         if not self.remote:  # one trainer rank (rlloop.config)
-            self.engines = [RolloutWorker(**engine) for _ in range(cfg.cluster.rollout_engines * self.with_engines)]
+            engines = [RolloutWorker(**engine) for _ in range(cfg.cluster.rollout_engines * self.with_engines)]
+            self.pool = EnginePool(cfg, engines)
             self.trainers = [TrainerWorker(**ranks[0])] if self.with_trainers else []
             for t in self.trainers:
                 t.setup()
@@ -140,8 +127,9 @@ class Cluster:
             return actor_options(plan, bundle, self.pg, env, "rollout" if rollout else "trainer", runtime_env)
 
         # Kept to rebuild an engine that dies (run.max_restarts): the same bundle, environment and config.
-        self._engine_spec = [(options(b, True), engine) for b in plan.rollout_bundles if self.with_engines]
-        self.engines = [ray.remote(RolloutWorker).options(**opts).remote(**kw) for opts, kw in self._engine_spec]
+        specs = [(options(b, True), engine) for b in plan.rollout_bundles if self.with_engines]
+        engines = [ray.remote(RolloutWorker).options(**opts).remote(**kw) for opts, kw in specs]
+        self.pool = EnginePool(cfg, engines, specs, self._give_current_weights)
         if not cfg.cluster.colocate:  # engines on chips of their own compile while the ranks load; `warmup` waits
             self._warming = [engine.warmup.remote() for engine in self.engines]
         self.trainers = [
@@ -154,6 +142,24 @@ class Cluster:
         rank0 = self.trainers[:1]
         master = self._call_all(rank0, "rendezvous", [()], start=True)[0] if len(self.trainers) > 1 else None
         self._call_all(self.trainers, "setup", [(master,)] * len(self.trainers), start=True)
+
+    def _give_current_weights(self, e: int, engine) -> None:
+        """Load the trainer's current weights into `engine`, engine e rebuilt after a death: it has the checkpoint's.
+        They go as an object ref, never through the driver, and the next push is a keyframe, since it has no base for
+        deltas. The engine's death or silence raises Ray's error (the pool rebuilds it again), a rank's TrainerDied."""
+        import ray
+
+        if not self.trainers:  # --debug rollout-only: the model's own weights are the only policy
+            return
+        current = [t.current_weights.remote() for t in self.trainers]  # every rank joins an fsdp gather
+        try:
+            ray.get(engine.load_weights.remote(current[0]), timeout=self.cfg.cluster.actor_timeout_s)
+        except ray.exceptions.RayTaskError as err:  # raised in the engine: its argument, rank 0's weights, failed
+            if isinstance(err.cause, ray.exceptions.RayActorError):  # rank 0 died too: rebuild from a checkpoint
+                raise TrainerDied(f"a trainer actor died while rollout engine {e} restarted: {err.cause}") from None
+            raise
+        self._gather(self.trainers[1:], "current_weights", current[1:])  # a dead rank: TrainerDied
+        self._call_all(self.trainers[:1], "force_keyframe", [()])
 
     def _call_all(self, workers: list, method: str, args: list[tuple], start: bool = False) -> list:
         """`method(*args[i])` on every worker at once (Ray) or in turn (local); an actor's death, or no answer within
@@ -205,6 +211,15 @@ class Cluster:
             raise error(f"a {role} actor {how} during {method}(){advice}\n{e}") from None
 
     # ------------------------------------------------------------------ what the loop calls
+    @property
+    def engines(self) -> list:
+        return self.pool.engines
+
+    @property
+    def restarts(self) -> int:
+        """Engines rebuilt after dying (rollout/engine_restarts)."""
+        return self.pool.restarts
+
     def warmup(self) -> dict[str, float]:
         """The engines' warm-up compiles (under way since they started, where they have chips of their own)."""
         if self._warming:
@@ -218,132 +233,8 @@ class Cluster:
     def generate(
         self, prompts: list[list[int]], n: int, sampling, in_flight_updates: bool = False, profile: str | None = None
     ):
-        """`n` completions per prompt, ordered as one engine returns them, and merged stats. Prompts go to the engine
-        with the least pending work (longest first), so concurrent calls (eval during async generation) balance too;
-        engine i > 0 samples with seed mix_seed(seed, i), so shares never repeat each other's random streams. With
-        `profile` (a directory), engine i traces its share into `profile`/engine{i}."""
-        shares = self._assign(prompts, n, sampling.max_new_tokens)
-        calls = [(e, idx) for e, idx in enumerate(shares) if idx]
-        args = [
-            ([prompts[i] for i in idx], n, share_sampling(sampling, e), in_flight_updates, engine_trace(profile, e))
-            for e, idx in calls
-        ]
-        own = [batches_in(len(idx) * n, self.cfg.rollout.max_batch) for _, idx in calls]
-        try:
-            if self.remote:
-                with self._balance:  # a generation waits for those queued before it on its engine, then its own
-                    waits = [self._queued[e] + b for (e, _), b in zip(calls, own)]
-                    for (e, _), b in zip(calls, own):
-                        self._queued[e] += b
-                called = [self.engines[e] for e, _ in calls]
-                refs = [engine.generate.remote(*a) for engine, a in zip(called, args)]
-                results = [
-                    self._engine_result(e, engine, ref, "generate", a, batches)
-                    for (e, _), engine, a, ref, batches in zip(calls, called, args, refs, waits)
-                ]
-            else:
-                results = []
-                for (e, _), a in zip(calls, args):
-                    with self._engine_locks[e]:
-                        results.append(self.engines[e].generate(*a))
-        finally:
-            with self._balance:
-                for (e, idx), b in zip(calls, own):
-                    self._pending[e] -= sum(len(prompts[i]) + sampling.max_new_tokens for i in idx) * n
-                    if self.remote:
-                        self._queued[e] -= b
-        completions = []
-        for (_, idx), (share, _) in zip(calls, results):
-            for c in share:
-                c.prompt_index = idx[c.prompt_index]
-            completions += share
-        completions.sort(key=lambda c: (c.prompt_index, c.sample_index))
-        return completions, merge_stats({e: stats for (e, _), (_, stats) in zip(calls, results)})
-
-    def _call_engines(self, method: str, *args) -> list:
-        """`method(*args)` on every engine at once; one that died (or hung) is rebuilt and called again. Without Ray,
-        in turn, each under its lock (a generation may be running on it from the rollout thread)."""
-        if not self.remote:
-            results = []
-            for lock, engine in zip(self._engine_locks, self.engines):
-                with lock:
-                    results.append(getattr(engine, method)(*args))
-            return results
-        with self._balance:  # behind the generations queued on each engine (the loop's eval pull in the async modes)
-            waits = [1 + queued for queued in self._queued]
-        called = list(self.engines)
-        refs = [getattr(engine, method).remote(*args) for engine in called]
-        return [
-            self._engine_result(e, engine, ref, method, args, waits[e])
-            for e, (engine, ref) in enumerate(zip(called, refs))
-        ]
-
-    def _engine_result(self, e: int, engine, ref, method: str, args: tuple, batches: int = 1):
-        """The result of `ref`, the call `method(*args)` made on engine e (`engine`). If the engine died, or hung past
-        cluster.actor_timeout_s for each of the `batches` full batches of generation the call waits for (those queued
-        before it and its own: an eval's pull queued behind a long generation was taken for a hung engine), it is
-        rebuilt with the trainer's current weights, once however many threads find it dead, and the call is made
-        again on it."""
-        import ray
-
-        timeout = self.cfg.cluster.actor_timeout_s
-        while True:
-            try:
-                return ray.get(ref, timeout=timeout and timeout * batches)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e_info:
-                with self._restarting[e]:
-                    if self.engines[e] is engine:  # not rebuilt meanwhile by another thread that found it dead
-                        self._restart_engine(e, f"{method}(): {type(e_info).__name__}")
-                    engine = self.engines[e]
-                ref = getattr(engine, method).remote(*args)
-
-    def _restart_engine(self, e: int, why: str) -> None:
-        """Rebuild engine e, which died or hung during `why`, and load the trainer's current weights into it. A
-        rebuild that dies or hangs too is one more restart, up to run.max_restarts."""
-        import ray
-
-        most = self.cfg.run.max_restarts
-        while True:
-            if self.restarts >= most:
-                raise ClusterError(
-                    f"rollout engine {e}: its actor died during {why} after {self.restarts} restart(s) "
-                    f"(run.max_restarts={most}); the last checkpoint is intact: rerun with --resume."
-                )
-            self.restarts += 1
-            log.warning("rollout engine %d died during %s; restarting it (%d/%d)", e, why, self.restarts, most)
-            for key, n in self._receiver_counts.pop(e, {}).items():
-                self._retired_counts[key] += n
-            ray.kill(self.engines[e])
-            opts, kwargs = self._engine_spec[e]
-            self.engines[e] = engine = ray.remote(RolloutWorker).options(**opts).remote(**kwargs)
-            try:
-                ray.get(engine.warmup.remote(), timeout=self.cfg.cluster.actor_start_timeout_s)
-                if not self.trainers:  # --debug rollout-only: the model's own weights are the only policy
-                    break
-                # It has the checkpoint's weights: give it the trainer's current ones directly (an object ref, never
-                # through the driver), and make the next push a keyframe, since it has no base for deltas.
-                current = [t.current_weights.remote() for t in self.trainers]  # every rank joins an fsdp gather
-                ray.get(engine.load_weights.remote(current[0]), timeout=self.cfg.cluster.actor_timeout_s)
-            except ray.exceptions.RayTaskError as err:  # raised in the engine: its argument, rank 0's weights, failed
-                if isinstance(err.cause, ray.exceptions.RayActorError):  # rank 0 died too: rebuild from a checkpoint
-                    raise TrainerDied(f"a trainer actor died while rollout engine {e} restarted: {err.cause}") from None
-                raise
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
-                why = f"its restart: {type(err).__name__}"
-                continue
-            self._gather(self.trainers[1:], "current_weights", current[1:])  # a dead rank: TrainerDied
-            self._call_all(self.trainers[:1], "force_keyframe", [()])
-            break
-        log.warning("rollout engine %d is back (%d/%d)", e, self.restarts, most)
-
-    def _assign(self, prompts: list[list[int]], n: int, max_new: int) -> list[list[int]]:
-        shares = [[] for _ in self.engines]
-        with self._balance:
-            for i in sorted(range(len(prompts)), key=lambda i: -len(prompts[i])):
-                e = min(range(len(shares)), key=lambda e: (self._pending[e], e))
-                shares[e].append(i)
-                self._pending[e] += (len(prompts[i]) + max_new) * n
-        return [sorted(s) for s in shares]
+        """`n` completions per prompt from the engines, and their merged stats (`EnginePool.generate`)."""
+        return self.pool.generate(prompts, n, sampling, in_flight_updates, profile)
 
     def start_train_step(self, batch, publish: int | None = None, profile: str | None = None) -> Future[dict]:
         """Queue one train step on every rank, behind any step still running there; with `publish`, rank 0 then
@@ -356,7 +247,7 @@ class Cluster:
         shards = [(shard_batch(batch, r, world), rank_trace(profile, r)) for r in range(world)]
         freed = {}
         if self.cfg.cluster.colocate:  # the trainer's turn on the shared chips: the engines make room first
-            slept = self._call_engines("sleep")
+            slept = self.pool.call("sleep")
             freed = {
                 "rollout/device_bytes": float(sum(s["before"] for s in slept)),
                 "rollout/device_bytes_while_training": float(sum(s["after"] for s in slept)),
@@ -385,20 +276,10 @@ class Cluster:
 
     def pull_weights(self, at_most: int | None = None) -> dict[str, float]:
         """Every engine loads the newest version, or the newest up to `at_most` (queued behind a generation in flight,
-        as slime's async loop does); engine 0's receiver metrics, the receivers' counts over every engine there has
-        been, each engine's version."""
+        as slime's async loop does); see `EnginePool.pull_weights`."""
         if self.cfg.cluster.colocate:  # the engines' turn: their cache and weights come back before they load
-            self._call_engines("wake")
-        pulled = self._call_engines("pull_weights", at_most)
-        out = dict(pulled[0]) if pulled else {}
-        for e, m in enumerate(pulled):
-            self._receiver_counts[e] = {key: m[key] for key in RECEIVER_COUNTS if key in m}
-        for key in RECEIVER_COUNTS:
-            if key in out:
-                out[key] = sum(c.get(key, 0.0) for c in self._receiver_counts.values()) + self._retired_counts[key]
-        if len(pulled) > 1:
-            out |= {f"rollout/engine_{e}/version": m["sync/rollout_version"] for e, m in enumerate(pulled)}
-        return out
+            self.pool.call("wake")
+        return self.pool.pull_weights(at_most)
 
     def sync_weights(self, version: int) -> dict[str, float]:
         return {**self.push_weights(version), **self.pull_weights()}

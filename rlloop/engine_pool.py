@@ -1,0 +1,182 @@
+"""A run's rollout engines as one pool: prompts split by pending work, and calls that outlive an engine's death.
+
+`Cluster` builds the engines (Ray actors, or `RolloutWorker`s in this process) and hands them to an `EnginePool`; the
+pool is what the loop's generations, weight pulls and the colocated sleep/wake go through. An engine that dies or
+hangs during a call is rebuilt from its spec (the same bundle, environment and config), given the trainer's current
+weights by the cluster's `give_weights`, and called again, up to run.max_restarts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+from rlloop.config import Config
+from rlloop.engine_shares import batches_in, merge_stats, share_sampling
+from rlloop.errors import ClusterError
+from rlloop.profiling import engine_trace
+from rlloop.workers import RolloutWorker
+
+RECEIVER_COUNTS = ("sync/refused", "sync/keyframe_requests")  # running counts of each engine's weight receiver
+log = logging.getLogger(__name__)
+
+
+class EnginePool:
+    def __init__(
+        self,
+        cfg: Config,
+        engines: list,
+        specs: list[tuple[dict, dict]] | None = None,
+        give_weights: Callable[[int, object], None] | None = None,
+    ):
+        """`engines`: Ray actors (with `specs`, each one's actor options and `RolloutWorker` arguments, to rebuild it,
+        and `give_weights(e, engine)`, which loads the trainer's current weights into engine e rebuilt), or workers
+        in this process."""
+        self.cfg, self.engines, self.remote = cfg, engines, specs is not None
+        self._specs, self._give_weights = specs, give_weights
+        n = len(engines)
+        # Work handed to each engine and not yet returned (prompt + response tokens), for balancing; and, without
+        # Ray, one lock per engine: a local engine is not safe to call from two threads (the async loop modes).
+        self._pending = [0] * n
+        self._balance = threading.Lock()
+        self._locks = [threading.Lock() for _ in range(n)]
+        # Full batches of generation queued on each engine (Ray): a call behind them waits that long too. And one
+        # lock per engine for its restart: two threads that find it dead rebuild it once.
+        self._queued = [0] * n
+        self._restarting = [threading.Lock() for _ in range(n)]
+        self.restarts = 0  # engines rebuilt after dying (rollout/engine_restarts)
+        self._receiver_counts: dict[int, dict[str, float]] = {}  # RECEIVER_COUNTS: each engine's last pulled
+        self._retired_counts = dict.fromkeys(RECEIVER_COUNTS, 0.0)  # those of engines rebuilt (new ones count from 0)
+
+    def generate(
+        self, prompts: list[list[int]], n: int, sampling, in_flight_updates: bool = False, profile: str | None = None
+    ):
+        """`n` completions per prompt, ordered as one engine returns them, and merged stats. Prompts go to the engine
+        with the least pending work (longest first), so concurrent calls (eval during async generation) balance too;
+        engine i > 0 samples with seed mix_seed(seed, i), so shares never repeat each other's random streams. With
+        `profile` (a directory), engine i traces its share into `profile`/engine{i}."""
+        shares = self._assign(prompts, n, sampling.max_new_tokens)
+        calls = [(e, idx) for e, idx in enumerate(shares) if idx]
+        args = [
+            ([prompts[i] for i in idx], n, share_sampling(sampling, e), in_flight_updates, engine_trace(profile, e))
+            for e, idx in calls
+        ]
+        own = [batches_in(len(idx) * n, self.cfg.rollout.max_batch) for _, idx in calls]
+        try:
+            if self.remote:
+                with self._balance:  # a generation waits for those queued before it on its engine, then its own
+                    waits = [self._queued[e] + b for (e, _), b in zip(calls, own)]
+                    for (e, _), b in zip(calls, own):
+                        self._queued[e] += b
+                called = [self.engines[e] for e, _ in calls]
+                refs = [engine.generate.remote(*a) for engine, a in zip(called, args)]
+                results = [
+                    self._result(e, engine, ref, "generate", a, batches)
+                    for (e, _), engine, a, ref, batches in zip(calls, called, args, refs, waits)
+                ]
+            else:
+                results = []
+                for (e, _), a in zip(calls, args):
+                    with self._locks[e]:
+                        results.append(self.engines[e].generate(*a))
+        finally:
+            with self._balance:
+                for (e, idx), b in zip(calls, own):
+                    self._pending[e] -= sum(len(prompts[i]) + sampling.max_new_tokens for i in idx) * n
+                    if self.remote:
+                        self._queued[e] -= b
+        completions = []
+        for (_, idx), (share, _) in zip(calls, results):
+            for c in share:
+                c.prompt_index = idx[c.prompt_index]
+            completions += share
+        completions.sort(key=lambda c: (c.prompt_index, c.sample_index))
+        return completions, merge_stats({e: stats for (e, _), (_, stats) in zip(calls, results)})
+
+    def _assign(self, prompts: list[list[int]], n: int, max_new: int) -> list[list[int]]:
+        shares = [[] for _ in self.engines]
+        with self._balance:
+            for i in sorted(range(len(prompts)), key=lambda i: -len(prompts[i])):
+                e = min(range(len(shares)), key=lambda e: (self._pending[e], e))
+                shares[e].append(i)
+                self._pending[e] += (len(prompts[i]) + max_new) * n
+        return [sorted(s) for s in shares]
+
+    def pull_weights(self, at_most: int | None = None) -> dict[str, float]:
+        """Every engine loads the newest version, or the newest up to `at_most`; engine 0's receiver metrics, the
+        receivers' counts over every engine there has been, each engine's version."""
+        pulled = self.call("pull_weights", at_most)
+        out = dict(pulled[0]) if pulled else {}
+        for e, m in enumerate(pulled):
+            self._receiver_counts[e] = {key: m[key] for key in RECEIVER_COUNTS if key in m}
+        for key in RECEIVER_COUNTS:
+            if key in out:
+                out[key] = sum(c.get(key, 0.0) for c in self._receiver_counts.values()) + self._retired_counts[key]
+        if len(pulled) > 1:
+            out |= {f"rollout/engine_{e}/version": m["sync/rollout_version"] for e, m in enumerate(pulled)}
+        return out
+
+    def call(self, method: str, *args) -> list:
+        """`method(*args)` on every engine at once; one that died (or hung) is rebuilt and called again. Without Ray,
+        in turn, each under its lock (a generation may be running on it from the rollout thread)."""
+        if not self.remote:
+            results = []
+            for lock, engine in zip(self._locks, self.engines):
+                with lock:
+                    results.append(getattr(engine, method)(*args))
+            return results
+        with self._balance:  # behind the generations queued on each engine (the loop's eval pull in the async modes)
+            waits = [1 + queued for queued in self._queued]
+        called = list(self.engines)
+        refs = [getattr(engine, method).remote(*args) for engine in called]
+        return [
+            self._result(e, engine, ref, method, args, waits[e]) for e, (engine, ref) in enumerate(zip(called, refs))
+        ]
+
+    def _result(self, e: int, engine, ref, method: str, args: tuple, batches: int = 1):
+        """The result of `ref`, the call `method(*args)` made on engine e (`engine`). If the engine died, or hung past
+        cluster.actor_timeout_s for each of the `batches` full batches of generation the call waits for (those queued
+        before it and its own: an eval's pull queued behind a long generation was taken for a hung engine), it is
+        rebuilt with the trainer's current weights, once however many threads find it dead, and the call is made
+        again on it."""
+        import ray
+
+        timeout = self.cfg.cluster.actor_timeout_s
+        while True:
+            try:
+                return ray.get(ref, timeout=timeout and timeout * batches)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e_info:
+                with self._restarting[e]:
+                    if self.engines[e] is engine:  # not rebuilt meanwhile by another thread that found it dead
+                        self._restart(e, f"{method}(): {type(e_info).__name__}")
+                    engine = self.engines[e]
+                ref = getattr(engine, method).remote(*args)
+
+    def _restart(self, e: int, why: str) -> None:
+        """Rebuild engine e, which died or hung during `why`, and give it the trainer's current weights. A rebuild
+        that dies or hangs too is one more restart, up to run.max_restarts."""
+        import ray
+
+        most = self.cfg.run.max_restarts
+        while True:
+            if self.restarts >= most:
+                raise ClusterError(
+                    f"rollout engine {e}: its actor died during {why} after {self.restarts} restart(s) "
+                    f"(run.max_restarts={most}); the last checkpoint is intact: rerun with --resume."
+                )
+            self.restarts += 1
+            log.warning("rollout engine %d died during %s; restarting it (%d/%d)", e, why, self.restarts, most)
+            for key, n in self._receiver_counts.pop(e, {}).items():
+                self._retired_counts[key] += n
+            ray.kill(self.engines[e])
+            opts, kwargs = self._specs[e]
+            self.engines[e] = engine = ray.remote(RolloutWorker).options(**opts).remote(**kwargs)
+            try:
+                ray.get(engine.warmup.remote(), timeout=self.cfg.cluster.actor_start_timeout_s)
+                self._give_weights(e, engine)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+                why = f"its restart: {type(err).__name__}"
+                continue
+            break
+        log.warning("rollout engine %d is back (%d/%d)", e, self.restarts, most)
