@@ -14,7 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlloop.bench.e2e import median_run, parse_args, step_work, summarize
+from rlloop.bench.e2e import median_run, parse_args, summarize
+from rlloop.bench.roofline import step_work
 
 ROOT = Path(__file__).resolve().parents[2]
 
