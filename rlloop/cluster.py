@@ -206,9 +206,7 @@ class Cluster:
                     if ref in waiting:
                         ray.kill(w)
             how = "died" if isinstance(e, ray.exceptions.RayActorError) else f"hung (no answer in {timeout:g} s)"
-            # the loop rebuilds after a dead trainer rank, and says how to go on when it can no more
-            advice = "" if error is TrainerDied else "; the last checkpoint is intact: rerun with --resume."
-            raise error(f"a {role} actor {how} during {method}(){advice}\n{e}") from None
+            raise error(f"a {role} actor {how} during {method}()\n{e}") from None
 
     # ------------------------------------------------------------------ what the loop calls
     @property

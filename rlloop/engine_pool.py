@@ -163,7 +163,7 @@ class EnginePool:
             if self.restarts >= most:
                 raise ClusterError(
                     f"rollout engine {e}: its actor died during {why} after {self.restarts} restart(s) "
-                    f"(run.max_restarts={most}); the last checkpoint is intact: rerun with --resume."
+                    f"(run.max_restarts={most})"
                 )
             self.restarts += 1
             log.warning("rollout engine %d died during %s; restarting it (%d/%d)", e, why, self.restarts, most)

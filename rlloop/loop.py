@@ -70,11 +70,7 @@ def train(cfg: Config, resume: bool = False, inputs: Inputs | None = None) -> Pa
                 return run_recipe(cfg, inputs, resume=own, trainer_restarts=before + restarts)
             except TrainerDied as e:
                 if restarts == cfg.run.max_restarts:
-                    if resume or checkpoint_marks(cfg.run_dir) - inherited:
-                        how = "the last checkpoint is intact: rerun with --resume"
-                    else:  # a --resume would start over, or take an earlier run's checkpoint left here
-                        how = "this run saved no checkpoint: start it again without --resume"
-                    raise TrainerDied(f"{e}\n{how} (run.max_restarts={cfg.run.max_restarts} spent)") from None
+                    raise TrainerDied(f"{e}\n(run.max_restarts={cfg.run.max_restarts} spent)") from None
                 log.warning("%s\nrestarting from the last checkpoint (%d/%d)", e, restarts + 1, cfg.run.max_restarts)
     raise AssertionError("unreachable")
 

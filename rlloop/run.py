@@ -41,10 +41,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_intermixed_args(argv)  # options may come before, between or after the overrides
 
 
-def resume_command(args: argparse.Namespace) -> str:
-    """What continues this run: the same config, overrides and debug mode, with --resume."""
+def run_command(args: argparse.Namespace, resume: bool) -> str:
+    """This run's command line, as a shell reads it back: the same config, overrides and debug mode."""
     flags = [arg for k, v in (("debug", args.debug), ("replay", args.replay)) if v for arg in (f"--{k}", v)]
-    return shlex.join(["python", "-m", "rlloop.run", args.config, *args.overrides, *flags, "--resume"])
+    return shlex.join(["python", "-m", "rlloop.run", args.config, *args.overrides, *flags, *["--resume"] * resume])
+
+
+def go_on(args: argparse.Namespace, run_dir: Path, earlier: frozenset) -> str:
+    """What to run after this run stopped early: with --resume if it saved a checkpoint, without if not (a --resume
+    would then start over, or load `earlier`: the checkpoints an earlier run left in its directory)."""
+    from rlloop.checkpoint import checkpoint_marks
+
+    if args.resume or checkpoint_marks(run_dir) - earlier:
+        return f"continue with: {run_command(args, resume=True)}"
+    return f"this run saved no checkpoint; start it again without --resume: {run_command(args, resume=False)}"
 
 
 class Terminated(KeyboardInterrupt):
@@ -191,17 +201,18 @@ def main(argv: list[str] | None = None) -> int:
         dry_run(cfg, notes)
         return 0
 
-    from rlloop.checkpoint import CheckpointError
+    from rlloop.checkpoint import CheckpointError, checkpoint_marks
     from rlloop.errors import ClusterError
     from rlloop.loop import train
     from trainer import NonFiniteTraining
 
     signal.signal(signal.SIGTERM, on_sigterm)
     log.info("%s: model, tokenizer and data checked; %d steps into %s", cfg.run.name, cfg.run.steps, cfg.run_dir)
+    earlier = checkpoint_marks(cfg.run_dir)  # an earlier run's, which this one replaces at its first save
     try:
         run_dir = train(cfg, resume=args.resume, inputs=inputs)
     except ClusterError as e:
-        print(f"cluster error: {e}", file=sys.stderr)
+        print(f"cluster error: {e}\n{go_on(args, cfg.run_dir, earlier)}", file=sys.stderr)
         return 1
     except CheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
@@ -215,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, SystemExit) as e:
         if (what := stopped_by(e)) is None:
             raise
-        print(f"\n{what}; continue with: {resume_command(args)}", file=sys.stderr)
+        print(f"\n{what}; {go_on(args, cfg.run_dir, earlier)}", file=sys.stderr)
         return 143 if what == "terminated" else 130
     print(f"done: {run_dir}/metrics.jsonl, curves.png, report.md")
     return 0

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from rlloop.checkpoint import checkpoint_marks, save_checkpoint
 from rlloop.errors import DataError
-from rlloop.run import Terminated, main, parse_args, resume_command, stopped_by
+from rlloop.run import Terminated, go_on, main, parse_args, run_command, stopped_by
 from rlloop.schedules import ReplayRollout
 from rlloop.tracking import rollouts_file
 
@@ -68,7 +69,7 @@ def test_rollout_only_generates_scores_and_saves_without_a_trainer(tmp_path, mod
 def test_the_resume_command_printed_on_ctrl_c_keeps_the_debug_mode():
     """Without its --debug and --replay, the printed command would resume a replayed run as a normal one."""
     argv = [TINY, "run.steps=3", "--debug", "train-only", "--replay", "runs/a/rollouts"]
-    command = resume_command(parse_args(argv))
+    command = run_command(parse_args(argv), resume=True)
     assert command == f"python -m rlloop.run {TINY} run.steps=3 --debug train-only --replay runs/a/rollouts --resume"
     assert parse_args(command.split()[3:]).replay == "runs/a/rollouts"
 
@@ -86,8 +87,23 @@ def test_a_sigterm_is_told_apart_however_it_arrives(monkeypatch):
 
 def test_the_resume_command_is_one_a_shell_reads_back_as_it_was():
     argv = [TINY, "run.name=my run", "train.lr=1e-4"]
-    words = shlex.split(resume_command(parse_args(argv)))
+    words = shlex.split(run_command(parse_args(argv), resume=True))
     assert words[3:] == [*argv, "--resume"]
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_told_to_start_again_not_to_resume(tmp_path):
+    """A --resume would load the checkpoint an earlier run left in the directory, or start over: the advice printed
+    after Ctrl-C or a dead actor says --resume only once this run (or the one it resumed) has saved."""
+    args, write = parse_args([TINY, f"run.dir={tmp_path}"]), lambda path: Path(path, "weights").write_text("w")
+    save_checkpoint(tmp_path, 8, {}, write)  # the earlier run's
+    earlier = checkpoint_marks(tmp_path)
+    assert (
+        go_on(args, tmp_path, earlier)
+        == f"this run saved no checkpoint; start it again without --resume: {run_command(args, resume=False)}"
+    )
+    assert go_on(parse_args([TINY, f"run.dir={tmp_path}", "--resume"]), tmp_path, earlier).startswith("continue with")
+    save_checkpoint(tmp_path, 2, {}, write)  # this run's first: the earlier run's step 8 goes
+    assert go_on(args, tmp_path, earlier) == f"continue with: {run_command(args, resume=True)}"
 
 
 def test_replay_without_train_only_is_a_config_error(tmp_path, capsys):
