@@ -2,16 +2,18 @@
 RNG, fsdp shards) and the loop's (`state.json`: step, data position).
 
 A checkpoint is written under a temporary name and renamed, with `manifest.json` (every file's size and xxh3) and
-then `state.json` last, so a crash or a full disk mid-save leaves the previous checkpoint as the latest. Resuming
-verifies the newest checkpoint against its manifest and falls back, saying so, to the newest intact one: a flipped
-byte or a missing file is never loaded. The newest `keep` are kept; checkpoints numbered past the step being saved
-belong to an earlier run in this directory (a fresh run restarted it) and are removed.
+then `state.json` last (it holds the xxh3 of the manifest and of its own content), so a crash or a full disk mid-save
+leaves the previous checkpoint as the latest. Resuming verifies the newest checkpoint and falls back, saying so, to
+the newest intact one: a flipped byte, a missing or an extra file is never loaded. A corrupt checkpoint is moved
+aside to `step_NNNNNN.corrupt`, out of the count of the newest `keep` that are kept. Checkpoints numbered past the
+step being saved belong to an earlier run in this directory (a fresh run restarted it) and are removed.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -21,6 +23,9 @@ from rlloop.errors import TrainerDied
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
+CHECKSUMS = "checksums"  # state.json's key for the xxh3 of the manifest and of the rest of state.json
+_OWN = {(MANIFEST,), ("state.json",)}  # the checkpoint's own files, outside its manifest
+_NAME = re.compile(rf"{PREFIX}(\d+)", re.ASCII)
 log = logging.getLogger(__name__)
 
 
@@ -32,10 +37,16 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"{PREFIX}{step:06d}"
 
 
+def _step(ckpt: Path) -> int | None:
+    """The step a checkpoint directory is named for, or None for what is not a checkpoint (a .tmp, a .corrupt)."""
+    match = _NAME.fullmatch(ckpt.name)
+    return int(match[1]) if match else None
+
+
 def _completed(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
-    done = [p for p in root.glob(f"{PREFIX}*") if p.name[len(PREFIX) :].isdigit() and (p / "state.json").exists()]
-    return sorted(done, key=lambda p: int(p.name[len(PREFIX) :]))  # step_1000000 after step_999999
+    done = [p for p in root.glob(f"{PREFIX}*") if _step(p) is not None and (p / "state.json").exists()]
+    return sorted(done, key=_step)  # step_1000000 after step_999999
 
 
 def _remove(ckpt: Path) -> None:
@@ -57,22 +68,37 @@ def _file_digest(path: Path) -> str:
 
 
 def _manifest(ckpt: Path) -> dict[str, list]:
-    files = sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name not in (MANIFEST, "state.json"))
+    files = sorted(p for p in ckpt.rglob("*") if p.is_file() and p.relative_to(ckpt).parts not in _OWN)
     return {str(p.relative_to(ckpt)): [p.stat().st_size, _file_digest(p)] for p in files}
 
 
+def _state_digest(state: dict) -> str:
+    body = {k: v for k, v in state.items() if k != CHECKSUMS}
+    return xxhash.xxh3_64(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def verify(ckpt: Path) -> str | None:
-    """What is wrong with `ckpt` (a missing, resized or changed file; an unreadable state), or None if intact."""
+    """What is wrong with `ckpt` (a missing, extra, resized or changed file; a state that is unreadable, changed or
+    of another step), or None if intact."""
     try:
         state = json.loads((ckpt / "state.json").read_text())
-        if not (ckpt / MANIFEST).exists() and isinstance(state, dict) and "step" in state:
+        if not isinstance(state, dict) or "step" not in state:
+            return "state.json has no step"
+        if CHECKSUMS not in state and not (ckpt / MANIFEST).exists():
             log.warning("checkpoint %s predates manifests: resuming from it unverified", ckpt)
             return None
-        want = json.loads((ckpt / MANIFEST).read_text())
+        manifest = (ckpt / MANIFEST).read_bytes()
+        want = json.loads(manifest)
     except (OSError, ValueError) as e:
         return f"unreadable {getattr(e, 'filename', None) or 'state.json / manifest.json'}: {e}"
-    if not isinstance(state, dict) or "step" not in state:
-        return "state.json has no step"
+    if state["step"] != _step(ckpt):
+        return f"state.json is of step {state['step']}"
+    if CHECKSUMS in state:  # older checkpoints' state.json holds none
+        sums = state[CHECKSUMS]
+        if sums.get("state") != _state_digest(state):
+            return "state.json differs from what was saved"
+        if sums.get("manifest") != xxhash.xxh3_64(manifest).hexdigest():
+            return f"{MANIFEST} differs from what was saved"
     have = _manifest(ckpt)
     for name, (size, digest) in want.items():
         if name not in have:
@@ -81,6 +107,8 @@ def verify(ckpt: Path) -> str | None:
             return f"{name} differs from the checkpoint's manifest: {have[name][0]} bytes, was {size}"
         if have[name][1] != digest:
             return f"{name} differs from the checkpoint's manifest: same size, other content (xxh3 {have[name][1]})"
+    if extra := sorted(set(have) - set(want)):  # the trainer would load a stray *.safetensors with the rest
+        return f"{extra[0]} is not in the checkpoint's manifest"
     return None
 
 
@@ -96,13 +124,17 @@ def checkpoint_marks(run_dir: Path) -> frozenset[tuple[str, int, int]]:
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest intact checkpoint; each newer one that fails `verify` is skipped with a warning naming it."""
+    """The newest intact checkpoint. Each newer one that fails `verify` is moved aside to `<name>.corrupt`, with a
+    warning naming it: left in place, it would count among the `keep` newest and have the intact one pruned."""
     completed = _completed(run_dir)
     for ckpt in reversed(completed):
         problem = verify(ckpt)
         if problem is None:
             return ckpt
-        log.warning("checkpoint %s is corrupt (%s); trying the one before it", ckpt, problem)
+        aside = ckpt.with_name(ckpt.name + ".corrupt")
+        shutil.rmtree(aside, ignore_errors=True)
+        ckpt.rename(aside)
+        log.warning("checkpoint %s is corrupt (%s): moved to %s; trying the one before it", ckpt, problem, aside.name)
     if completed:
         raise CheckpointError(f"no intact checkpoint left in {Path(run_dir) / 'checkpoints'} to resume from")
     return None
@@ -113,12 +145,16 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, save_trainer, keep: i
     fails is a CheckpointError; a trainer rank that dies mid-save is its TrainerDied, for the loop to heal."""
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in (*final.parent.glob(f"{PREFIX}*.tmp"), *final.parent.glob(f"{PREFIX}*.removing")):
+        shutil.rmtree(stale, ignore_errors=True)  # a save or a removal killed half-way: one writer per run dir
     try:
         (tmp / "trainer").mkdir(parents=True)
         save_trainer(str(tmp / "trainer"))
-        (tmp / MANIFEST).write_text(json.dumps(_manifest(tmp), indent=1))
-        (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=1))
+        manifest = json.dumps(_manifest(tmp), indent=1)
+        (tmp / MANIFEST).write_text(manifest)
+        state = {**state, "step": step}
+        state[CHECKSUMS] = {"manifest": xxhash.xxh3_64(manifest.encode()).hexdigest(), "state": _state_digest(state)}
+        (tmp / "state.json").write_text(json.dumps(state, indent=1))
     except Exception as e:  # a full disk, a trainer rank that failed to write: nothing half-written stays
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, TrainerDied):  # not a failed write: the loop rebuilds from the previous checkpoint
@@ -129,7 +165,7 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, save_trainer, keep: i
     _remove(final)
     tmp.rename(final)
     for old in _completed(run_dir):
-        if int(old.name[len(PREFIX) :]) > step:  # an earlier run's, past this one: never the one just written
+        if _step(old) > step:  # an earlier run's, past this one: never the one just written
             log.warning("removing %s, a checkpoint of an earlier run in this directory", old)
             _remove(old)
     older = [p for p in _completed(run_dir) if p != final]  # all before `step` now
@@ -139,4 +175,6 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, save_trainer, keep: i
 
 
 def load_state(ckpt: Path) -> dict:
-    return json.loads((Path(ckpt) / "state.json").read_text())
+    state = json.loads((Path(ckpt) / "state.json").read_text())
+    state.pop(CHECKSUMS, None)
+    return state

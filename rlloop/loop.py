@@ -56,7 +56,8 @@ def train(cfg: Config, resume: bool = False, inputs: Inputs | None = None) -> Pa
             cfg.run_dir,
             ", ".join(sorted(name for name, _, _ in inherited)),
         )
-    resumed = load_state(ckpt) if resume and (ckpt := latest_checkpoint(cfg.run_dir)) else {"step": 0}
+    ckpt = latest_checkpoint(cfg.run_dir) if resume else None
+    resumed = load_state(ckpt) if ckpt else {"step": 0}
     if resume and not checkpoint_marks(cfg.run_dir):
         log.warning("--resume: %s holds no checkpoint; the run starts from step 0", cfg.run_dir / "checkpoints")
     elif resume and resumed["step"] >= cfg.run.steps:
@@ -65,9 +66,11 @@ def train(cfg: Config, resume: bool = False, inputs: Inputs | None = None) -> Pa
     before = resumed.get("totals", {}).get("train/restarts", 0)  # the earlier drivers', as of that checkpoint
     with ray_session(cfg):  # a rebuilt cluster's actors start in the same Ray
         for restarts in range(cfg.run.max_restarts + 1):
-            own = resume or bool(checkpoint_marks(cfg.run_dir) - inherited)
+            if restarts:  # from the run's last checkpoint: not an earlier run's left in its directory
+                own = resume or bool(checkpoint_marks(cfg.run_dir) - inherited)
+                ckpt = latest_checkpoint(cfg.run_dir) if own else None
             try:
-                return run_recipe(cfg, inputs, resume=own, trainer_restarts=before + restarts)
+                return run_recipe(cfg, inputs, ckpt, trainer_restarts=before + restarts)
             except TrainerDied as e:
                 if restarts == cfg.run.max_restarts:
                     raise TrainerDied(f"{e}\n(run.max_restarts={cfg.run.max_restarts} spent)") from None
@@ -75,13 +78,13 @@ def train(cfg: Config, resume: bool = False, inputs: Inputs | None = None) -> Pa
     raise AssertionError("unreachable")
 
 
-def run_recipe(cfg: Config, inputs: Inputs, resume: bool = False, trainer_restarts: int = 0) -> Path:
+def run_recipe(cfg: Config, inputs: Inputs, ckpt: Path | None = None, trainer_restarts: int = 0) -> Path:
+    """The recipe's steps, from `ckpt` (an intact checkpoint of this run) or from the start."""
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     tokenizer, data, eval_data = inputs.tokenizer, inputs.data, inputs.eval_data
     inputs.rewind()  # a checkpoint, if any, sets the position below
-    ckpt = latest_checkpoint(run_dir) if resume else None
     state = load_state(ckpt) if ckpt else {"step": 0}
     start = state["step"]
     with ExitStack() as stack:  # closed in reverse: rollout thread, tracker, reward workers, cluster (actors, Ray)

@@ -62,6 +62,10 @@ def test_a_trainer_dying_mid_save_is_left_for_the_loop_to_heal(tmp_path):
         (lambda c: _flip_one_byte(c / "trainer" / "model.safetensors"), "manifest: same size, other content"),
         (lambda c: (c / "state.json").write_text("{"), "unreadable"),
         (lambda c: (c / "manifest.json").write_text("[]x"), "unreadable"),
+        (lambda c: (c / "manifest.json").unlink(), "unreadable"),
+        (lambda c: _edit_state(c, data={"position": 36}), "state.json differs from what was saved"),
+        (lambda c: (c / "state.json").write_text('{"step": 7}'), "state.json is of step 7"),
+        (lambda c: (c / "trainer" / "x.safetensors").write_bytes(b"x"), "x.safetensors is not in the checkpoint's"),
     ],
 )
 def test_a_corrupt_checkpoint_is_skipped_for_the_newest_intact_one(tmp_path, caplog, damage, named):
@@ -73,6 +77,11 @@ def test_a_corrupt_checkpoint_is_skipped_for_the_newest_intact_one(tmp_path, cap
     damage(first)
     with pytest.raises(CheckpointError, match="no intact checkpoint"):
         latest_checkpoint(tmp_path)
+
+
+def _edit_state(ckpt, **changes):
+    state = json.loads((ckpt / "state.json").read_text())
+    (ckpt / "state.json").write_text(json.dumps(state | changes))
 
 
 def _flip_one_byte(path):
@@ -139,3 +148,26 @@ def test_a_fresh_run_tells_its_own_checkpoints_from_an_earlier_runs(tmp_path):
     save_checkpoint(tmp_path, 2, {}, trainer_writing(256))  # this run's step 2, under the old one's name
     assert checkpoint_marks(tmp_path) - inherited
     assert latest_checkpoint(tmp_path).name == "step_000002"  # and the earlier run's step 6 is gone
+
+
+def test_a_corrupt_checkpoint_moved_aside_no_longer_counts_among_those_kept(tmp_path):
+    """Left in place, the corrupt step 12 would be one of the two kept at the next save, and the intact step 10, the
+    one the run resumed from, would be pruned."""
+    for step in (10, 12):
+        save_checkpoint(tmp_path, step, {}, trainer_writing(256))
+    _flip_one_byte(tmp_path / "checkpoints" / "step_000012" / "trainer" / "model.safetensors")
+    assert latest_checkpoint(tmp_path).name == "step_000010"
+    save_checkpoint(tmp_path, 15, {}, trainer_writing(256))
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert kept == ["step_000010", "step_000012.corrupt", "step_000015"]
+
+
+def test_what_a_killed_save_or_removal_left_goes_at_the_next_save(tmp_path):
+    save_checkpoint(tmp_path, 1, {}, trainer_writing(256))
+    for left in ("step_000001.removing", "step_000003.tmp"):  # never saved again under those names
+        (tmp_path / "checkpoints" / left / "trainer").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_²" / "state.json").parent.mkdir()  # not a step: a digit, but not ASCII
+    (tmp_path / "checkpoints" / "step_²" / "state.json").write_text("{}")
+    save_checkpoint(tmp_path, 5, {}, trainer_writing(256))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001", "step_000005", "step_²"]
+    assert latest_checkpoint(tmp_path).name == "step_000005"
