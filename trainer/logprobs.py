@@ -85,8 +85,8 @@ def response_logprobs(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     config = getattr(model, "config", None)
-    for knob in ("final_logit_softcapping", "logit_scale"):
-        if getattr(config, knob, None) not in (None, 1.0):
+    for knob in ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier"):
+        if getattr(config, knob, None) not in (None, 1.0):  # a scaling of the logits the chunked head would miss
             raise NotImplementedError(f"response_logprobs does not apply the model's {knob}")
     head = model.get_output_embeddings()
     weight, bias = head.weight, getattr(head, "bias", None)

@@ -30,8 +30,23 @@ def load_policy_model(cfg: TrainerConfig, device: torch.device, sharded: bool) -
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    # HF checkpoints only recompute in train mode; otherwise eval mode, so nothing is stochastic.
+    # HF checkpoints only recompute in train mode; otherwise eval mode. Either way nothing is stochastic: π and πold
+    # must be the same function of the weights (as TRL's disable_dropout makes them), so every dropout is off.
     model.train(cfg.gradient_checkpointing)
+    disable_dropout(model)
     if cfg.compile != "off":
         compile_decoder(model, cfg.compile, sharded)  # before FSDP wraps the layers, as torchtitan orders it
     return model
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Zero every dropout: the `nn.Dropout` modules, and the probability HF attention modules pass to their kernel
+    when in train mode (`attention_dropout`, read from a config such as Qwen3's or Llama's)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "attention_dropout", None):
+        config.attention_dropout = 0.0

@@ -202,3 +202,15 @@ def test_bf16_cuda_trainer_logprobs_in_tf32_stay_at_fp32_rounding(tiny_qwen3_dir
     finally:
         torch.backends.cuda.matmul.allow_tf32 = False
     torch.testing.assert_close(tf32[mb.response_mask], fp32[mb.response_mask], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("knob", ["final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier"])
+def test_a_model_that_scales_its_logits_is_refused_not_scored_as_another(tmp_path, make_batch, knob):
+    """The chunked LM head multiplies the hidden states by the head's weight and nothing else: a model whose forward
+    then scales or caps the logits (Gemma 2's softcapping, Cohere's logit_scale, Granite's logits_scaling, FalconH1's
+    lm_head_multiplier) would be trained on another distribution than its own."""
+    trainer = Trainer(TrainerConfig(str(make_tiny_hf_model(tmp_path / "m", "qwen3", seed=3))))
+    setattr(trainer.model.config, knob, 8.0)
+    batch = make_batch(2, seed=1)
+    with pytest.raises(NotImplementedError, match=knob):
+        trainer.compute_logprobs(batch.prompts, batch.responses)

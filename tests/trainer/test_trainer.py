@@ -2,9 +2,11 @@
 resume is bit-exact, exports are named and typed as HF saves them, bad batches fail cleanly."""
 
 import dataclasses
+import json
 import math
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import ml_dtypes
@@ -282,6 +284,26 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_qwen3_dir, make_ba
     for name in plain:
         torch.testing.assert_close(ckpt[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
     assert saved_activation_elements(ckpt_trainer, batch) < saved_activation_elements(plain_trainer, batch) / 3
+
+
+def test_a_checkpoint_with_dropout_trains_deterministically_with_gradient_checkpointing(
+    tiny_qwen3_dir, make_batch, tmp_path
+):
+    """Gradient checkpointing needs train mode, where HF attention applies the config's attention_dropout: π and πold
+    would be random draws. Every dropout is off, so the two trainers compute the same function."""
+    shutil.copytree(tiny_qwen3_dir, tmp_path / "model")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config | {"attention_dropout": 0.5}))
+    batch = make_batch(4, seed=15)
+    plain_trainer = Trainer(TrainerConfig(str(tmp_path / "model")))
+    ckpt_trainer = Trainer(TrainerConfig(str(tmp_path / "model"), gradient_checkpointing=True))
+    first = ckpt_trainer.compute_logprobs(batch.prompts, batch.responses)
+    for again, plain in zip(ckpt_trainer.compute_logprobs(batch.prompts, batch.responses), first):
+        np.testing.assert_array_equal(again, plain)
+    plain, _ = plain_trainer.compute_gradients(batch)
+    ckpt, _ = ckpt_trainer.compute_gradients(batch)
+    for name in plain:
+        torch.testing.assert_close(ckpt[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize(
