@@ -3,10 +3,11 @@
 The sender encodes each version as one flat payload (weight_sync's codec, `encode_payload_into`: manifest,
 checksums, 64-byte aligned tensors), `ray.put`s it and posts the ObjectRef to a small named actor, the mailbox,
 which keeps the newest `keep` refs and the receiver's keyframe requests. The receiver asks the mailbox for the newest
-version, `ray.get`s the payload (zero-copy from the local object store on the same node, one transfer across nodes)
-and verifies it with the same code as shm (`decode_payload`). Everything else (deltas, keyframes, refusal of corrupt
-versions) is the transport-neutral protocol of `weight_sync.Sender` / `weight_sync.Receiver`, whose transport hooks
-this file implements, using only weight_sync's public API: it is only about moving bytes.
+version it holds (none above the pull's `at_most`), `ray.get`s the payload (zero-copy from the local object store
+on the same node, one transfer across nodes) and verifies it with the same code as shm (`decode_payload`).
+Everything else (deltas, keyframes, refusal of corrupt versions) is the transport-neutral protocol of
+`weight_sync.Sender` / `weight_sync.Receiver`, whose transport hooks this file implements, using only weight_sync's
+public API: it is only about moving bytes.
 
 The sender process owns the payload objects (Ray 2.56 removed `ray.put(_owner=...)`); if it dies, its versions are
 lost and a receiver sees no new version until a restarted sender pushes one (a delta receiver then gets a
@@ -47,8 +48,10 @@ class SyncMailbox:
         for old in sorted(self.refs)[: -self.keep]:
             del self.refs[old]
 
-    def latest(self) -> tuple[int, int | None]:
-        return self.writer, (max(self.refs) if self.refs else None)
+    def latest(self, at_most: int | None = None) -> tuple[int, int | None]:
+        """The writer's number and its newest version held, none above `at_most` (versions may have gaps)."""
+        held = [v for v in self.refs if at_most is None or v <= at_most]
+        return self.writer, (max(held) if held else None)
 
     def get(self, version: int) -> list | None:
         return self.refs.get(version)
@@ -98,8 +101,8 @@ class RayReceiver(Receiver):
         self.mailbox = get_mailbox(run_id)
         self._writer: int | None = None
 
-    def _latest(self) -> int | None:
-        writer, latest = ray.get(self.mailbox.latest.remote())
+    def _latest(self, at_most: int | None = None) -> int | None:
+        writer, latest = ray.get(self.mailbox.latest.remote(at_most))
         if writer != self._writer:
             if self._writer is not None:
                 self._writer_restarted()

@@ -10,14 +10,15 @@ Hugging Face parameter name (bf16 as ml_dtypes.bfloat16, as `Trainer.export_weig
 never imports torch, and a torch tensor is refused with a ValueError naming it.
 
 Arrays returned by pull() are zero-copy views (read-only for disk and Ray): load them onto the device before the
-sender pushes two more versions (shm reuses its two buffers; disk prunes beyond `keep`). A receiver made with
-delta=True keeps its own copy of the current weights, which deltas are applied to (copy-on-write, never in place),
-and returns that copy: treat pulled arrays as read-only (a scribbled-on base is caught by the checksum of the next
-reconstruction, refused, and repaired by a keyframe).
+sender pushes two more versions (shm reuses its two buffers, and copies a version that the very next push
+overwrites, e.g. one pulled with `at_most`; disk prunes beyond `keep`). A receiver made with delta=True keeps its
+own copy of the current weights, which deltas are applied to (copy-on-write, never in place), and returns that copy:
+treat pulled arrays as read-only (a scribbled-on base is caught by the checksum of the next reconstruction, refused,
+and repaired by a keyframe).
 
 Other transports speak the same protocol by subclassing `Sender` and `Receiver` (their docstrings list the hooks:
-`_publish`, `_take_keyframe_request`; `_latest`, `_read`, `_request_keyframe`; `_latest` calls the base class's
-`_writer_restarted` when a new sender took over) and moving each version as one flat payload:
+`_publish`, `_take_keyframe_request`; `_latest(at_most)`, `_read`, `_request_keyframe`; `_latest` calls the base
+class's `_writer_restarted` when a new sender took over) and moving each version as one flat payload:
 
     n = payload_nbytes(manifest)                    # Sender._publish: size a (reused) uint8 buffer, write the
     encode_payload_into(buf, manifest, blobs)       # payload (fills in raw entries' checksums), move buf[:n]

@@ -141,6 +141,8 @@ class DiskSender(Sender):
         os.rename(tmp, self.run_dir / WRITER)
 
     def _publish(self, manifest: Manifest, blobs: Mapping[str, np.ndarray]) -> int:
+        if "__metadata__" in blobs:  # safetensors keeps its own metadata under that key: no reader would see a tensor
+            raise ValueError("tensor name '__metadata__' is reserved by safetensors: the disk transport cannot move it")
         final = self.run_dir / f"v{manifest.version:012d}"
         tmp = self.run_dir / f".tmp-v{manifest.version:012d}-{os.getpid()}"
         tmp.mkdir()
@@ -171,7 +173,7 @@ class DiskReceiver(Receiver):
         self.run_dir = Path(root) / _check_run_id(run_id)
         self._writer: str | None = None  # the sender epoch whose versions we follow
 
-    def _latest(self) -> int | None:
+    def _latest(self, at_most: int | None = None) -> int | None:
         try:
             writer = (self.run_dir / WRITER).read_text()
         except FileNotFoundError:
@@ -180,7 +182,7 @@ class DiskReceiver(Receiver):
             if self._writer is not None:
                 self._writer_restarted()
             self._writer = writer
-        versions = _versions(self.run_dir)
+        versions = [v for v in _versions(self.run_dir) if at_most is None or v <= at_most]
         return versions[-1] if versions else None
 
     def _read(self, version: int) -> Message | None:

@@ -5,7 +5,7 @@ deltas, refusing corrupt versions while keeping the last good weights, and askin
 receiver's base does not match. A transport (shm, disk, Ray) only moves a `Manifest` plus its stored blobs, by
 subclassing `Sender` and `Receiver` and implementing their hooks (documented on the classes):
 
-    Sender._publish(manifest, blobs) -> bytes moved      Receiver._latest() -> newest version | None
+    Sender._publish(manifest, blobs) -> bytes moved      Receiver._latest(at_most) -> newest version held | None
     Sender._take_keyframe_request() -> bool              Receiver._read(version) -> Message | None
                                                           Receiver._request_keyframe()
 
@@ -219,8 +219,10 @@ class Receiver(_Endpoint):
     """Base receiver: verification, delta chains, refusal and keyframe requests. A transport subclasses it and
     implements
 
-    `_latest() -> int | None`: the newest version published, or None. A transport that can tell a new sender took
-        over the run (a resumed run numbering afresh) calls `self._writer_restarted()` here first.
+    `_latest(at_most=None) -> int | None`: the newest version the transport holds, none above `at_most` when it is
+        given (versions have gaps: a step whose update was skipped pushes nothing), or None. A transport that can
+        tell a new sender took over the run (a resumed run numbering afresh) calls `self._writer_restarted()` here
+        first.
     `_read(version) -> Message | None`: that version, verified (decode_payload does it for a flat payload), or None
         if it is gone; raise CorruptVersion if it fails verification.
     `_request_keyframe()`: ask the sender for a keyframe at its next push (the default does nothing).
@@ -242,7 +244,7 @@ class Receiver(_Endpoint):
         self._waiting_since: int | None = None  # newest version when we last asked for a keyframe
 
     # -- transport hooks --
-    def _latest(self) -> int | None:
+    def _latest(self, at_most: int | None = None) -> int | None:
         raise NotImplementedError
 
     def _read(self, version: int) -> Message | None:
@@ -267,12 +269,10 @@ class Receiver(_Endpoint):
     # -- protocol --
     def pull(self, at_most: int | None = None) -> tuple[int, dict[str, np.ndarray]] | None:
         """The newest verified version newer than the last one returned, or None. Never raises on bad data. With
-        `at_most`, no version above it: a version the sender published before a newer one is still there to read
-        (the disk and Ray transports keep `keep` versions, shm the last two)."""
+        `at_most`, the newest version not above it that the transport still holds (the disk and Ray transports keep
+        `keep` versions, shm the last two): `at_most` itself need not have been published."""
         for _ in range(5):
-            latest = self._latest()
-            if latest is not None and at_most is not None:
-                latest = min(latest, at_most)
+            latest = self._latest(at_most)
             if (
                 latest is None
                 or latest in self._bad
@@ -294,7 +294,7 @@ class Receiver(_Endpoint):
 
     def _pull(self, latest: int):
         t0 = time.perf_counter()
-        msg = self._read(latest)
+        msg = self._checked(self._read(latest), latest)
         if msg is None:
             return None
         chain = [msg]
@@ -305,7 +305,7 @@ class Receiver(_Endpoint):
             prev = None
             if base not in self._bad and (self.version is None or base > self.version):
                 try:
-                    prev = self._read(base)
+                    prev = self._checked(self._read(base), base)
                 except CorruptVersion as exc:
                     self._refuse(base, exc)
             if prev is None:
@@ -334,6 +334,18 @@ class Receiver(_Endpoint):
         self._state = state if self.delta else None
         self.version = latest
         return latest, dict(state)
+
+    @staticmethod
+    def _checked(msg: Message | None, version: int) -> Message | None:
+        """`msg`, read as `version`, once it is what the chain walk may follow: each step must go to an older version,
+        or a crafted or corrupt manifest (a delta on itself, on a newer version) would walk in circles forever."""
+        if msg is not None:
+            m = msg.manifest
+            if m.version != version:
+                raise CorruptVersion(f"version {version} holds a manifest for version {m.version}")
+            if m.base_version is not None and m.base_version >= m.version:
+                raise CorruptVersion(f"version {m.version} is a delta on version {m.base_version}, not an older one")
+        return msg
 
     def _refuse(self, version: int, exc: CorruptVersion) -> None:
         self.refused += 1

@@ -14,24 +14,27 @@ Why reuse: writing fresh pages costs first-touch page faults (~1.7 GB/s here) wh
 near memcpy speed; after the first two pushes no new page is touched.
 
 Zero copy: a pull returns numpy views into the buffer. They stay valid until the writer reuses that buffer, i.e.
-until it pushes two more versions; put them on the device (or copy) before then. A delta-mode receiver keeps its own
-copy instead, since it must apply the next delta on top.
+until it pushes two more versions; put them on the device (or copy) before then. A version read from the other
+buffer (an older one, `pull(at_most=...)`) is what the very next push overwrites, so such a pull returns a copy to
+keep that promise. A delta-mode receiver keeps its own copy instead, since it must apply the next delta on top.
 
 We map /dev/shm files ourselves rather than using multiprocessing.shared_memory, whose resource_tracker unlinks
-segments on behalf of processes that merely attached. Segments are removed by close(), at interpreter exit and on
-SIGTERM; a writer killed with SIGKILL leaves them behind, and the next ShmSender finds them: a live writer holds an
-flock on its control segment, which the kernel releases when the process dies however it dies.
+segments on behalf of processes that merely attached. Segments are removed by close(), when a sender is garbage
+collected, at interpreter exit and on SIGTERM; a writer killed with SIGKILL leaves them behind, and the next ShmSender
+finds them: a live writer holds an flock on its control segment, which the kernel releases when the process dies
+however it dies. Whoever removes them holds that lock while it does, control segment last: a new writer of the run
+starts only once that name is free, so no buffer of a live writer is ever removed.
 """
 
 from __future__ import annotations
 
-import atexit
 import errno
 import fcntl
 import mmap
 import os
 import re
 import signal
+import time
 import weakref
 from pathlib import Path
 from typing import Mapping
@@ -95,20 +98,26 @@ def _close_map(m: mmap.mmap | None) -> None:
         pass  # views handed to the caller still use it; the mapping goes away with the last of them
 
 
-def _writer_alive(ctl: Path) -> bool:
-    """True while some process holds the run's writer lock (the kernel drops it when the writer dies, even by
-    SIGKILL; unlike a pid check this survives pid reuse and pid namespaces)."""
+def _lock_if_dead(ctl: Path) -> int | None:
+    """A descriptor holding the writer lock of `ctl` if no writer held it (the kernel drops the lock when the writer
+    dies, even by SIGKILL; unlike a pid check this survives pid reuse and pid namespaces) and `ctl` still names the
+    file locked; else None. Closing the descriptor drops the lock."""
     try:
         fd = os.open(ctl, os.O_RDONLY)
     except FileNotFoundError:
-        return True  # already gone: nothing for us to remove
+        return None  # already gone: nothing for us to remove
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # closing drops the lock if we took it
-    return False
+        held, named = os.fstat(fd), os.stat(ctl)
+    except (BlockingIOError, FileNotFoundError):  # a live writer (or another sweep) holds it, or it is gone
+        os.close(fd)
+        return None
+    if (held.st_dev, held.st_ino) != (named.st_dev, named.st_ino):
+        # Between our open and our lock a new writer removed the dead one's file and put its own in place: we hold
+        # the lock of an unlinked file, and the name is the live writer's.
+        os.close(fd)
+        return None
+    return fd
 
 
 def remove_stale_segments() -> list[str]:
@@ -116,22 +125,38 @@ def remove_stale_segments() -> list[str]:
     removed = []
     for ctl in SHM_DIR.glob("rlloop_*_ctl"):
         run_id = ctl.name[len("rlloop_") : -len("_ctl")]
-        if _writer_alive(ctl):
+        fd = _lock_if_dead(ctl)
+        if fd is None:
             continue
-        for part in ("buf0", "buf1", "ctl"):
-            segment_path(run_id, part).unlink(missing_ok=True)
+        try:  # under the dead writer's lock, its control segment last: a new writer starts once that name is free
+            for part in ("buf0", "buf1", "ctl"):
+                segment_path(run_id, part).unlink(missing_ok=True)
+        finally:
+            os.close(fd)
         removed.append(run_id)
     for tmp in SHM_DIR.glob("rlloop_*_ctl.*.tmp"):  # a writer killed while creating its control segment
-        if not _writer_alive(tmp):
+        if (fd := _lock_if_dead(tmp)) is not None:
             tmp.unlink(missing_ok=True)
+            os.close(fd)
     return removed
+
+
+def _remove_segments(run_id: str, owner: int, lock_fd: int) -> None:
+    """A sender's cleanup, run once: by close(), or by weakref.finalize when a sender dropped without close() is
+    collected or the interpreter exits. Buffers first, under our lock: a new writer of the run can only start once
+    the control segment is gone, and must not lose the buffers it then creates."""
+    if os.getpid() != owner:
+        return  # a forked child inherited the sender (and this finalizer), not its segments
+    for part in ("buf0", "buf1", "ctl"):
+        segment_path(run_id, part).unlink(missing_ok=True)
+    os.close(lock_fd)
 
 
 _live_senders: "weakref.WeakSet[ShmSender]" = weakref.WeakSet()
 _handlers_installed = False
 
 
-def _close_all_senders() -> None:
+def _close_all_senders() -> None:  # on SIGTERM, which skips atexit (and with it weakref.finalize)
     for sender in list(_live_senders):
         sender.close()
 
@@ -149,13 +174,12 @@ def _install_cleanup_handlers() -> None:
     global _handlers_installed
     if _handlers_installed:
         return
-    atexit.register(_close_all_senders)
     try:
         previous = signal.getsignal(signal.SIGTERM)
         if previous != signal.SIG_IGN:  # a process that ignores SIGTERM keeps doing so
             signal.signal(signal.SIGTERM, lambda s, f: _on_sigterm(s, f, previous))
     except ValueError:
-        pass  # not the main thread: atexit and close() still clean up
+        pass  # not the main thread: close() and the senders' finalizers still clean up
     _handlers_installed = True
 
 
@@ -163,9 +187,13 @@ class ShmSender(Sender):
     def __init__(self, run_id: str, *, delta: bool = False, keyframe_every: int = 10, **kw):
         super().__init__(delta=delta, keyframe_every=keyframe_every, **kw)
         self.run_id = _check_run_id(run_id)
-        remove_stale_segments()
         ctl_path = segment_path(run_id, "ctl")
-        if ctl_path.exists():
+        for _ in range(3):  # another process's sweep may hold a dead writer's lock for the moment it removes its files
+            remove_stale_segments()
+            if not ctl_path.exists():
+                break
+            time.sleep(0.01)
+        else:
             pid = int(np.fromfile(ctl_path, np.uint64, count=2)[_PID_F])
             raise ValueError(f"run_id {run_id!r} already has a live shm sender (pid {pid}); use another run_id")
         for i in (0, 1):
@@ -186,19 +214,21 @@ class ShmSender(Sender):
         os.rename(tmp, ctl_path)
         self._maps: list[mmap.mmap | None] = [None, None]
         self._closed = False
+        # Removes the segments of a sender dropped without close(), once collected or at exit; it holds no reference
+        # to the sender, which would keep it alive.
+        self._finalizer = weakref.finalize(self, _remove_segments, run_id, self._owner, self._lock_fd)
         _live_senders.add(self)
         _install_cleanup_handlers()
 
     def _buffer(self, i: int, size: int) -> np.ndarray:
         m = self._maps[i]
         if m is None or len(m) < size:
+            path = segment_path(self.run_id, f"buf{i}")
+            create = m is None and not path.exists()
+            self._maps[i] = None  # a grow refused below (ENOSPC) must not leave the closed map to the next push
             _close_map(m)
             # Grow with headroom so a slightly larger version does not remap (and re-fault) the whole buffer.
-            m = self._maps[i] = _map(
-                segment_path(self.run_id, f"buf{i}"),
-                size + size // 16,
-                create=m is None and not segment_path(self.run_id, f"buf{i}").exists(),
-            )
+            m = self._maps[i] = _map(path, size + size // 16, create=create)
         return np.frombuffer(m, np.uint8)
 
     def _publish(self, manifest: Manifest, blobs: Mapping[str, np.ndarray]) -> int:
@@ -229,12 +259,10 @@ class ShmSender(Sender):
             return
         self._closed = True
         _live_senders.discard(self)
-        for part in ("ctl", "buf0", "buf1"):
-            segment_path(self.run_id, part).unlink(missing_ok=True)
+        self._finalizer()
         self._ctl = None
         for m in (self._ctl_map, *self._maps):
             _close_map(m)
-        os.close(self._lock_fd)
 
 
 class ShmReceiver(Receiver):
@@ -275,15 +303,18 @@ class ShmReceiver(Receiver):
         self._ctl = ctl
         return ctl
 
-    def _latest(self) -> int | None:
+    def _latest(self, at_most: int | None = None) -> int | None:
         ctl = self._control()
-        if ctl is None or ctl[_LATEST_F] == 0:
+        if ctl is None:
             return None
-        return int(ctl[_BUF_F[int(ctl[_LATEST_F]) - 1] + 1])
+        # A buffer holds a published version while its seq is even, and not 0 (never written).
+        held = [int(ctl[f + 1]) for f in _BUF_F if int(ctl[f]) and not int(ctl[f]) % 2]
+        return max((v for v in held if at_most is None or v <= at_most), default=None)
 
     def _read(self, version: int) -> Message | None:
         ctl = self._ctl
-        for i in (int(ctl[_LATEST_F]) - 1, 2 - int(ctl[_LATEST_F])):
+        newest = max(int(ctl[_LATEST_F]) - 1, 0)  # 0 still, in the moment the first push has published its seq
+        for i in (newest, 1 - newest):
             seq_f = _BUF_F[i]
             seq = int(ctl[seq_f])
             if seq % 2 or int(ctl[seq_f + 1]) != version:
@@ -306,6 +337,13 @@ class ShmReceiver(Receiver):
                 raise
             if int(ctl[seq_f]) != seq or manifest.version != version:
                 raise TornRead()
+            if not self.delta and int(ctl[_LATEST_F]) - 1 != i:
+                # Views must outlive two more pushes, and the next one reuses this buffer (it no longer holds the
+                # newest version): hand out a copy. A delta receiver copies what it keeps anyway.
+                blobs = {name: blob.copy() for name, blob in blobs.items()}
+                if int(ctl[seq_f]) != seq:
+                    raise TornRead()  # the writer came by while we copied
+                return Message(manifest, blobs)
             return Message(manifest, blobs, still_valid=lambda f=seq_f, s=seq: int(ctl[f]) == s, borrowed=True)
         return None
 

@@ -145,3 +145,18 @@ def test_ray_pull_of_at_most_a_version_applies_its_delta_though_a_newer_one_is_o
     assert version == 1 and _same_bits(got, states[1])
     version, got = receiver.pull()
     assert version == 2 and _same_bits(got, states[2])
+
+
+def test_ray_pull_of_at_most_an_unpublished_version_loads_the_newest_below_it(ray_cluster, run_id):
+    """Versions have gaps (a step whose update was skipped pushes nothing): at_most may name one never published."""
+    rng = np.random.default_rng(0)
+    sender = make_ray_sender(run_id=run_id, delta=True)
+    receiver = make_ray_receiver(run_id=run_id, delta=True)
+    states = [_weights(rng)]
+    states.append(_step(states[0], rng))
+    sender.push(states[0], 3)
+    assert not sender.push(states[1], 5).keyframe
+    version, got = receiver.pull(at_most=4)
+    assert version == 3 and _same_bits(got, states[0])
+    version, got = receiver.pull()
+    assert version == 5 and _same_bits(got, states[1])

@@ -155,3 +155,22 @@ def test_well_framed_but_inconsistent_manifest_is_refused(field, value):
     )
     with pytest.raises(CorruptVersion):
         decode_payload(payload)
+
+
+@pytest.mark.timeout(60)
+def test_a_delta_on_itself_is_refused_not_followed_forever(run_id, tmp_path):
+    """A crafted or corrupt manifest whose base is its own version: walking its chain of bases would never end."""
+    w = {**_weights(0), "big": np.zeros(4096, np.float32)}  # makes the delta worth sending
+    sender = make_sender("disk", run_id=run_id, root=tmp_path, delta=True)
+    receiver = make_receiver("disk", run_id=run_id, root=tmp_path, delta=True)
+    sender.push(w, 0)
+    assert receiver.pull()[0] == 0
+    w["big"][0] = 1
+    manifest, blobs = sender._encode(w, 1)[:2]
+    assert manifest.base_version == 0
+    manifest.base_version = 1
+    sender._publish(manifest, blobs)  # well framed, checksums right: only the chain is wrong
+    assert receiver.pull() is None and receiver.refused == 1 and receiver.keyframe_requests == 1
+    assert sender.push(w, 2).keyframe
+    version, got = receiver.pull()
+    assert version == 2 and all(got[n].tobytes() == a.tobytes() for n, a in w.items())

@@ -251,6 +251,76 @@ def test_push_that_fails_midway_is_never_shown_and_the_next_push_works(run_id, m
         assert version == 3 and (got["w"] == 3.0).all()
 
 
+def test_a_push_refused_for_lack_of_shared_memory_leaves_the_sender_usable(run_id, monkeypatch):
+    import types
+
+    sender, receiver = make_sender("shm", run_id=run_id), make_receiver("shm", run_id=run_id)
+    with sender, receiver:
+        sender.push({"w": np.full(1000, 1.0, np.float32)}, 1)
+        sender.push({"w": np.full(1000, 2.0, np.float32)}, 2)  # both buffers mapped
+        monkeypatch.setattr(os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=256, f_frsize=4096))  # 1 MiB
+        with pytest.raises(OSError, match="GB free"):
+            sender.push({"w": np.zeros(1 << 20, np.float32)}, 3)  # would grow version 1's buffer to 4 MiB
+        monkeypatch.undo()
+        assert receiver.pull()[0] == 2
+        sender.push({"w": np.full(1000, 4.0, np.float32)}, 4)  # fits the buffer whose grow was refused
+        version, got = receiver.pull()
+        assert version == 4 and (got["w"] == 4.0).all()
+
+
+def _open_files(run_id: str) -> list[str]:
+    """What this process holds open of the run's segments (descriptors, and the ones behind its mappings)."""
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            names.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:
+            pass  # the descriptor listdir read through
+    return [n for n in names if f"rlloop_{run_id}_" in n]
+
+
+def test_a_sender_dropped_without_close_removes_its_segments_and_lock(run_id):
+    """A worker that rebuilds its sender drops the old one: once collected, its segments must not stay behind to
+    outlive the process, nor its lock and mappings stay open."""
+    import gc
+
+    sender = make_sender("shm", run_id=run_id)
+    sender.push({"w": np.ones(4, np.float32)}, 0)
+    assert len(_segments(run_id)) == 2 and _open_files(run_id)
+    del sender
+    gc.collect()
+    assert _segments(run_id) == [] and _open_files(run_id) == []
+
+
+def test_a_sweep_spares_a_writer_that_replaced_the_dead_one_meanwhile(run_id, monkeypatch):
+    """A sweep opens a dead writer's control segment; before it takes the lock, a new writer of the run removes the
+    dead one's segments (its own sweep) and starts. The first sweep must not then remove the new writer's by name."""
+    import fcntl
+
+    proc = _start_writer(run_id, "wait")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    ctl, real_flock, new = str(segment_path(run_id, "ctl")), fcntl.flock, []
+
+    def flock_after_a_new_writer_started(fd, op):
+        if op & fcntl.LOCK_NB and os.readlink(f"/proc/self/fd/{fd}") == ctl:
+            monkeypatch.undo()  # once: from here on (the new writer's sweep too) the real flock
+            new.append(make_sender("shm", run_id=run_id))
+            new[0].push({"w": np.full(8, 5.0, np.float32)}, 5)
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_a_new_writer_started)
+    try:
+        assert run_id not in remove_stale_segments() and len(new) == 1
+        with make_receiver("shm", run_id=run_id) as receiver:
+            version, got = receiver.pull()
+            assert version == 5 and (got["w"] == 5.0).all()
+    finally:
+        for sender in new:
+            sender.close()
+    assert _segments(run_id) == []
+
+
 def test_a_version_larger_than_the_free_shared_memory_is_refused_before_any_write(run_id):
     """Rather than a SIGBUS at some write through the map, once tmpfs is found full."""
     st = os.statvfs(SHM_DIR)

@@ -136,6 +136,19 @@ def test_shm_reads_are_zero_copy_views_valid_until_buffer_reused(run_id):
         assert (v0["w"] == 3.0).all(), "shm pulls must be views into the segment, not copies"
 
 
+def test_shm_views_of_an_older_version_outlive_the_next_push(run_id):
+    """A pull of at most an older version reads the buffer the next push reuses: what it returns must still last
+    until two more pushes, as every pull's arrays do."""
+    sender, receiver = _pair("shm", run_id, None)
+    with sender, receiver:
+        sender.push({"w": np.full(1000, 1.0, np.float32)}, 1)
+        sender.push({"w": np.full(1000, 2.0, np.float32)}, 2)
+        version, v1 = receiver.pull(at_most=1)
+        assert version == 1
+        sender.push({"w": np.full(1000, 3.0, np.float32)}, 3)  # rewrites the buffer version 1 was read from
+        assert (v1["w"] == 1.0).all()
+
+
 def test_sender_copies_input_before_push_returns(run_id):
     """The trainer's arrays may alias live parameters: changing them after push must not change what was sent."""
     sender, receiver = _pair("shm", run_id, None, delta=True)
@@ -286,6 +299,17 @@ def test_bad_input_names_the_problem(transport, run_id, tmp_path):
         with pytest.raises(ValueError, match="version 5 is not newer"):
             sender.push({"w": np.zeros(3, np.float32)}, 5)
         assert receiver.pull()[0] == 5  # the bad pushes lost nothing
+
+
+def test_disk_refuses_a_tensor_named_like_the_safetensors_metadata(run_id, tmp_path):
+    """safetensors keeps its metadata under "__metadata__": a tensor of that name would be pushed but never pulled."""
+    sender, receiver = _pair("disk", run_id, tmp_path)
+    with sender, receiver:
+        with pytest.raises(ValueError, match="'__metadata__' is reserved by safetensors"):
+            sender.push({"__metadata__": np.ones(3, np.float32), "w": np.zeros(3, np.float32)}, 0)
+        assert receiver.pull() is None and sender.version is None  # nothing was published
+        sender.push({"w": np.zeros(3, np.float32)}, 0)
+        assert receiver.pull()[0] == 0
 
 
 def test_factory_errors(run_id, tmp_path):
@@ -469,3 +493,23 @@ def test_a_pull_of_at_most_a_version_loads_it_though_a_newer_one_is_out(transpor
         version, got = receiver.pull()
         assert version == 2
         _assert_bits_equal(got, states[2])
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("delta", [False, True])
+def test_a_pull_of_at_most_an_unpublished_version_loads_the_newest_below_it(transport, delta, run_id, tmp_path):
+    """Versions have gaps (a step whose update was skipped pushes nothing): at_most may name one never published."""
+    rng = np.random.default_rng(0)
+    sender, receiver = _pair(transport, run_id, tmp_path, delta=delta)
+    with sender, receiver:
+        states = [_state(rng) for _ in range(2)]
+        sender.push(states[0], 3)
+        assert receiver.pull(at_most=2) is None  # nothing that old (shm: an unwritten buffer holds no version 0)
+        sender.push(states[1], 5)
+        version, got = receiver.pull(at_most=4)
+        assert version == 3
+        _assert_bits_equal(got, states[0])
+        assert receiver.pull(at_most=4) is None
+        version, got = receiver.pull()
+        assert version == 5
+        _assert_bits_equal(got, states[1])
