@@ -152,6 +152,7 @@ class JaxEngine:
 
     def warmup(self) -> dict[str, float]:
         """Compile (and run once) every bucket's program; returns seconds per bucket, e.g. {"decode/8": 0.8}."""
+        self.resume()  # a released engine has no cache to run them on
         times, s = {}, self.cfg.max_batch
         for p in self.prefill_buckets:
             t0 = time.perf_counter()

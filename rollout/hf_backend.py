@@ -184,6 +184,9 @@ class HFEngine(RolloutEngine):
         """Copy HF-named arrays into the model: all of its tensors (a tied pair by either name). Everything is
         validated before anything is written."""
         state = self.model.state_dict()
+        # RoPE's frequencies, saved as a buffer by some checkpoints and exporters: derived from the config here (as in
+        # the JAX engine), never a weight to load
+        named_arrays = {k: v for k, v in named_arrays.items() if not k.endswith("rotary_emb.inv_freq")}
         unknown = sorted(set(named_arrays) - set(state))
         if unknown:
             raise ValueError(f"unknown parameter names (not in the model): {unknown[:10]}")

@@ -84,8 +84,14 @@ class ModelConfig:
             raise ValueError(f"unsupported model_type {model_type!r}; the JAX decoder supports {', '.join(FAMILIES)}")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {hf.get('hidden_act')!r}; expected 'silu' (SwiGLU)")
+        if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
+            raise ValueError(
+                "unsupported: sliding-window attention (use_sliding_window / layer_types); the JAX decoder attends "
+                "over the whole sequence, so it would decode another model than transformers does"
+            )
         heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        # What transformers takes for a config.json without head_dim: Qwen3Config's 128, the others' hidden / heads.
+        head_dim = hf.get("head_dim") or (128 if family == "qwen3" else hf["hidden_size"] // heads)
         rope = dict(hf.get("rope_parameters") or {})
         if not rope:  # transformers 4.x layout
             rope = dict(hf.get("rope_scaling") or {})

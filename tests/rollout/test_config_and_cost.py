@@ -135,3 +135,18 @@ def test_generate_flops_count_each_prefill_once_against_the_flop_counter(tmp_pat
     assert cost.generate_flops(cfg, [n], []) == counted - per_pair * n * n + per_pair * n * (n + 1) / 2
     one, four = (cost.generate_flops(cfg, [n], [(n + 1, 5)] * g) for g in (1, 4))
     assert four - one == 3 * cost.generate_flops(cfg, [], [(n + 1, 5)])
+
+
+def test_a_config_is_read_as_transformers_reads_it_or_refused():
+    """A Qwen3 config.json without head_dim has Qwen3Config's 128 (not hidden / heads, as for Llama and Qwen2); a
+    sliding-window model is refused: decoded with full attention it would be another model than transformers runs."""
+    import transformers
+
+    hf = dict(vocab_size=100, hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4)
+    for family, config in (("qwen3", transformers.Qwen3Config), ("qwen2", transformers.Qwen2Config)):
+        model = transformers.AutoModelForCausalLM.from_config(config(**hf))
+        want = model.model.layers[0].self_attn.head_dim
+        assert ModelConfig.from_hf_dict({**hf, "model_type": family}).head_dim == want
+        windowed = config(**hf, use_sliding_window=True, sliding_window=4, max_window_layers=0).to_dict()
+        with pytest.raises(ValueError, match="sliding-window attention"):
+            ModelConfig.from_hf_dict(windowed)

@@ -291,6 +291,15 @@ def test_release_frees_device_memory_and_resume_recompiles_nothing(tiny_qwen3_di
     assert compile_count() == before
 
 
+def test_a_released_engine_warms_up_again(tiny_qwen3_dir):
+    """Colocation releases an engine while the trainer runs; a warmup (an engine rebuilt in its place) brings it
+    back rather than running its programs on no cache."""
+    eng = small_engine(tiny_qwen3_dir)
+    eng.release()
+    assert {f"decode/{b}" for b in eng.decode_buckets} <= set(eng.warmup())
+    assert eng.generate([[5, 6, 7]], 1, SamplingParams(temperature=0.0, max_new_tokens=4))[0].token_ids
+
+
 def test_loaded_weights_never_alias_the_arrays_they_came_from(tiny_qwen3_dir):
     """weight_sync's shm receiver hands out views of a buffer that the sender's next versions overwrite, and on CPU
     device_put may keep a host array as it is: the engine holds its own copy, so overwriting the arrays it loaded

@@ -140,6 +140,17 @@ def test_load_weights_changes_outputs_and_stamps_version(model_dir, other_model_
     assert engine.stats()["weight_version"] == 7 and engine.stats()["tokens"] == 40
 
 
+def test_load_weights_takes_what_the_jax_engine_takes(model_dir, other_model_dir):
+    """Some checkpoints and exporters carry RoPE's inv_freq buffer: derived from the config, not a weight, it is left
+    out by both backends alike rather than refused by one."""
+    engine = HFEngine(model_dir)
+    arrays = {k: v.numpy().copy() for k, v in HFEngine(other_model_dir).model.state_dict().items()}
+    arrays["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(8, np.float32)
+    engine.load_weights(arrays, version=3)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    assert all(c.weight_version == 3 for c in engine.generate(PROMPTS, 1, greedy))
+
+
 def test_load_weights_bf16_is_bit_exact(model_dir):
     engine = HFEngine(model_dir, dtype="bfloat16")
     name = "model.layers.0.mlp.up_proj.weight"
