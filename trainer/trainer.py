@@ -127,7 +127,7 @@ class Trainer:
             lr = self.optimizer.param_groups[0]["lr"]
             grad_norms.append(self._optimizer_step())
         totals["skipped_samples"] = float(len(batch) - sum(map(len, trained)))
-        metrics = self._finish_metrics(totals)
+        metrics = self._finish_metrics(totals, batch)
         metrics["train/grad_norm"] = float(np.mean(grad_norms))
         metrics["train/lr"] = lr
         metrics["train/minibatches"] = float(len(plans))
@@ -170,7 +170,7 @@ class Trainer:
             all_reduce_grads_(self.masters)
         grads = {n: whole(m.grad).clone() for n, m in zip(self.param_names, self.masters) if m.grad is not None}
         self.optimizer.zero_grad(set_to_none=True)
-        return grads, self._finish_metrics(sums)
+        return grads, self._finish_metrics(sums, batch)
 
     @torch.no_grad()
     def compute_logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[np.ndarray]:
@@ -275,7 +275,7 @@ class Trainer:
                 m.grad = torch.zeros_like(m)
         return sums
 
-    def _finish_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+    def _finish_metrics(self, sums: dict[str, float], batch: TrainBatch) -> dict[str, float]:
         keys = list(sums)
         totals = all_reduce_(torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.reduce_device))
         totals = dict(zip(keys, totals.tolist()))
@@ -283,6 +283,8 @@ class Trainer:
         if totals["tokens"]:  # absent when every sample was skipped: there is no token to average over
             out.update({f"train/{k}": totals[k] / totals["tokens"] for k in TOKEN_MEAN_METRICS})
         out.update({f"train/{k}": totals[k] for k in COUNTS})
+        if batch.rollout_logprobs is None:  # no engine log-probs to compare with: no gap to report (not a gap of 0)
+            out.pop("train/logprob_abs_diff", None)
         return out
 
     @torch.no_grad()

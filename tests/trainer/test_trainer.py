@@ -365,3 +365,10 @@ def test_non_finite_steps_are_skipped_and_stop_training_after_max_bad_steps(tiny
         trainer.train_step(make_batch(4, seed=3))
     after = trainer.export_weights()
     assert all(np.array_equal(before[k], after[k], equal_nan=True) for k in before)  # nothing was applied
+
+
+def test_the_logprob_gap_is_reported_only_against_engine_logprobs(tiny_qwen3_dir, make_batch):
+    """Without the engine's log-probs there is no gap to measure: no metric, rather than a gap of exactly 0."""
+    trainer = Trainer(TrainerConfig(tiny_qwen3_dir))
+    assert "train/logprob_abs_diff" not in trainer.train_step(make_batch(4, seed=3, with_rollout_logprobs=False))
+    assert trainer.train_step(make_batch(4, seed=3))["train/logprob_abs_diff"] > 0
