@@ -18,7 +18,7 @@ from typing import Callable
 
 from rlloop.config import Config
 from rlloop.engine_pool import EnginePool
-from rlloop.errors import ClusterError, TrainerDied
+from rlloop.errors import ActorDied, ClusterError, TrainerDied
 from rlloop.placement import actor_env, actor_options, check_cluster_fits, check_one_node_fits, plan_placement
 from rlloop.profiling import rank_trace
 from rlloop.ray_session import local_ray, start_ray
@@ -163,7 +163,7 @@ class Cluster:
 
     def _call_all(self, workers: list, method: str, args: list[tuple], start: bool = False) -> list:
         """`method(*args[i])` on every worker at once (Ray) or in turn (local); an actor's death, or no answer within
-        cluster.actor_timeout_s (actor_start_timeout_s for a `start` call), is a ClusterError, or TrainerDied."""
+        cluster.actor_timeout_s (actor_start_timeout_s for a `start` call), is an ActorDied, or TrainerDied."""
         if not self.remote:
             return [getattr(w, method)(*a) for w, a in zip(workers, args)]
         return self._gather(workers, method, [getattr(w, method).remote(*a) for w, a in zip(workers, args)], start)
@@ -198,7 +198,7 @@ class Cluster:
             raise ClusterError(f"a {role} actor's {method}() raised {why}") from None
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
             role = "rollout" if workers[0] in self.engines else "trainer"
-            error = ClusterError if role == "rollout" else TrainerDied
+            error = ActorDied if role == "rollout" else TrainerDied
             if isinstance(e, ray.exceptions.GetTimeoutError):
                 # A hung actor is treated as dead, and killed now: it would never answer close()'s graceful stop.
                 _, waiting = ray.wait(refs, num_returns=len(refs), timeout=0)

@@ -14,7 +14,7 @@ from typing import Callable
 
 from rlloop.config import Config
 from rlloop.engine_shares import batches_in, merge_stats, share_sampling
-from rlloop.errors import ClusterError
+from rlloop.errors import ActorDied
 from rlloop.profiling import engine_trace
 from rlloop.workers import RolloutWorker
 
@@ -161,7 +161,7 @@ class EnginePool:
         most = self.cfg.run.max_restarts
         while True:
             if self.restarts >= most:
-                raise ClusterError(
+                raise ActorDied(
                     f"rollout engine {e}: its actor died during {why} after {self.restarts} restart(s) "
                     f"(run.max_restarts={most})"
                 )

@@ -7,7 +7,11 @@ class ClusterError(RuntimeError):
     """The cluster cannot host the plan, or an actor died; the message says which and what to do."""
 
 
-class TrainerDied(ClusterError):
+class ActorDied(ClusterError):
+    """An actor died or hung, past what the run heals: it can go on from its last checkpoint."""
+
+
+class TrainerDied(ActorDied):
     """A trainer rank's actor died: the loop rebuilds the cluster from the last checkpoint (run.max_restarts)."""
 
 

@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from rlloop.checkpoint import CheckpointError, checkpoint_marks
-    from rlloop.errors import ClusterError
+    from rlloop.errors import ActorDied, ClusterError
     from rlloop.loop import train
     from trainer import NonFiniteTraining
 
@@ -211,8 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     earlier = checkpoint_marks(cfg.run_dir)  # an earlier run's, which this one replaces at its first save
     try:
         run_dir = train(cfg, resume=args.resume, inputs=inputs)
-    except ClusterError as e:
-        print(f"cluster error: {e}\n{go_on(args, cfg.run_dir, earlier)}", file=sys.stderr)
+    except ClusterError as e:  # an actor's death past run.max_restarts, or a cluster that cannot host the run
+        advice = f"\n{go_on(args, cfg.run_dir, earlier)}" if isinstance(e, ActorDied) else ""
+        print(f"cluster error: {e}{advice}", file=sys.stderr)
         return 1
     except CheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
