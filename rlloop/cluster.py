@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from rlloop.config import Config
-from rlloop.engine_pool import EnginePool
+from rlloop.engine_pool import EnginePool, RestartCount
 from rlloop.errors import ActorDied, ClusterError, TrainerDied
 from rlloop.placement import actor_env, actor_options, check_cluster_fits, check_one_node_fits, plan_placement
 from rlloop.profiling import rank_trace
@@ -47,7 +47,8 @@ def sync_spec(cfg: Config, run_dir: Path) -> SyncSpec:
 
 
 class Cluster:
-    def __init__(self, cfg: Config, run_dir: Path):
+    def __init__(self, cfg: Config, run_dir: Path, engine_restarts: RestartCount | None = None):
+        """`engine_restarts`: the driver's count, when a trainer's death rebuilt the cluster (rlloop/loop.py)."""
         self.cfg, self.remote, self.owns_ray = cfg, cfg.cluster.use_ray, False
         self.pg = self.mailbox = None
         self._warming: list = []  # the engines' warmup() calls in flight
@@ -82,19 +83,19 @@ class Cluster:
         )
         if not self.remote:  # one trainer rank (rlloop.config)
             engines = [RolloutWorker(**engine) for _ in range(cfg.cluster.rollout_engines * self.with_engines)]
-            self.pool = EnginePool(cfg, engines)
+            self.pool = EnginePool(cfg, engines, count=engine_restarts)
             self.trainers = [TrainerWorker(**ranks[0])] if self.with_trainers else []
             for t in self.trainers:
                 t.setup()
             return
         try:
-            self._start(cfg, engine, ranks)
+            self._start(cfg, engine, ranks, engine_restarts)
         except BaseException:
             self.close()  # a half-built cluster must not leave actors or a local Ray behind
             raise
 
     # ------------------------------------------------------------------ Ray
-    def _start(self, cfg: Config, engine: dict, ranks: list[dict]) -> None:
+    def _start(self, cfg: Config, engine: dict, ranks: list[dict], engine_restarts: RestartCount | None) -> None:
         import ray
         from ray.util.placement_group import placement_group
 
@@ -129,7 +130,8 @@ class Cluster:
         # Kept to rebuild an engine that dies (run.max_restarts): the same bundle, environment and config.
         specs = [(options(b, True), engine) for b in plan.rollout_bundles if self.with_engines]
         engines = [ray.remote(RolloutWorker).options(**opts).remote(**kw) for opts, kw in specs]
-        self.pool = EnginePool(cfg, engines, specs, self._give_current_weights)
+        give = self._give_current_weights if self.with_trainers else None  # --debug rollout-only: the model's own
+        self.pool = EnginePool(cfg, engines, specs, give, engine_restarts)
         if not cfg.cluster.colocate:  # engines on chips of their own compile while the ranks load; `warmup` waits
             self._warming = [engine.warmup.remote() for engine in self.engines]
         self.trainers = [
@@ -143,23 +145,23 @@ class Cluster:
         master = self._call_all(rank0, "rendezvous", [()], start=True)[0] if len(self.trainers) > 1 else None
         self._call_all(self.trainers, "setup", [(master,)] * len(self.trainers), start=True)
 
-    def _give_current_weights(self, e: int, engine) -> None:
+    def _give_current_weights(self, e: int, engine) -> int:
         """Load the trainer's current weights into `engine`, engine e rebuilt after a death: it has the checkpoint's.
         They go as an object ref, never through the driver, and the next push is a keyframe, since it has no base for
-        deltas. The engine's death or silence raises Ray's error (the pool rebuilds it again), a rank's TrainerDied."""
+        deltas. The engine's death or silence raises Ray's error (the pool rebuilds it again), a rank's TrainerDied.
+        Returns their version."""
         import ray
 
-        if not self.trainers:  # --debug rollout-only: the model's own weights are the only policy
-            return
         current = [t.current_weights.remote() for t in self.trainers]  # every rank joins an fsdp gather
         try:
-            ray.get(engine.load_weights.remote(current[0]), timeout=self.cfg.cluster.actor_timeout_s)
+            version = ray.get(engine.load_weights.remote(current[0]), timeout=self.cfg.cluster.actor_timeout_s)
         except ray.exceptions.RayTaskError as err:  # raised in the engine: its argument, rank 0's weights, failed
             if isinstance(err.cause, ray.exceptions.RayActorError):  # rank 0 died too: rebuild from a checkpoint
                 raise TrainerDied(f"a trainer actor died while rollout engine {e} restarted: {err.cause}") from None
             raise
         self._gather(self.trainers[1:], "current_weights", current[1:])  # a dead rank: TrainerDied
         self._call_all(self.trainers[:1], "force_keyframe", [()])
+        return version
 
     def _call_all(self, workers: list, method: str, args: list[tuple], start: bool = False) -> list:
         """`method(*args[i])` on every worker at once (Ray) or in turn (local); an actor's death, or no answer within

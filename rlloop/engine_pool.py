@@ -2,14 +2,16 @@
 
 `Cluster` builds the engines (Ray actors, or `RolloutWorker`s in this process) and hands them to an `EnginePool`; the
 pool is what the loop's generations, weight pulls and the colocated sleep/wake go through. An engine that dies or
-hangs during a call is rebuilt from its spec (the same bundle, environment and config), given the trainer's current
-weights by the cluster's `give_weights`, and called again, up to run.max_restarts.
+hangs during a call is rebuilt from its spec (the same bundle, environment and config), given the weights it had (the
+version it last pulled, read back from the weight-sync transport; if that is gone, the trainer's current weights, by
+the cluster's `give_weights`), and called again, up to run.max_restarts.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Callable
 
 from rlloop.config import Config
@@ -22,17 +24,27 @@ RECEIVER_COUNTS = ("sync/refused", "sync/keyframe_requests")  # running counts o
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class RestartCount:
+    """Engines rebuilt after dying. One per driver, shared by the clusters a trainer's death rebuilds:
+    run.max_restarts bounds `done`, this driver's; rollout/engine_restarts is `before` (its checkpoint's) + `done`."""
+
+    before: int = 0
+    done: int = 0
+
+
 class EnginePool:
     def __init__(
         self,
         cfg: Config,
         engines: list,
         specs: list[tuple[dict, dict]] | None = None,
-        give_weights: Callable[[int, object], None] | None = None,
+        give_weights: Callable[[int, object], int] | None = None,
+        count: RestartCount | None = None,
     ):
         """`engines`: Ray actors (with `specs`, each one's actor options and `RolloutWorker` arguments, to rebuild it,
-        and `give_weights(e, engine)`, which loads the trainer's current weights into engine e rebuilt), or workers
-        in this process."""
+        and `give_weights(e, engine)`, which loads the trainer's current weights into engine e rebuilt and returns their
+        version), or workers in this process."""
         self.cfg, self.engines, self.remote = cfg, engines, specs is not None
         self._specs, self._give_weights = specs, give_weights
         n = len(engines)
@@ -45,7 +57,8 @@ class EnginePool:
         # lock per engine for its restart: two threads that find it dead rebuild it once.
         self._queued = [0] * n
         self._restarting = [threading.Lock() for _ in range(n)]
-        self.restarts = 0  # engines rebuilt after dying (rollout/engine_restarts)
+        self._count, self._counting = count or RestartCount(), threading.Lock()
+        self._versions = [0] * n  # the weight version each engine holds, as its last pull said
         self._receiver_counts: dict[int, dict[str, float]] = {}  # RECEIVER_COUNTS: each engine's last pulled
         self._retired_counts = dict.fromkeys(RECEIVER_COUNTS, 0.0)  # those of engines rebuilt (new ones count from 0)
 
@@ -110,12 +123,18 @@ class EnginePool:
         out = dict(pulled[0]) if pulled else {}
         for e, m in enumerate(pulled):
             self._receiver_counts[e] = {key: m[key] for key in RECEIVER_COUNTS if key in m}
+            self._versions[e] = int(m["sync/rollout_version"])
         for key in RECEIVER_COUNTS:
             if key in out:
                 out[key] = sum(c.get(key, 0.0) for c in self._receiver_counts.values()) + self._retired_counts[key]
         if len(pulled) > 1:
             out |= {f"rollout/engine_{e}/version": m["sync/rollout_version"] for e, m in enumerate(pulled)}
         return out
+
+    @property
+    def restarts(self) -> int:
+        """Engines rebuilt after dying over the run (rollout/engine_restarts)."""
+        return self._count.before + self._count.done
 
     def call(self, method: str, *args) -> list:
         """`method(*args)` on every engine at once; one that died (or hung) is rebuilt and called again. Without Ray,
@@ -149,34 +168,52 @@ class EnginePool:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e_info:
                 with self._restarting[e]:
                     if self.engines[e] is engine:  # not rebuilt meanwhile by another thread that found it dead
-                        self._restart(e, f"{method}(): {type(e_info).__name__}")
+                        how = "died" if isinstance(e_info, ray.exceptions.RayActorError) else "hung"
+                        self._restart(e, f"{how} during {method}()")
                     engine = self.engines[e]
                 ref = getattr(engine, method).remote(*args)
 
     def _restart(self, e: int, why: str) -> None:
-        """Rebuild engine e, which died or hung during `why`, and give it the trainer's current weights. A rebuild
-        that dies or hangs too is one more restart, up to run.max_restarts."""
+        """Rebuild engine e, which died or hung during `why`, with the weights it had. A rebuild that dies or hangs
+        too is one more restart, up to run.max_restarts."""
         import ray
 
         most = self.cfg.run.max_restarts
         while True:
-            if self.restarts >= most:
-                raise ActorDied(
-                    f"rollout engine {e}: its actor died during {why} after {self.restarts} restart(s) "
-                    f"(run.max_restarts={most})"
-                )
-            self.restarts += 1
-            log.warning("rollout engine %d died during %s; restarting it (%d/%d)", e, why, self.restarts, most)
+            ray.kill(self.engines[e])  # dead, or hung: it would never answer close()'s graceful stop either
+            with self._counting:  # engines restarting at once from two threads share the allowance
+                if self._count.done >= most:
+                    raise ActorDied(
+                        f"rollout engine {e}: its actor {why} after {self._count.done} restart(s) "
+                        f"(run.max_restarts={most})"
+                    )
+                self._count.done += 1
+                done = self._count.done
+            log.warning("rollout engine %d %s; restarting it (%d/%d)", e, why, done, most)
             for key, n in self._receiver_counts.pop(e, {}).items():
                 self._retired_counts[key] += n
-            ray.kill(self.engines[e])
             opts, kwargs = self._specs[e]
             self.engines[e] = engine = ray.remote(RolloutWorker).options(**opts).remote(**kwargs)
             try:
                 ray.get(engine.warmup.remote(), timeout=self.cfg.cluster.actor_start_timeout_s)
-                self._give_weights(e, engine)
+                self._versions[e] = self._reload(e, engine)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
-                why = f"its restart: {type(err).__name__}"
+                why = f"died during its restart ({type(err).__name__})"
                 continue
             break
-        log.warning("rollout engine %d is back (%d/%d)", e, self.restarts, most)
+        log.warning("rollout engine %d is back, on weight version %d (%d/%d)", e, self._versions[e], done, most)
+
+    def _reload(self, e: int, engine) -> int:
+        """Give rebuilt engine e the version it held, read back from the transport, so that what it generates again
+        is what it would have generated (async: the version the schedule pulled, not the trainer's newer one); the
+        trainer's current weights if the transport no longer holds it. Returns the version loaded."""
+        import ray
+
+        held = self._versions[e]
+        if held == 0 or not self._give_weights:  # the model's own weights, which a new engine starts with
+            return held
+        pulled = ray.get(engine.pull_weights.remote(held), timeout=self.cfg.cluster.actor_timeout_s)
+        if pulled["sync/rollout_version"] == held:
+            return held
+        log.warning("rollout engine %d: version %d is no longer held; loading the trainer's current weights", e, held)
+        return self._give_weights(e, engine)

@@ -19,6 +19,7 @@ from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, load_state, s
 from rlloop.cluster import Cluster
 from rlloop.config import Config, to_yaml
 from rlloop.data import Inputs, load_inputs
+from rlloop.engine_pool import RestartCount
 from rlloop.errors import TrainerDied
 from rlloop.profiling import profile_dir
 from rlloop.ray_session import ray_session
@@ -30,10 +31,10 @@ log = logging.getLogger(__name__)
 
 # Running totals kept by the cluster, the reward scorer and the rollout schedule, which a resume or a rebuild after a
 # trainer's death makes anew: each is logged as the checkpoint's figure (the run's, up to the step it continues from)
-# plus the new one's. (data/dropped_prompts comes back with the data's own state, train/restarts in `train`.)
+# plus the new one's. (data/dropped_prompts comes back with the data's own state; train/restarts and
+# rollout/engine_restarts are counted by `train` across the clusters it rebuilds.)
 RUN_TOTALS = (
     "rollout/reward_failures",
-    "rollout/engine_restarts",
     "rollout/stale_groups_dropped",
     "rollout/zero_std_groups_dropped",
     "sync/refused",
@@ -64,13 +65,16 @@ def train(cfg: Config, resume: bool = False, inputs: Inputs | None = None) -> Pa
         log.warning("--resume: the run is at step %d, run.steps=%d: nothing to train", resumed["step"], cfg.run.steps)
         return cfg.run_dir
     before = resumed.get("totals", {}).get("train/restarts", 0)  # the earlier drivers', as of that checkpoint
+    # Engines healed in place: counted across the clusters rebuilt below (an engine's restart before a trainer's
+    # death happened, even if the steps after the checkpoint are trained again), and bounded by run.max_restarts
+    engines = RestartCount(before=int(resumed.get("totals", {}).get("rollout/engine_restarts", 0)))
     with ray_session(cfg):  # a rebuilt cluster's actors start in the same Ray
         for restarts in range(cfg.run.max_restarts + 1):
             if restarts:  # from the run's last checkpoint: not an earlier run's left in its directory
                 own = resume or bool(checkpoint_marks(cfg.run_dir) - inherited)
                 ckpt = latest_checkpoint(cfg.run_dir) if own else None
             try:
-                return run_recipe(cfg, inputs, ckpt, trainer_restarts=before + restarts)
+                return run_recipe(cfg, inputs, ckpt, trainer_restarts=before + restarts, engine_restarts=engines)
             except TrainerDied as e:
                 if restarts == cfg.run.max_restarts:
                     raise TrainerDied(f"{e}\n(run.max_restarts={cfg.run.max_restarts} spent)") from None
@@ -78,7 +82,13 @@ def train(cfg: Config, resume: bool = False, inputs: Inputs | None = None) -> Pa
     raise AssertionError("unreachable")
 
 
-def run_recipe(cfg: Config, inputs: Inputs, ckpt: Path | None = None, trainer_restarts: int = 0) -> Path:
+def run_recipe(
+    cfg: Config,
+    inputs: Inputs,
+    ckpt: Path | None = None,
+    trainer_restarts: int = 0,
+    engine_restarts: RestartCount | None = None,
+) -> Path:
     """The recipe's steps, from `ckpt` (an intact checkpoint of this run) or from the start."""
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -89,7 +99,7 @@ def run_recipe(cfg: Config, inputs: Inputs, ckpt: Path | None = None, trainer_re
     start = state["step"]
     with ExitStack() as stack:  # closed in reverse: rollout thread, tracker, reward workers, cluster (actors, Ray)
         t0 = time.perf_counter()
-        cluster = stack.enter_context(closing(Cluster(cfg, run_dir)))
+        cluster = stack.enter_context(closing(Cluster(cfg, run_dir, engine_restarts)))
         rollout = stack.enter_context(closing(RolloutManager(cfg, cluster, tokenizer, data, eval_data)))
         tracker = stack.enter_context(closing(Tracker(cfg, run_dir, start)))
         (run_dir / "cluster.json").write_text(json.dumps(cluster.placement, indent=1))  # role -> Ray node id
@@ -138,7 +148,8 @@ def run_recipe(cfg: Config, inputs: Inputs, ckpt: Path | None = None, trainer_re
                     metrics[key] = totals[key] = metrics[key] + carried.get(key, 0)
             tracker.log(step, metrics)
             if cluster.trainers and cfg.run.saves_at(step):
-                loop_state = {"data": batches.resume_state(), "totals": totals | {"train/restarts": trainer_restarts}}
+                restarts = {"train/restarts": trainer_restarts, "rollout/engine_restarts": cluster.restarts}
+                loop_state = {"data": batches.resume_state(), "totals": totals | restarts}
                 save_checkpoint(run_dir, step, loop_state, cluster.save)
             clock.restart()
 

@@ -209,11 +209,13 @@ class RolloutWorker:
     def wake(self) -> None:
         self.engine.resume()
 
-    def load_weights(self, versioned: tuple[int, dict]) -> None:
-        """Load (version, HF-named arrays) given directly, not through the sync transport (a restarted engine)."""
+    def load_weights(self, versioned: tuple[int, dict]) -> int:
+        """Load (version, HF-named arrays) given directly, not through the sync transport (a restarted engine);
+        returns the version."""
         version, arrays = versioned
         self.engine.load_weights(arrays, version)
         self.version = version
+        return version
 
     def pull_weights(self, at_most: int | None = None) -> dict[str, float]:
         """Load the newest verified version (at most `at_most`), if any, and report the receiver's sync metrics."""

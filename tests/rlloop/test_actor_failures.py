@@ -14,7 +14,8 @@ ray = pytest.importorskip("ray")
 
 from rlloop.cluster import Cluster  # noqa: E402
 from rlloop.config import load_config  # noqa: E402
-from rlloop.errors import ClusterError, TrainerDied  # noqa: E402
+from rlloop.engine_pool import RestartCount  # noqa: E402
+from rlloop.errors import ActorDied, ClusterError, TrainerDied  # noqa: E402
 from rollout import SamplingParams  # noqa: E402
 from trainer import TrainBatch  # noqa: E402
 
@@ -49,6 +50,27 @@ def test_the_runs_mailbox_outlives_an_engine_that_dies(ray_cluster, tmp_path):
         cluster.close()
 
 
+def test_a_rebuilt_engine_generates_on_the_version_it_held_not_the_trainers_newer_one(ray_cluster, tmp_path):
+    """In the async mode step k is generated on step k - 2's weights while the trainer is past them. An engine that
+    dies meanwhile is rebuilt on the version it held, read back from the transport: it was given the trainer's
+    newer weights, and the step's samples were not those of a run nobody touched."""
+    cfg = load_config(TINY, ["run.max_restarts=1", f"run.dir={tmp_path}"])
+    cluster = Cluster(cfg, cfg.run_dir)
+    try:
+        cluster.warmup()
+        out, _ = cluster.generate([PROMPT], 2, SHORT)
+        batch = TrainBatch([PROMPT] * 2, [c.token_ids for c in out], [1.0, -1.0])
+        cluster.start_train_step(batch, publish=1).result()
+        assert cluster.pull_weights()["sync/rollout_version"] == 1
+        cluster.start_train_step(batch, publish=2).result()  # the trainer moves on; the engine stays on version 1
+        kill_engine(cluster.engines[0])
+        again, _ = cluster.generate([PROMPT], 2, SHORT)
+        assert cluster.restarts == 1 and {c.weight_version for c in again} == {1}
+        assert cluster.pull_weights()["sync/rollout_version"] == 2  # and it follows the trainer from there
+    finally:
+        cluster.close()
+
+
 def test_a_colocated_engine_found_dead_by_its_sleep_or_wake_is_rebuilt(ray_cluster, tmp_path):
     """Colocated, the engines are put to sleep before each training and woken before they load its weights. An engine
     that either call finds dead was a ClusterError that ended the run, however many restarts were left."""
@@ -77,9 +99,10 @@ def test_an_engine_found_dead_by_two_threads_restarts_once_and_one_dead_with_the
     """The async modes' rollout thread generates while the loop's eval pull waits behind it on the same engine; the
     engine dies. Each thread used to restart it, the second killing the first's new engine: two or three of
     run.max_restarts for one death. (The pull, queued behind 16 batches, waits as long as they may take.)
-    Then engine and trainer die together (the OOM killer): the rebuilt engine's weights, from the trainer, never
-    come. That is the trainer's death, which the loop heals from the last checkpoint; it was taken for the new
-    engine's, which was killed and restarted until run.max_restarts ended the run."""
+    Then engine and trainer die together (the OOM killer): the rebuilt engine's weights, from the trainer (the transport
+    no longer holds its version), never come. That is the trainer's death, which the loop heals from the last
+    checkpoint; it was taken for the new engine's, which was killed and restarted until run.max_restarts ended the
+    run."""
     overrides = ["rollout.backend=hf", "rollout.max_batch=8", "rollout.decode_buckets=[8]", "run.max_restarts=3"]
     cfg = load_config(TINY, [*overrides, f"run.dir={tmp_path}"])
     cluster = Cluster(cfg, cfg.run_dir)
@@ -95,6 +118,9 @@ def test_an_engine_found_dead_by_two_threads_restarts_once_and_one_dead_with_the
             out, _ = generation.result()
         assert len(out) == 16 * 8 and cluster.restarts == 1
 
+        assert cluster.sync_weights(version=1)["sync/rollout_version"] == 1
+        for version in (2, 3):  # shm holds the last two: the engine's version 1 is gone, the trainer must give it
+            cluster.push_weights(version)
         ray.kill(cluster.trainers[0])
         kill_engine(cluster.engines[0])
         with pytest.raises(TrainerDied, match="a trainer actor died while rollout engine 0 restarted"):
@@ -105,14 +131,22 @@ def test_an_engine_found_dead_by_two_threads_restarts_once_and_one_dead_with_the
 
 
 def test_an_engine_rebuilt_in_rollout_only_keeps_the_model_s_weights(ray_cluster, tmp_path):
-    """--debug rollout-only has no trainer to take weights from (an IndexError ended the run)."""
-    cfg = load_config(TINY, ["rollout.backend=hf", "run.debug=rollout-only", f"run.dir={tmp_path}"])
-    cluster = Cluster(cfg, cfg.run_dir)
+    """--debug rollout-only has no trainer to take weights from (an IndexError ended the run). And the driver's
+    restarts go on with a cluster rebuilt after a trainer's death: they are bounded by run.max_restarts together (a
+    new cluster had a new allowance), and counted on from the run's (an engine's restart before the trainer's death
+    was lost from rollout/engine_restarts)."""
+    overrides = ["rollout.backend=hf", "run.debug=rollout-only", "run.max_restarts=2", f"run.dir={tmp_path}"]
+    cfg = load_config(TINY, overrides)
+    count = RestartCount(before=5, done=1)  # the run's restarts before this driver, and this driver's so far
+    cluster = Cluster(cfg, cfg.run_dir, count)
     try:
         cluster.warmup()
         kill_engine(cluster.engines[0])
         out, _ = cluster.generate([PROMPT], 2, SHORT)
-        assert cluster.restarts == 1 and len(out) == 2
+        assert cluster.restarts == 7 and len(out) == 2
+        kill_engine(cluster.engines[0])
+        with pytest.raises(ActorDied, match="rollout engine 0: its actor died during generate"):
+            cluster.generate([PROMPT], 2, SHORT)
     finally:
         cluster.close()
 
