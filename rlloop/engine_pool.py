@@ -99,6 +99,8 @@ class EnginePool:
                     self._pending[e] -= sum(len(prompts[i]) + sampling.max_new_tokens for i in idx) * n
                     if self.remote:
                         self._queued[e] -= b
+        for (e, _), (_, stats) in zip(calls, results):  # with in-flight updates (fully_async) it may have moved on
+            self._versions[e] = int(stats.get("weight_version", self._versions[e]))
         completions = []
         for (_, idx), (share, _) in zip(calls, results):
             for c in share:
@@ -178,9 +180,9 @@ class EnginePool:
         too is one more restart, up to run.max_restarts."""
         import ray
 
-        most = self.cfg.run.max_restarts
+        most, dead = self.cfg.run.max_restarts, self.engines[e]
         while True:
-            ray.kill(self.engines[e])  # dead, or hung: it would never answer close()'s graceful stop either
+            ray.kill(dead)  # dead, or hung: it would never answer close()'s graceful stop either
             with self._counting:  # engines restarting at once from two threads share the allowance
                 if self._count.done >= most:
                     raise ActorDied(
@@ -193,13 +195,19 @@ class EnginePool:
             for key, n in self._receiver_counts.pop(e, {}).items():
                 self._retired_counts[key] += n
             opts, kwargs = self._specs[e]
-            self.engines[e] = engine = ray.remote(RolloutWorker).options(**opts).remote(**kwargs)
+            engine = ray.remote(RolloutWorker).options(**opts).remote(**kwargs)
             try:
                 ray.get(engine.warmup.remote(), timeout=self.cfg.cluster.actor_start_timeout_s)
-                self._versions[e] = self._reload(e, engine)
+                version = self._reload(e, engine)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
-                why = f"died during its restart ({type(err).__name__})"
+                dead, why = engine, f"died during its restart ({type(err).__name__})"
                 continue
+            except BaseException:  # TrainerDied, from the trainer's weights: the whole cluster is rebuilt
+                ray.kill(engine)
+                raise
+            # Only now: another thread's call made meanwhile went to the dead engine and waits for this restart,
+            # rather than reaching the new one before it has its weights.
+            self.engines[e], self._versions[e] = engine, version
             break
         log.warning("rollout engine %d is back, on weight version %d (%d/%d)", e, self._versions[e], done, most)
 
