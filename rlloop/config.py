@@ -39,6 +39,20 @@ from trainer import LossConfig, TrainerConfig
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
 Prob = Annotated[float, Field(gt=0, le=1)]
+INT32_MAX = 2**31 - 1
+# Every timeout in the config: above 0 and at most 7 days, so that no wait overflows (threading's and Ray's waits
+# turn seconds into C integers: `reward.timeout_s=1e12` and `cluster.actor_timeout_s=1e308` overflowed) and no
+# value stands in for "never" (a null actor timeout is the way to say it).
+MAX_TIMEOUT_S = 7 * 24 * 3600
+
+
+def _at_most_a_week(seconds: float) -> float:
+    if seconds > MAX_TIMEOUT_S:
+        raise ValueError(f"a timeout is at most {MAX_TIMEOUT_S} s (7 days)")
+    return seconds
+
+
+TimeoutS = Annotated[float, Field(gt=0), AfterValidator(_at_most_a_week)]
 TORCH_DEVICE = {"tpu": "tpu", "gpu": "cuda", "cpu": "cpu"}
 # A local path or hub id; `~` is the home directory, as in a shell (a hub id never starts with it). Never empty:
 # `data.path=''` read the working directory, and `run.dir=''` wrote the run into it.
@@ -82,7 +96,9 @@ def component_kwargs(section: BaseModel, component: type) -> dict:
 class RunSection(Section):
     name: str = "grpo"
     dir: PathStr = "runs/{name}"  # {name} is filled in
-    seed: NonNegInt = 0
+    # 0 .. 2**31 - 1: the rollout's sampling seeds are 31-bit (rollout.types.mix_seed), so a larger seed would draw
+    # the samples of a smaller one (and torch.manual_seed refuses one past 64 bits)
+    seed: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     steps: PositiveInt = 100
     save_every: NonNegInt = 20  # 0: never
     eval_every: NonNegInt = 20  # 0: never
@@ -149,7 +165,7 @@ class EvalSection(Section):
 
 class RewardSection(Section):
     fn: str = "dapo"  # dapo | math | package.module:function
-    timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    timeout_s: TimeoutS = 10.0
     failure_reward: float = 0.0  # given to a sample whose reward function raised or timed out
     workers: PositiveInt = 2
 
@@ -165,7 +181,7 @@ class RolloutSection(
     max_response_len: PositiveInt = 8192
     temperature: Annotated[float, Field(gt=0)] = 1.0
     top_p: Prob = 1.0
-    top_k: int = -1  # -1: off
+    top_k: int = -1  # -1 (or 0, as in HF): off; else sample from the k most likely tokens (_top_k)
     ignore_eos: bool = False  # benchmarks: every response runs to max_response_len
     compile_cache_dir: str | None = "~/.cache/rlloop/jax"  # XLA's persistent cache: later runs skip most warmup
 
@@ -174,6 +190,13 @@ class RolloutSection(
     def _group_size(cls, v: int) -> int:  # not Field(ge=2): the message says why
         if v < 2:
             raise ValueError("GRPO's advantage compares the samples of one prompt with each other: needs >= 2")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:  # the engine holds it as int32, and reads any value <= 0 as off
+        if not -1 <= v <= INT32_MAX:
+            raise ValueError(f"-1 (or 0) turns top-k off; otherwise the number of tokens kept, 1 to {INT32_MAX}")
         return v
 
 
@@ -218,11 +241,11 @@ class ClusterSection(Section):
     device_memory_gb: Annotated[float, Field(gt=0)] | None = None
     # an actor call taking longer counts as dead (a generation gets this for each full batch of rollout.max_batch
     # sequences it holds: a large evaluation is not a hang)
-    actor_timeout_s: Annotated[float, Field(gt=0)] | None = 1800.0
+    actor_timeout_s: TimeoutS | None = 1800.0
     # The same for an actor's start: process, imports, model load (setup), checkpoint load, warmup compiles, the
     # first train step (optimizer state; train.compile's compile). Kept apart so that a short actor_timeout_s (a hang
     # noticed fast) does not take a slow start for a hang.
-    actor_start_timeout_s: Annotated[float, Field(gt=0)] | None = 3600.0
+    actor_start_timeout_s: TimeoutS | None = 3600.0
     # Extra Ray resources each engine / trainer-rank bundle asks for: node labels that pin the roles to nodes, e.g.
     # {node_a: 0.01} with `ray start --resources='{"node_a": 1}'` on that node.
     rollout_resources: dict[str, Annotated[float, Field(gt=0)]] = {}

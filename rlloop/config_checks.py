@@ -49,6 +49,12 @@ def check_across_sections(cfg: Config) -> None:
         )
     if not c.use_ray and cfg.sync.transport == "ray":
         raise ValueError("sync.transport: ray moves weights through Ray's object store; set cluster.use_ray: true")
+    if not c.use_ray and c.rollout_chips > c.rollout_engines:
+        raise ValueError(
+            f"cluster.rollout_chips={c.rollout_chips} over cluster.rollout_engines={c.rollout_engines} gives an engine "
+            f"{c.rollout_chips // c.rollout_engines} chips (tensor parallel), which Ray's placement provides; without "
+            "Ray an engine runs in this process on one chip: set cluster.use_ray: true, or one chip per engine"
+        )
     if c.colocate and cfg.loop.mode != "sync":
         raise ValueError(
             f"cluster.colocate: true takes turns on the chips, so it cannot overlap rollout and "
@@ -104,11 +110,12 @@ def check_across_sections(cfg: Config) -> None:
         ("prefill", p + r.max_response_len - 1, "data.max_prompt_len + rollout.max_response_len - 1"),
         ("decode", r.max_batch, "rollout.max_batch"),
     ):
+        buckets = getattr(r, f"{kind}_buckets")
         try:
-            if getattr(r, f"{kind}_buckets"):
-                validate_buckets(f"rollout.{kind}_buckets", getattr(r, f"{kind}_buckets"), limit, kind == "decode")
-        except ValueError as e:
-            raise ValueError(f"{e} ({why})") from None
+            if buckets:
+                validate_buckets(f"rollout.{kind}_buckets", buckets, limit, kind == "decode")
+        except ValueError as e:  # `why` names the limit's keys: not for a size below 1, which breaks no limit
+            raise ValueError(f"{e}{f' ({why})' if min(buckets) >= 1 else ''}") from None
     # The components' own checks (cross-field ones too) at load time, not in an actor minutes later.
     for section, build in (
         ("grpo", cfg.loss_config),
@@ -118,4 +125,25 @@ def check_across_sections(cfg: Config) -> None:
         try:
             build()
         except ValidationError as e:
-            raise ValueError("; ".join(describe(err, type(cfg), section) for err in e.errors())) from None
+            raise ValueError("; ".join(_component_error(err, cfg, section) for err in e.errors())) from None
+    _unused_eval_settings(cfg)
+
+
+def _component_error(err: dict, cfg: Config, section: str) -> str:
+    """A component's error as one line naming the key path. A component's own cross-field check (no path) names its
+    field bare ("clip_eps_high must be >= ..."): that becomes the section's key (grpo.clip_eps_high)."""
+    msg = err["msg"].removeprefix("Value error, ")
+    if not err["loc"] and msg.split(" ", 1)[0] in type(getattr(cfg, section)).model_fields:
+        return f"{section}.{msg}"
+    return describe(err, type(cfg), section)
+
+
+def _unused_eval_settings(cfg: Config) -> None:
+    """Evaluation settings without eval.path (no evaluation runs) are ignored: say so rather than silently."""
+    if cfg.eval.path is not None:
+        return
+    unused = [f"eval.{k}" for k in type(cfg.eval).model_fields if k in cfg.eval.model_fields_set and k != "path"]
+    if cfg.run.eval_every and "eval_every" in cfg.run.model_fields_set:
+        unused.append(f"run.eval_every={cfg.run.eval_every}")
+    if unused:
+        log.warning("no eval.path, so no evaluation runs: %s set but unused", ", ".join(unused))

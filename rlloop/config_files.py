@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -29,11 +30,19 @@ def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {path}{by}: cannot read it: {e}") from None
     try:
-        node = OmegaConf.to_container(OmegaConf.create(text)) if text.strip() else {}
+        # the top level's type first: OmegaConf reads a bare word as a key, and fails on a number with no message
+        top = yaml.safe_load(text)
+        node = OmegaConf.to_container(OmegaConf.create(text)) if isinstance(top, dict) else top
     except Exception as e:  # OmegaConf's own errors, yaml.YAMLError and friends
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split()) or type(e).__name__}") from None
+    if node is None:  # empty, or comments only
+        node = {}
     if not isinstance(node, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level")
+        raise ConfigError(
+            f"{path}: expected a mapping of sections at the top level (run:, model:, data:, ...), got "
+            f"{type(node).__name__} {node!r:.60}"
+        )
+    _no_null_sections(node, str(path))
     for key in PATH_KEYS:
         section, name = key.split(".")
         value = (node.get(section) or {}).get(name) if isinstance(node.get(section), dict) else None
@@ -45,7 +54,28 @@ def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if not isinstance(parent, str):
         raise ConfigError(f"inherit: expected a file path, got {parent!r}")
     base = _load_yaml(path.parent / parent, seen + (path,))
-    return OmegaConf.to_container(OmegaConf.merge(base, node))
+    for key, value in node.items():
+        if isinstance(base.get(key), dict) and not isinstance(value, dict):
+            raise ConfigError(
+                f"{path}: {key}: expected a mapping of settings (over the section {key}: of {path.parent / parent}), "
+                f"got {type(value).__name__} {value!r:.60}"
+            )
+    try:
+        return OmegaConf.to_container(OmegaConf.merge(base, node))
+    except Exception as e:  # OmegaConf's errors, TypeError for containers it cannot merge
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise ConfigError(f"{path}: cannot merge it over {path.parent / parent}: {reason}") from None
+
+
+def _no_null_sections(node: dict, where: str) -> None:
+    """A top-level key with no value (`train:` above only a comment, or `run=null`) would replace the whole section,
+    inherited settings included, by its defaults once any override sets a key in it: refused."""
+    for key, value in node.items():
+        if value is None and key != "inherit":
+            raise ConfigError(
+                f"{where}: {key}: a section cannot be null (it would reset every {key} setting, inherited ones "
+                f"too, to its default); give it settings, or leave it out"
+            )
 
 
 def _check_override(item: str) -> None:
@@ -66,10 +96,12 @@ def read_config(path: Path, overrides: list[str] = ()) -> dict:
     for item in overrides:
         _check_override(item)
         try:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+            override = OmegaConf.from_dotlist([item])
+            merged = OmegaConf.merge(merged, override)
         except Exception as e:  # OmegaConf's errors, and yaml's or TypeError for values it cannot parse or merge
             reason = " ".join(str(e).split()) or type(e).__name__
             raise ConfigError(f"override {item!r}: {reason}") from None
+        _no_null_sections(OmegaConf.to_container(override), f"override {item!r}")
     try:
         return OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as e:  # e.g. an ${interpolation} that points nowhere

@@ -99,6 +99,25 @@ def _check_weights(path: Path) -> None:
         )
 
 
+def _check_engine_tp(cfg: Config, shape, where: str) -> None:
+    """An engine splits heads and MLP channels over its chips (tensor parallel, rollout.sharding.check_tp): each of
+    those sizes must divide by its tp, cluster.rollout_chips / cluster.rollout_engines (rlloop.placement.engine_tp)."""
+    from rlloop.placement import engine_tp
+
+    tp = engine_tp(cfg)
+    if shape.splits_over(tp):
+        return
+    c = cfg.cluster
+    sizes = ", ".join(f"{name}={size}" for name, size in shape.tp_sizes().items() if size % tp)
+    chips = c.rollout_chips
+    engines = next(n for n in range(1, chips + 1) if chips % n == 0 and shape.splits_over(chips // n))  # n=chips: tp 1
+    raise ModelError(
+        f"cluster.rollout_chips={chips} over cluster.rollout_engines={c.rollout_engines} gives each engine {tp} "
+        f"chips (its tensor-parallel size), but {where} has {sizes}, which cannot be split {tp} ways; give each "
+        f"engine a number of chips that divides them (e.g. cluster.rollout_engines={engines})"
+    )
+
+
 def check_model(cfg: Config) -> dict:
     """Everything about `model.path` that can be known from its config.json and file list; returns config.json."""
     from rollout.model_config import FAMILIES, ModelConfig
@@ -115,11 +134,12 @@ def check_model(cfg: Config) -> dict:
                 "Qwen2ForCausalLM, LlamaForCausalLM)"
             )
         try:
-            ModelConfig.from_hf_dict(hf)  # the decoder's own checks: activation, RoPE type, required fields
+            shape = ModelConfig.from_hf_dict(hf)  # the decoder's own checks: activation, RoPE type, required fields
         except KeyError as e:
             raise ModelError(f"model.path: {where} lacks {e.args[0]!r}") from None
         except (ValueError, TypeError) as e:
             raise ModelError(f"model.path: {where}: {e}") from None
+        _check_engine_tp(cfg, shape, where)
     if cfg.train.share_prompts and sliding_window_layers(hf):
         raise ModelError(
             f"train.share_prompts: {where} has sliding-window attention layers (layer_types "

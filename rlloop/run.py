@@ -99,6 +99,36 @@ def can_make_dirs_in(directory: Path) -> bool:
     return True
 
 
+def check_makeable(key: str, directory: Path) -> None:
+    """ConfigError naming `key` unless `directory` exists or can be made: its nearest existing parent must be a
+    directory this process can make directories in."""
+    nearest = next(p for p in [directory, *directory.parents] if p.exists())  # "." for a relative one
+    if not nearest.is_dir() or not can_make_dirs_in(nearest):
+        raise ConfigError(f"{key} {directory} cannot be made there: {nearest} is not a directory it can write to")
+
+
+def check_wandb(cfg: Config) -> None:
+    """tracking.mode=online needs W&B credentials; without them wandb.init fails once Ray and the actors are up.
+    `wandb.login(prompt=False, verify=False)` tells whether a key is configured (WANDB_API_KEY, a settings file,
+    the ~/.netrc entry `wandb login` writes) with no network and no prompt. W&B's own offline or disabled mode in
+    the environment (WANDB_MODE) makes it answer False whatever the key, so then it is not asked."""
+    t = cfg.tracking
+    if not t.wandb or t.mode != "online" or os.environ.get("WANDB_MODE") in ("offline", "dryrun", "disabled"):
+        return
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("tracking.wandb: true needs the wandb package (pip install wandb)") from None
+    advice = "run `wandb login`, set WANDB_API_KEY, or set tracking.mode=offline (upload later with `wandb sync`)"
+    try:
+        configured = wandb.login(prompt=False, verify=False)
+    except wandb.errors.Error as e:  # e.g. a malformed WANDB_API_KEY
+        reason = str(e).rstrip(".")
+        raise ConfigError(f"tracking.mode=online: W&B cannot use its credentials: {reason}; {advice}") from None
+    if not configured:
+        raise ConfigError(f"tracking.mode=online: W&B has no API key configured; {advice}")
+
+
 def check_references(cfg: Config) -> None:
     """Problems we can find before starting anything heavy, reported like config errors."""
     from rlloop.rewards import resolve
@@ -107,9 +137,9 @@ def check_references(cfg: Config) -> None:
         resolve(cfg.reward.fn)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    nearest = next(p for p in [cfg.run_dir, *cfg.run_dir.parents] if p.exists())  # "." for a relative one
-    if not nearest.is_dir() or not can_make_dirs_in(nearest):
-        raise ConfigError(f"run.dir {cfg.run_dir} cannot be made there: {nearest} is not a directory it can write to")
+    check_makeable("run.dir", cfg.run_dir)
+    if cfg.sync.transport == "disk" and cfg.sync.dir is not None:  # else <run dir>/sync
+        check_makeable("sync.dir", Path(cfg.sync.dir))
     if not cfg.run_dir.is_absolute() and (temp_copy := ray_job_working_dir()):
         raise ConfigError(
             f"run.dir {cfg.run.dir!r} is relative, and this Ray job runs in Ray's temporary copy of its working_dir "
@@ -117,6 +147,7 @@ def check_references(cfg: Config) -> None:
             f"Give an absolute path on storage that lasts (and that every node sees, on several nodes), e.g. "
             f"run.dir=/mnt/runs/{{name}}"
         )
+    check_wandb(cfg)
     from rlloop.memory import plan_memory
 
     memory = plan_memory(cfg)

@@ -91,6 +91,26 @@ CONFIG = [  # (id, overrides of the tiny recipe, what the message names)
     ("override-list-for-section", ["rollout=[1]"], ["override 'rollout=[1]'", "Cannot merge"]),
     ("override-double-equals", ["train.lr==1"], ["train.lr: Input should be a valid number", "'=1'"]),
     ("override-dangling-interpolation", ["train.lr=${nope}"], ["Interpolation key 'nope' not found"]),
+    ("override-null-section", ["run=null"], ["override 'run=null': run: a section cannot be null"]),
+    # the engine holds top_k as int32 (an OverflowError in the first generate); -1 or 0 is off, -5 is a typo
+    ("top-k-past-int32", ["rollout.top_k=3000000000"], ["rollout.top_k: -1 (or 0) turns top-k off", "got 3000000000"]),
+    ("top-k-below-minus-1", ["rollout.top_k=-5"], ["rollout.top_k: -1 (or 0) turns top-k off", "got -5"]),
+    # timeouts past a week overflowed a wait (threading's, Ray's) after the actors had started
+    ("reward-timeout-huge", ["reward.timeout_s=1e12"], ["reward.timeout_s: a timeout is at most 604800 s (7 days)"]),
+    ("actor-timeout-huge", ["cluster.actor_timeout_s=1e308"], ["cluster.actor_timeout_s: a timeout is at most"]),
+    ("actor-start-timeout-huge", ["cluster.actor_start_timeout_s=1e308"],
+     ["cluster.actor_start_timeout_s: a timeout is at most"]),
+    # torch.manual_seed overflowed in the trainer; the rollout's seeds are 31-bit
+    ("seed-past-31-bits", ["run.seed=99999999999999999999"], ["run.seed: Input should be less than or equal to 2147"]),
+    ("seed-2-to-the-31", ["run.seed=2147483648"], ["run.seed: Input should be less than or equal to 2147483647"]),
+    ("tensor-parallel-without-ray", ["cluster.use_ray=false", "cluster.rollout_chips=4"],
+     ["cluster.rollout_chips=4 over cluster.rollout_engines=1 gives an engine 4 chips", "set cluster.use_ray: true"]),
+    ("sync-dir-in-proc", ["sync.transport=disk", "sync.dir=/proc/rlloop-sync"],
+     ["sync.dir /proc/rlloop-sync cannot be made there: /proc is not a directory it can write to"]),
+    # a size below 1 breaks no limit: no "(rollout.max_batch)" after it (the line ends there)
+    ("decode-bucket-zero", ["rollout.decode_buckets=[0,128]"],
+     ["rollout.decode_buckets must be non-empty positive sizes, got (0, 128)\n"]),
+    ("clip-eps-high-below-low", ["grpo.clip_eps_high=0.1"], ["grpo.clip_eps_high must be >= clip_eps_low"]),
 ]
 FILES = [  # (id, files to write: text, bytes or None for a directory; the file given to main; named)
     ("group-size-1", {"c.yaml": f"inherit: {TINY}\nrollout:\n  group_size: 1\n"}, "c.yaml",
@@ -104,6 +124,13 @@ FILES = [  # (id, files to write: text, bytes or None for a directory; the file 
     ("config-is-a-directory", {"recipe": None}, "recipe", ["recipe is a directory; expected a YAML file"]),
     ("inherit-a-directory", {"base": None, "c.yaml": "inherit: base\n"}, "c.yaml",
      ["base (inherited by", "is a directory"]),
+    # `train:` over a comment is null: with any train.* override it reset every inherited train setting to defaults
+    ("null-section", {"c.yaml": f"inherit: {TINY}\ntrain:\n  # lr: 1.0e-5\n"}, "c.yaml",
+     ["c.yaml: train: a section cannot be null"]),
+    ("list-for-an-inherited-section", {"c.yaml": f"inherit: {TINY}\nrun: [1, 2]\n"}, "c.yaml",
+     ["c.yaml: run: expected a mapping of settings", "grpo_dapo_tiny.yaml), got list [1, 2]"]),
+    ("bare-number", {"c.yaml": "42\n"}, "c.yaml", ["c.yaml: expected a mapping of sections at the top", "got int 42"]),
+    ("bare-word", {"c.yaml": "recipe\n"}, "c.yaml", ["c.yaml: expected a mapping of sections", "got str 'recipe'"]),
 ]
 # fmt: on
 
@@ -177,6 +204,28 @@ def test_a_ray_job_with_a_relative_run_dir_is_refused(capsys, tmp_path, monkeypa
     assert main([TINY, "run.dir=runs/{name}", "--dry-run"]) == 0
 
 
+def test_wandb_online_without_an_api_key_is_refused_before_anything_starts(tmp_path):
+    """tracking.mode=online with no W&B key failed in wandb.init after Ray and the actors had started. In a clean
+    interpreter (W&B keeps a process's credentials), with no WANDB_* variable and an empty home: exit 2 naming
+    tracking.mode; then, with a key in the environment, the same dry run passes (no network: nothing verifies it)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    args = [TINY, "tracking.wandb=true", "tracking.mode=online", f"run.dir={tmp_path / 'run'}", "--dry-run"]
+    script = (
+        "import os; from rlloop.run import main; "
+        f"rc = main({args!r}); os.environ['WANDB_API_KEY'] = 'k' * 40; print('rcs', rc, main({args!r}))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env |= {"HOME": str(home), "NETRC": str(home / ".netrc"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
+    )
+    assert out.stdout.strip().splitlines()[-1] == "rcs 2 0", out.stdout[-2000:] + out.stderr
+    refusal = "config error: tracking.mode=online: W&B has no API key configured; run `wandb login`, set WANDB_API_KEY"
+    assert refusal in out.stderr and "tracking.mode=offline" in out.stderr, out.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_unknown_flag_is_an_argparse_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         main([TINY, "--train.lr=1"])
@@ -220,9 +269,13 @@ MODEL_CASES = [  # (id, how to break a copy d of the tiny model, overrides (defa
      ["data.max_prompt_len + rollout.max_response_len = 128 + 200 = 328", "max_position_embeddings 256 ("]),
     ("short-context-model", lambda d: edit_json(d / "config.json", max_position_embeddings=64), [],
      ["= 144 tokens, beyond the model's max_position_embeddings 64"]),
-    ("sliding-window-with-shared-prompts",  # the tiny example trains with train.share_prompts: true
-     lambda d: edit_json(d / "config.json", use_sliding_window=True, sliding_window=32, max_window_layers=0), [],
+    # the tiny example trains with train.share_prompts: true; the HF backend (the JAX decoder refuses the model)
+    ("sliding-window-with-shared-prompts",
+     lambda d: edit_json(d / "config.json", use_sliding_window=True, sliding_window=32, max_window_layers=0),
+     ["model.path={d}", "rollout.backend=hf"],
      ["train.share_prompts:", "has sliding-window attention layers", "set train.share_prompts=false"]),
+    ("sliding-window-jax", lambda d: edit_json(d / "config.json", use_sliding_window=True, sliding_window=32), [],
+     ["unsupported: sliding-window attention"]),
     ("no-chat-template", lambda d: (d / "chat_template.jinja").unlink(), [],
      ["model.path: the tokenizer in", "has no chat template"]),
     ("tokenizer-without-chat-template", lambda d: (d / "chat_template.jinja").unlink(),
@@ -233,6 +286,10 @@ MODEL_CASES = [  # (id, how to break a copy d of the tiny model, overrides (defa
      ["auto_map: ['AutoConfig', 'AutoModelForCausalLM']", "model.trust_remote_code: true"]),
     ("remote-code-tokenizer", lambda d: edit_json(d / "tokenizer_config.json", auto_map={"AutoTokenizer": ["t.T"]}),
      [], ["model.path:", "tokenizer_config.json maps to code", "model.trust_remote_code: true"]),
+    # the engine's tensor-parallel split failed only in its warmup, after Ray and the actors had started
+    ("tp-does-not-split-kv-heads", lambda d: None, ["model.path={d}", "cluster.rollout_chips=4"],
+     ["cluster.rollout_chips=4 over cluster.rollout_engines=1 gives each engine 4 chips", "num_key_value_heads=2",
+      "e.g. cluster.rollout_engines=2"]),
 ]
 # fmt: on
 

@@ -216,3 +216,32 @@ def test_overlong_shaping_with_std_scaling_warns_unless_dynamic_sampling_pairs_i
         load_config(TINY, [*risky[:2], "grpo.dynamic_sampling=true"])
         load_config(TINY, [*risky[:1], "grpo.std_scale=false"])
     assert "full-size advantages" not in caplog.text
+
+
+def test_eval_settings_without_eval_path_warn_that_they_are_unused(caplog):
+    with caplog.at_level("WARNING", logger="rlloop.config"):
+        load_config(TINY, ["eval.path=null"])  # the tiny recipe sets eval.name, samples and top_p, run.eval_every
+    assert "no eval.path, so no evaluation runs: eval.name, eval.samples, eval.top_p, run.eval_every=10" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rlloop.config"):
+        load_config(TINY)
+    assert "no eval.path" not in caplog.text
+
+
+def test_bounds_keep_their_edges_and_the_off_values():
+    """The bounds that stop overflows deep in a run leave every meaningful value: top_k -1 and 0 (off, as the
+    engine and HF read them), the largest 31-bit seed, a week-long timeout, no actor timeout at all."""
+    edges = ["rollout.top_k=0", "run.seed=2147483647", "reward.timeout_s=604800", "cluster.actor_timeout_s=null"]
+    cfg = load_config(TINY, [*edges, "cluster.actor_start_timeout_s=604800"])
+    assert (cfg.rollout.top_k, cfg.run.seed, cfg.reward.timeout_s) == (0, 2**31 - 1, 604800)
+    assert cfg.cluster.actor_timeout_s is None and cfg.cluster.actor_start_timeout_s == 604800
+    assert load_config(TINY).rollout.top_k == -1
+    assert load_config(TINY, ["rollout.top_k=2147483647"]).rollout.top_k == 2**31 - 1
+
+
+def test_an_empty_section_does_not_reset_the_inherited_one(tmp_path):
+    """`train:` above only a comment is null; an override into it then made the section anew, every inherited
+    train setting back at its default, with no word."""
+    path = write(tmp_path, f"inherit: {TINY}\ntrain:\n  # lr: 1.0e-5\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml: train: a section cannot be null"):
+        load_config(path, ["train.lr=1e-4"])
