@@ -15,6 +15,8 @@ from contextlib import ExitStack, closing, contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable
 
+import yaml
+
 from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, load_state, save_checkpoint
 from rlloop.cluster import Cluster
 from rlloop.config import Config, to_yaml
@@ -59,6 +61,10 @@ def train(cfg: Config, resume: bool = False, inputs: Inputs | None = None) -> Pa
         )
     ckpt = latest_checkpoint(cfg.run_dir) if resume else None
     resumed = load_state(ckpt) if ckpt else {"step": 0}
+    if resumed.get("data"):  # other data than the checkpoint's: refused now, before Ray or any actor starts
+        inputs.data.load_state_dict(resumed["data"])
+    if resume and ckpt:
+        warn_of_changes(cfg)
     if resume and not checkpoint_marks(cfg.run_dir):
         log.warning("--resume: %s holds no checkpoint; the run starts from step 0", cfg.run_dir / "checkpoints")
     elif resume and resumed["step"] >= cfg.run.steps:
@@ -82,6 +88,34 @@ def train(cfg: Config, resume: bool = False, inputs: Inputs | None = None) -> Pa
     raise AssertionError("unreachable")
 
 
+def warn_of_changes(cfg: Config) -> None:
+    """A resumed run's settings that differ from those it was started with (its config.yaml), each named."""
+    saved = cfg.run_dir / "config.yaml"
+    if not saved.is_file():
+        return
+    was = yaml.safe_load(saved.read_text())
+    if not isinstance(was, dict):
+        return
+    was, now = _flat(was), _flat(yaml.safe_load(to_yaml(cfg)))
+    changed = [
+        f"{key}: {was.get(key)} -> {now.get(key)}"
+        for key in sorted(was.keys() | now.keys())
+        if was.get(key) != now.get(key)
+    ]
+    if changed:
+        log.warning("--resume with settings other than the run's (%s): %s", saved, "; ".join(changed))
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def run_recipe(
     cfg: Config,
     inputs: Inputs,
@@ -92,7 +126,6 @@ def run_recipe(
     """The recipe's steps, from `ckpt` (an intact checkpoint of this run) or from the start."""
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
     tokenizer, data, eval_data = inputs.tokenizer, inputs.data, inputs.eval_data
     inputs.rewind()  # a checkpoint, if any, sets the position below
     state = load_state(ckpt) if ckpt else {"step": 0}
@@ -101,10 +134,7 @@ def run_recipe(
         t0 = time.perf_counter()
         cluster = stack.enter_context(closing(Cluster(cfg, run_dir, engine_restarts)))
         rollout = stack.enter_context(closing(RolloutManager(cfg, cluster, tokenizer, data, eval_data)))
-        tracker = stack.enter_context(closing(Tracker(cfg, run_dir, start)))
-        (run_dir / "cluster.json").write_text(json.dumps(cluster.placement, indent=1))  # role -> Ray node id
         warm = cluster.warmup()
-        (run_dir / "warmup.json").write_text(json.dumps(warm, indent=1))
         compiled = f" (the engines compiled {len(warm)} programs)" if warm else ""
         log.info("actors ready in %.1f s%s", time.perf_counter() - t0, compiled)
         if ckpt:  # model, optimizer and RNG from the checkpoint; the engine gets those weights; same data order
@@ -113,6 +143,12 @@ def run_recipe(
             if state["data"]:  # empty when --debug train-only replays saved rollouts: it draws no prompts
                 data.load_state_dict(state["data"])
             cluster.sync_weights(version=start)
+        # The run directory changes only now: a start that failed (a resume that another train.parallel refused, a
+        # cluster that cannot host the run) leaves the run it was given as it was, config, metrics and report.
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        (run_dir / "cluster.json").write_text(json.dumps(cluster.placement, indent=1))  # role -> Ray node id
+        (run_dir / "warmup.json").write_text(json.dumps(warm, indent=1))
+        tracker = stack.enter_context(closing(Tracker(cfg, run_dir, start)))
         evaluating = eval_data is not None and cfg.run.eval_every > 0 and bool(cluster.engines)
         if evaluating and start == 0:
             tracker.log(0, rollout.evaluate())

@@ -1,6 +1,7 @@
 """Prompt data: the sources users point at (jsonl, parquet, directory, hub id), errors, order and resume."""
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -11,6 +12,7 @@ from rlloop.errors import DataError
 from rlloop.tiny import ASSETS, make_rows
 
 TRAIN = ASSETS / "data" / "train.jsonl"
+TINY = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +91,25 @@ def test_a_position_in_other_data_is_refused(tmp_path, tok):
     trained.next_batch(40)
     with pytest.raises(DataError, match=r"one.jsonl has 1 rows, and the checkpoint's position is in data of \d+"):
         PromptData(str(path), tok).load_state_dict(trained.state_dict())
+
+
+def test_a_resume_on_other_data_is_refused_before_anything_starts_and_the_run_is_left_as_it_was(tmp_path, caplog):
+    """It was refused once Ray and the actors were up, after the run's config.yaml, metrics and report had been
+    rewritten with the refused command's settings. And a resume that goes on names the settings it changes."""
+    from rlloop.checkpoint import save_checkpoint
+    from rlloop.config import load_config, to_yaml
+    from rlloop.loop import train, warn_of_changes
+
+    cfg = load_config(TINY, [f"run.dir={tmp_path}"])
+    position = {"seed": 0, "epoch": 0, "position": 32, "dropped": 0, "rows": 7}  # a checkpoint of 7-row data
+    save_checkpoint(tmp_path, 2, {"data": position}, lambda path: Path(path, "weights").write_text("w"))
+    (tmp_path / "config.yaml").write_text(to_yaml(load_config(TINY, [f"run.dir={tmp_path}", "train.lr=0.5"])))
+    before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    with pytest.raises(DataError, match="the checkpoint's position is in data of 7"):
+        train(cfg, resume=True)
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before
+    warn_of_changes(cfg)
+    assert f"train.lr: 0.5 -> {cfg.train.lr}" in caplog.text
 
 
 def test_a_prompt_the_tokenizer_cannot_encode_names_its_row(tmp_path, tok):
