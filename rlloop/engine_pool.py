@@ -209,7 +209,7 @@ class EnginePool:
             # rather than reaching the new one before it has its weights.
             self.engines[e], self._versions[e] = engine, version
             break
-        log.warning("rollout engine %d is back, on weight version %d (%d/%d)", e, self._versions[e], done, most)
+        log.warning("rollout engine %d is back (%d/%d), on weight version %d", e, done, most, self._versions[e])
 
     def _reload(self, e: int, engine) -> int:
         """Give rebuilt engine e the version it held, read back from the transport, so that what it generates again
