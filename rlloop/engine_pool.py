@@ -159,7 +159,7 @@ class EnginePool:
         """The result of `ref`, the call `method(*args)` made on engine e (`engine`). If the engine died, or hung past
         cluster.actor_timeout_s for each of the `batches` full batches of generation the call waits for (those queued
         before it and its own: an eval's pull queued behind a long generation was taken for a hung engine), it is
-        rebuilt with the trainer's current weights, once however many threads find it dead, and the call is made
+        rebuilt with the weights it had (`_reload`), once however many threads find it dead, and the call is made
         again on it."""
         import ray
 
