@@ -108,24 +108,31 @@ def check_makeable(key: str, directory: Path) -> None:
 
 
 def check_wandb(cfg: Config) -> None:
-    """tracking.mode=online needs W&B credentials; without them wandb.init fails once Ray and the actors are up.
-    `wandb.login(prompt=False, verify=False)` tells whether a key is configured (WANDB_API_KEY, a settings file,
-    the ~/.netrc entry `wandb login` writes) with no network and no prompt. W&B's own offline or disabled mode in
-    the environment (WANDB_MODE) makes it answer False whatever the key, so then it is not asked."""
+    """tracking.mode online (or auto, which goes online where a key is configured) needs usable W&B credentials;
+    without them wandb.init failed once Ray and the actors were up. `tracking.wandb_mode` asks W&B, with no network
+    and no prompt, whether a key is configured (WANDB_API_KEY, a settings file, the ~/.netrc entry `wandb login`
+    writes). W&B's own offline or disabled mode in the environment (WANDB_MODE) makes it answer no whatever the key,
+    so then it is not asked."""
     t = cfg.tracking
-    if not t.wandb or t.mode != "online" or os.environ.get("WANDB_MODE") in ("offline", "dryrun", "disabled"):
+    if (
+        not t.wandb
+        or t.mode not in ("online", "auto")
+        or os.environ.get("WANDB_MODE") in ("offline", "dryrun", "disabled")
+    ):
         return
     try:
         import wandb
     except ImportError:
         raise ConfigError("tracking.wandb: true needs the wandb package (pip install wandb)") from None
+    from rlloop.tracking import wandb_mode
+
     advice = "run `wandb login`, set WANDB_API_KEY, or set tracking.mode=offline (upload later with `wandb sync`)"
     try:
-        configured = wandb.login(prompt=False, verify=False)
+        configured = wandb_mode("auto") == "online"
     except wandb.errors.Error as e:  # e.g. a malformed WANDB_API_KEY
         reason = str(e).rstrip(".")
-        raise ConfigError(f"tracking.mode=online: W&B cannot use its credentials: {reason}; {advice}") from None
-    if not configured:
+        raise ConfigError(f"tracking.mode={t.mode}: W&B cannot use its credentials: {reason}; {advice}") from None
+    if t.mode == "online" and not configured:
         raise ConfigError(f"tracking.mode=online: W&B has no API key configured; {advice}")
 
 

@@ -224,6 +224,19 @@ def test_wandb_online_without_an_api_key_is_refused_before_anything_starts(tmp_p
     refusal = "config error: tracking.mode=online: W&B has no API key configured; run `wandb login`, set WANDB_API_KEY"
     assert refusal in out.stderr and "tracking.mode=offline" in out.stderr, out.stderr
     assert not (tmp_path / "run").exists()
+    # tracking.mode=auto goes online where a key is set: a malformed one failed as late, in the tracker
+    auto = [TINY, "tracking.wandb=true", "tracking.mode=auto", f"run.dir={tmp_path / 'run'}", "--dry-run"]
+    script = f"from rlloop.run import main; print('rc', main({auto!r}))"
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=env | {"WANDB_API_KEY": "abc"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.stdout.strip().splitlines()[-1] == "rc 2", out.stdout[-2000:] + out.stderr
+    assert "config error: tracking.mode=auto: W&B cannot use its credentials" in out.stderr, out.stderr
 
 
 def test_unknown_flag_is_an_argparse_exit_2(capsys):
