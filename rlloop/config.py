@@ -120,6 +120,14 @@ class RunSection(Section):
         the run's summary reports the trained policy's accuracy, not the last multiple's)."""
         return bool(self.eval_every) and (step % self.eval_every == 0 or step == self.steps)
 
+    @field_validator("name")
+    @classmethod
+    def _name_is_one_path_part(cls, v: str) -> str:
+        # it names the run directory (run.dir's {name}) and the W&B run: "../x" or "a/b" would put the run elsewhere
+        if v in ("", ".", "..") or "/" in v or "\\" in v or "\0" in v:
+            raise ValueError("must be one part of a path (it fills in run.dir's {name}); put a path in run.dir instead")
+        return v
+
     @field_validator("dir")
     @classmethod
     def _dir_fills_in_name_only(cls, v: str) -> str:

@@ -73,6 +73,8 @@ BAD_OVERRIDES = [
     (["data.path="], "data.path"),  # None for a key that must be a path
     (["data.path=''"], "data.path: String should have at least 1 character"),  # not the working directory
     (["run.dir=''"], "run.dir: String should have at least 1 character"),
+    (["run.name=../elsewhere"], "run.name: must be one part of a path (it fills in run.dir's {name}); put a path in"),
+    (["run.name=.."], "run.name: must be one part of a path"),
     (["cluster.rollout_engines=3"], "cluster.rollout_engines=3"),
     (["cluster.use_ray=false"], "cluster.train_chips=2: trainer ranks are Ray actors"),
     (["cluster.use_ray=false", "cluster.train_chips=1", "sync.transport=ray"], "sync.transport: ray moves weights"),
