@@ -35,6 +35,7 @@ from rollout import EngineConfig
 from rollout.buckets import default_prefill_buckets
 from rollout.types import DType
 from trainer import LossConfig, TrainerConfig
+from trainer.config import resolve_parallel
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -305,6 +306,11 @@ class Config(Section):
     @property
     def run_dir(self) -> Path:
         return Path(self.run.dir.format(name=self.run.name))
+
+    @property
+    def train_parallel(self) -> str:
+        """The trainer ranks' mode, `train.parallel` resolved over `cluster.train_chips` (one rank: ddp)."""
+        return resolve_parallel(self.train.parallel, self.cluster.train_chips)
 
     # -- the components' configs, built here and nowhere else ------------------------------------------------------
     def engine_config(self) -> EngineConfig:

@@ -11,7 +11,6 @@ from pydantic import ValidationError
 
 from rlloop.config_errors import describe
 from rollout.buckets import validate_buckets
-from trainer.config import resolve_parallel
 
 if TYPE_CHECKING:
     from rlloop.config import Config
@@ -87,7 +86,7 @@ def check_across_sections(cfg: Config) -> None:
             f"cluster.rollout_engines={cfg.cluster.rollout_engines}"
         )
     r, t, p = cfg.rollout, cfg.train, cfg.data.max_prompt_len
-    if t.compile == "model" and resolve_parallel(t.parallel, c.train_chips) == "fsdp":
+    if t.compile == "model" and cfg.train_parallel == "fsdp":
         raise ValueError(
             f"train.compile=model compiles the whole decoder as one graph, but fsdp (train.parallel={t.parallel} "
             f"with cluster.train_chips={c.train_chips}) shards it layer by layer: use train.compile=layers, or "

@@ -17,7 +17,7 @@ from typing import Callable
 
 import yaml
 
-from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, load_state, save_checkpoint
+from rlloop.checkpoint import CheckpointError, checkpoint_marks, latest_checkpoint, load_state, save_checkpoint
 from rlloop.cluster import Cluster
 from rlloop.config import Config, to_yaml
 from rlloop.data import Inputs, load_inputs
@@ -61,8 +61,15 @@ def train(cfg: Config, resume: bool = False, inputs: Inputs | None = None) -> Pa
         )
     ckpt = latest_checkpoint(cfg.run_dir) if resume else None
     resumed = load_state(ckpt) if ckpt else {"step": 0}
-    if resumed.get("data"):  # other data than the checkpoint's: refused now, before Ray or any actor starts
+    # Other data or another trainer layout than the checkpoint's: refused now, before Ray or any actor starts
+    if resumed.get("data"):
         inputs.data.load_state_dict(resumed["data"])
+    if (written := resumed.get("train_parallel", cfg.train_parallel)) != cfg.train_parallel:
+        raise CheckpointError(
+            f"{ckpt} was trained with train.parallel={written}, and this run's trainer is {cfg.train_parallel} "
+            f"(train.parallel={cfg.train.parallel} over cluster.train_chips={cfg.cluster.train_chips}): its optimizer "
+            f"state does not load across the two; resume with train.parallel={written}"
+        )
     if resume and ckpt:
         warn_of_changes(cfg)
     if resume and not checkpoint_marks(cfg.run_dir):
@@ -185,7 +192,11 @@ def run_recipe(
             tracker.log(step, metrics)
             if cluster.trainers and cfg.run.saves_at(step):
                 restarts = {"train/restarts": trainer_restarts, "rollout/engine_restarts": cluster.restarts}
-                loop_state = {"data": batches.resume_state(), "totals": totals | restarts}
+                loop_state = {
+                    "data": batches.resume_state(),
+                    "totals": totals | restarts,
+                    "train_parallel": cfg.train_parallel,
+                }
                 save_checkpoint(run_dir, step, loop_state, cluster.save)
             clock.restart()
 

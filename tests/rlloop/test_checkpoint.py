@@ -171,3 +171,19 @@ def test_what_a_killed_save_or_removal_left_goes_at_the_next_save(tmp_path):
     save_checkpoint(tmp_path, 5, {}, trainer_writing(256))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001", "step_000005", "step_²"]
     assert latest_checkpoint(tmp_path).name == "step_000005"
+
+
+def test_a_resume_under_another_trainer_layout_is_refused_before_anything_starts(tmp_path):
+    """An fsdp checkpoint resumed with ddp (one trainer chip) failed in the trainer's load, once Ray and every actor
+    were up; now the loop's own state says which layout trained it, and the run directory is left as it was."""
+    from rlloop.config import load_config
+    from rlloop.loop import train
+
+    tiny = str(Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml")
+    cfg = load_config(tiny, [f"run.dir={tmp_path}"])
+    assert cfg.train_parallel == "ddp"
+    save_checkpoint(tmp_path, 2, {"train_parallel": "fsdp"}, trainer_writing(256))
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    with pytest.raises(CheckpointError, match="trained with train.parallel=fsdp, and this run's trainer is ddp"):
+        train(cfg, resume=True)
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before

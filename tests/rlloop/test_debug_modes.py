@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlloop.checkpoint import checkpoint_marks, save_checkpoint
+from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, load_state, save_checkpoint
 from rlloop.errors import DataError
 from rlloop.run import Terminated, go_on, main, parse_args, run_command, stopped_by
 from rlloop.schedules import ReplayRollout
@@ -33,6 +33,7 @@ def test_train_only_replays_a_run_exactly(tmp_path):
     replaying = [TINY, *COMMON, *shaping, f"run.dir={replay}", "--debug", "train-only"]
     replaying += ["--replay", str(original / "rollouts")]
     assert main([*replaying, "run.steps=2", "run.save_every=1"]) == 0
+    assert load_state(latest_checkpoint(replay))["train_parallel"] == "ddp"  # what a resume checks its layout against
     assert main([*replaying, "--resume"]) == 0
     before, after = rows(original), rows(replay)
     assert [r["step"] for r in after] == [1, 2, 3]
