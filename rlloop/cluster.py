@@ -153,8 +153,15 @@ class Cluster:
         import ray
 
         current = [t.current_weights.remote() for t in self.trainers]  # every rank joins an fsdp gather
+        # Queued behind a train step in the async modes: the trainer's silence is its own, not the new engine's hang
+        timeout = self.cfg.cluster.actor_timeout_s
+        _, waiting = ray.wait(current, num_returns=len(current), timeout=timeout, fetch_local=False)
+        if waiting:
+            for trainer in (t for t, ref in zip(self.trainers, current) if ref in waiting):
+                ray.kill(trainer)
+            raise TrainerDied(f"a trainer actor hung (no answer in {timeout:g} s) while rollout engine {e} restarted")
         try:
-            version = ray.get(engine.load_weights.remote(current[0]), timeout=self.cfg.cluster.actor_timeout_s)
+            version = ray.get(engine.load_weights.remote(current[0]), timeout=timeout)
         except ray.exceptions.RayTaskError as err:  # raised in the engine: its argument, rank 0's weights, failed
             if isinstance(err.cause, ray.exceptions.RayActorError):  # rank 0 died too: rebuild from a checkpoint
                 raise TrainerDied(f"a trainer actor died while rollout engine {e} restarted: {err.cause}") from None

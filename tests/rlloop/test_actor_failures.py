@@ -3,6 +3,8 @@ calls finds it dead, and the run goes on (the calls and settings that the end-to
 tests/e2e/test_tiny_run.py, split engine and trainer through shm, do not reach; the engine is killed with `ray.kill`,
 as a SIGKILL would); an actor that cannot start is one clear error."""
 
+import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -159,3 +161,24 @@ def test_an_actor_that_cannot_start_is_one_cluster_error_naming_why(ray_cluster,
     why = r"a trainer actor's setup\(\) raised NotADirectoryError: .*file"
     with pytest.raises(ClusterError, match=why):
         Cluster(cfg, cfg.run_dir)
+
+
+def test_a_trainer_hung_while_an_engine_restarts_is_the_trainers_hang_not_the_engines(ray_cluster, tmp_path):
+    """A rebuilt engine whose version the transport no longer holds loads the trainer's current weights. A trainer
+    that never gives them (hung, or behind a train step longer than cluster.actor_timeout_s) was taken for the new
+    engine's hang: the engine was killed and rebuilt until run.max_restarts ended the run, where the trainer's hang is
+    healed by rebuilding the cluster from the last checkpoint."""
+    overrides = ["run.max_restarts=3", "cluster.actor_timeout_s=10", f"run.dir={tmp_path}"]
+    cluster = Cluster(load_config(TINY, overrides), tmp_path)
+    try:
+        cluster.warmup()
+        assert cluster.sync_weights(version=1)["sync/rollout_version"] == 1
+        for version in (2, 3):  # shm holds the last two: the engine's version 1 is gone, the trainer must give it
+            cluster.push_weights(version)
+        os.kill(ray.get(cluster.trainers[0].__ray_call__.remote(lambda self: os.getpid())), signal.SIGSTOP)
+        kill_engine(cluster.engines[0])
+        with pytest.raises(TrainerDied, match=r"a trainer actor hung \(no answer in 10 s\) while rollout engine 0"):
+            cluster.generate([PROMPT], 2, SHORT)
+        assert cluster.restarts == 1
+    finally:
+        cluster.close()  # the hung trainer was killed (SIGKILL ends a stopped process)
