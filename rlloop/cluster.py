@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -58,6 +59,7 @@ class Cluster:
         self.pool = EnginePool(cfg, [])
         self.trainers: list = []
         sync, threads = sync_spec(cfg, run_dir), cfg.cluster.cpus_per_actor
+        self.sync_run_id = sync.run_id
         engine = dict(
             engine=cfg.engine_config(),
             backend=cfg.rollout.backend,
@@ -316,9 +318,15 @@ class Cluster:
         for w in [*workers, *([self.mailbox] if self.mailbox is not None else [])]:
             ray.kill(w)  # the mailbox too: a cluster rebuilt after a trainer's death starts with a new one
         if self.cfg.sync.transport == "shm":  # a rank killed outright (the run's last death) left its segments
-            from weight_sync.shm import remove_stale_segments
+            from weight_sync.shm import remove_stale_segments, segment_path
 
-            remove_stale_segments()
+            # which go once its process is gone: ray.kill returns before that (a stopped process takes seconds)
+            deadline = time.monotonic() + 30
+            while remove_stale_segments() is not None and segment_path(self.sync_run_id, "ctl").exists():
+                if time.monotonic() > deadline:
+                    log.warning("a killed trainer's shared memory outlived it; the next run's start removes it")
+                    break
+                time.sleep(0.1)
         if self.pg is not None:
             ray.util.remove_placement_group(self.pg)
         if self.owns_ray and ray.is_initialized():

@@ -181,4 +181,5 @@ def test_a_trainer_hung_while_an_engine_restarts_is_the_trainers_hang_not_the_en
             cluster.generate([PROMPT], 2, SHORT)
         assert cluster.restarts == 1
     finally:
-        cluster.close()  # the hung trainer was killed (SIGKILL ends a stopped process)
+        cluster.close()
+    assert not list(Path("/dev/shm").glob(f"rlloop_{cluster.sync_run_id}_*"))  # the killed trainer's are gone too
