@@ -1,6 +1,6 @@
 """What an actor's death or an unplaceable plan raises, apart from the cluster that raises it, so that code which must
 tell a recoverable death from a failed write (`rlloop/checkpoint.py`) need not import the cluster and its workers;
-and what bad data raises, wherever it is read."""
+what bad data raises, wherever it is read; and what a reward function that cannot run at all raises."""
 
 
 class ClusterError(RuntimeError):
@@ -17,3 +17,7 @@ class TrainerDied(ActorDied):
 
 class DataError(ValueError):
     """Bad or unusable data; the message names the source and the problem."""
+
+
+class RewardError(RuntimeError):
+    """The reward function cannot be run at all (its worker processes die as they start); the message says why."""

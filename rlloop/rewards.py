@@ -27,6 +27,8 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable
 
+from rlloop.errors import RewardError
+
 log = logging.getLogger(__name__)
 
 # --- DAPO (verl/utils/reward_score/math_dapo.py, Minerva normalisation) ---------------------------------------------
@@ -169,6 +171,8 @@ def resolve(spec: str) -> Callable[[str, str], float]:
 _resolved: dict[str, Callable] = {}
 MAX_CHUNK = 16  # samples per round trip to a reward worker
 WORKER_START_S = 120.0  # the most a new pool's workers are waited for before samples go out
+MAX_FAILED_STARTS = 3
+FLOAT32_MAX = 3.4028234663852886e38  # np.finfo(np.float32).max: past it a reward is inf in the rollout's arrays
 
 
 def _load(spec: str) -> Callable:
@@ -191,13 +195,19 @@ def _score_chunk(spec: str, pairs: list[tuple[str, str]]) -> list[tuple[bool, ob
 
 
 def _start_worker(spec: str) -> None:
-    """A new worker's first job: import the function (and return nothing, since it need not pickle)."""
-    _load(spec)
+    """A new worker's first job: import the function (and return nothing, since it need not pickle); for `math`,
+    math-verify too, which the function imports at its first call (~1.5 s: a short reward.timeout_s failed every
+    sample, each new pool paying the import again)."""
+    if _load(spec) is math_reward:
+        math_reward("\\boxed{1}", "1")
 
 
-def die_with_parent(parent: int) -> None:
-    """A reward worker's first act: ask the kernel for SIGKILL when its parent dies. A SIGKILLed driver runs no
-    cleanup, and its pool's workers would otherwise live on, each holding a core's worth of imports (Linux only)."""
+def init_worker(parent: int) -> None:
+    """A reward worker's first acts. It leads a process group of its own, so that killing the group at a timeout also
+    ends what the function started (a code-execution reward's subprocess lived on after the run). And it asks the
+    kernel for SIGKILL when its parent dies: a SIGKILLed driver runs no cleanup, and its pool's workers would
+    otherwise live on, each holding a core's worth of imports (Linux only)."""
+    os.setsid()
     if sys.platform != "linux":
         return
     import ctypes
@@ -216,6 +226,7 @@ class RewardScorer:
         self.errors = 0  # raised, returned a non-number, or killed its worker
         self.timeouts = 0
         self._pool: ProcessPoolExecutor | None = None
+        self._failed_starts = 0  # pools in a row whose workers died as they started
         self._sample_s: float | None = None  # seconds per sample of the last round trip, chunk size follows it
 
     def _get_pool(self) -> ProcessPoolExecutor:
@@ -223,19 +234,35 @@ class RewardScorer:
             self._pool = ProcessPoolExecutor(
                 self.workers,
                 mp_context=multiprocessing.get_context("spawn"),
-                initializer=die_with_parent,
+                initializer=init_worker,
                 initargs=(os.getpid(),),
             )
             # Start the workers and import the function before any sample's time limit runs: a spawned worker
             # imports the driver's modules again (~1 s, more on a busy host), which a short reward.timeout_s took for
             # a hang, again and again, failing every sample.
-            wait([self._pool.submit(_start_worker, self.spec) for _ in range(self.workers)], timeout=WORKER_START_S)
+            starts = [self._pool.submit(_start_worker, self.spec) for _ in range(self.workers)]
+            done, _ = wait(starts, timeout=WORKER_START_S)
+            if any(isinstance(f.exception(), BrokenProcessPool) for f in done):
+                self._kill_pool()
+                self._failed_starts += 1
+                if self._failed_starts == MAX_FAILED_STARTS:  # else new pools forever, no sample ever scored
+                    raise RewardError(
+                        f"reward.fn {self.spec}: the reward worker processes died as they started, "
+                        f"{MAX_FAILED_STARTS} pools in a row. A script that starts a run must guard it with "
+                        "`if __name__ == '__main__':` (each worker imports the script again); else the host may be "
+                        "out of memory"
+                    )
+                return self._get_pool()
+            self._failed_starts = 0
         return self._pool
 
     def _kill_pool(self) -> None:
         if self._pool is not None:
             for proc in list(getattr(self._pool, "_processes", {}).values()):
-                proc.kill()
+                try:  # the worker's group: what the function started too (init_worker)
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):  # gone, or not yet its group's leader
+                    proc.kill()
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
@@ -254,7 +281,7 @@ class RewardScorer:
             number = float(value)
         except Exception:  # TypeError, ValueError, OverflowError (an int past float's range), a raising __float__
             return self._fail(f"returned a {type(value).__name__}, not a number")
-        if not math.isfinite(number):
+        if not math.isfinite(number) or abs(number) > FLOAT32_MAX:  # the rollout keeps rewards in float32
             return self._fail(f"returned {number}")
         return number
 

@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from rlloop.checkpoint import CheckpointError, checkpoint_marks
-    from rlloop.errors import ActorDied, ClusterError
+    from rlloop.errors import ActorDied, ClusterError, RewardError
     from rlloop.loop import train
     from trainer import NonFiniteTraining
 
@@ -261,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except NonFiniteTraining as e:
         print(f"training error: {e}", file=sys.stderr)
+        return 1
+    except RewardError as e:  # its workers die as they start
+        print(f"reward error: {e}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, SystemExit) as e:
         if (what := stopped_by(e)) is None:

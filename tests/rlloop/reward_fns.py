@@ -1,6 +1,7 @@
 """Custom reward functions used by the tests through `reward.fn: tests.rlloop.reward_fns:NAME`."""
 
 import os
+import subprocess
 import time
 
 
@@ -78,3 +79,16 @@ def agree_first_128(response: str, answer: str) -> float:
     finally:
         os.close(fd)
     return 1.0 if scored <= 128 else float(len(response) % 2)
+
+
+def runs_a_child(response: str, answer: str) -> float:
+    """A code-execution reward whose program hangs: starts `sleep 600`, writes its pid to the file `response`, waits."""
+    child = subprocess.Popen(["sleep", "600"])
+    with open(response, "w") as f:
+        f.write(str(child.pid))
+    child.wait()
+    return 1.0
+
+
+def as_float(response: str, answer: str) -> float:
+    return float(response)

@@ -8,8 +8,10 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
+from rlloop.errors import RewardError
 from rlloop.rewards import RewardScorer, dapo_reward, last_boxed, math_reward, normalize_final_answer, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,18 +167,70 @@ import torch  # what a driver's main module imports, a spawned reward worker imp
 from rlloop.rewards import RewardScorer
 
 if __name__ == "__main__":
-    scorer = RewardScorer("tests.rlloop.reward_fns:exact", timeout_s=0.3, failure_reward=-1.0, workers=2)
-    print(scorer.score(["1", "2", "1", "3"], ["1", "1", "1", "3"]), scorer.errors, scorer.timeouts)
+    scorer = RewardScorer({spec!r}, timeout_s=0.3, failure_reward=-1.0, workers=2)
+    print(scorer.score({responses!r}, ["1", "1", "1", "3"]), scorer.errors, scorer.timeouts)
     scorer.close()
 """
 
 
-def test_a_short_time_limit_is_not_spent_starting_the_workers(tmp_path):
+@pytest.mark.parametrize(
+    "spec, responses",
+    [
+        ("tests.rlloop.reward_fns:exact", ["1", "2", "1", "3"]),
+        ("math", [r"\boxed{1}", r"\boxed{2}", r"\boxed{1}", r"\boxed{3}"]),
+    ],
+)
+def test_a_short_time_limit_is_not_spent_starting_the_workers(tmp_path, spec, responses):
     """A limit shorter than a worker's start (~1 s of imports) used to fail every sample of an instant function,
-    pool after pool."""
-    (tmp_path / "driver.py").write_text(DRIVER)
+    pool after pool; `math`'s too, whose math-verify was imported at its first sample, not at the worker's start."""
+    (tmp_path / "driver.py").write_text(DRIVER.format(spec=spec, responses=responses))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
         [sys.executable, "driver.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
     assert out.stdout.strip().splitlines()[-1] == "[1.0, 0.0, 1.0, 1.0] 0 0", out.stdout + out.stderr[-3000:]
+
+
+def test_what_a_timed_out_function_started_goes_with_its_worker(tmp_path):
+    """A code-execution reward runs a subprocess; one that hangs outlived the killed worker and the run."""
+    scorer = RewardScorer("tests.rlloop.reward_fns:runs_a_child", timeout_s=1.0, failure_reward=-1.0, workers=1)
+    pid_file = tmp_path / "child.pid"
+    try:
+        assert scorer.score([str(pid_file)], ["1"]) == [-1.0] and scorer.timeouts == 1
+    finally:
+        scorer.close()
+    assert ended(int(pid_file.read_text()))
+
+
+def ended(pid: int, within_s: float = 10.0) -> bool:
+    """Whether process `pid` is gone or a zombie (killed, its parent gone, not yet reaped) within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_workers_that_die_as_they_start_end_the_scoring_with_one_clear_error():
+    """A reward module that kills the process importing it in a worker (as a script without a main guard does):
+    new pools were started forever, and no sample was ever scored."""
+    scorer = RewardScorer("tests.rlloop.reward_fns_child_dies:score", workers=1)
+    try:
+        with pytest.raises(RewardError, match="died as they started, 3 pools in a row.*if __name__"):
+            scorer.score(["1"], ["1"])
+    finally:
+        scorer.close()
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("value", ["1e39", "-3.5e38"])
+def test_a_reward_past_float32_is_a_failure_not_an_infinite_advantage(value):
+    scorer = RewardScorer("tests.rlloop.reward_fns:as_float", failure_reward=-1.0, workers=1)
+    try:
+        assert scorer.score([value, "3e38"], ["1", "1"]) == [-1.0, 3e38] and scorer.errors == 1
+    finally:
+        scorer.close()
