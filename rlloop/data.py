@@ -76,11 +76,15 @@ def to_messages(prompt) -> list[dict]:
 def to_answer(answer) -> str:
     """The ground truth as the reward function gets it: a non-empty string (numbers are written out). A whole number
     read as a float is written as an integer: Arrow gives a column of 3 and 2.5, or of 3 and nulls, float64, and "3.0"
-    would fail DAPO's exact match with "Answer: 3"."""
+    would fail DAPO's exact match with "Answer: 3". A float32 column's values come widened to float64: one that a
+    float32 holds exactly is written with float32's shortest digits (0.1 of such a column is 0.10000000149011612)."""
     if isinstance(answer, numbers.Real) and not isinstance(answer, (bool, numbers.Integral)):
         if answer != answer:  # NaN: a null in a float column
             raise DataError("missing ground truth (null)")
-        return str(int(answer)) if float(answer).is_integer() else str(answer)
+        if float(answer).is_integer() and abs(answer) < 2**53:
+            return str(int(answer))
+        exact32 = abs(answer) <= float(np.finfo(np.float32).max) and float(np.float32(answer)) == answer
+        return str(np.float32(answer)) if exact32 else str(float(answer))
     if isinstance(answer, numbers.Number) and not isinstance(answer, bool):
         return str(answer)
     if isinstance(answer, str) and answer.strip():

@@ -177,6 +177,28 @@ def test_whole_numbers_in_a_float_column_are_written_as_integers(tmp_path, tok):
     assert [p.answer for p in data.next_batch(3)] == ["3", "2.5", "-4"]
 
 
+def test_a_float32_answer_column_keeps_its_own_digits(tmp_path, tok):
+    """A float32 column comes widened to float64: its 0.1 was the ground truth "0.10000000149011612", which no
+    "Answer: 0.1" ever matched. A float64 column's 1.2345678901234 stays as written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    prompts = [r["prompt"][0]["content"] for r in rows(3)]
+    answers = {"f32": pa.array([0.1, 2.5, 1e-7], pa.float32()), "f64": pa.array([0.1, 1.2345678901234, 1e300])}
+    for name, column in answers.items():
+        pq.write_table(pa.table({"prompt": prompts, "answer": column}), tmp_path / f"{name}.parquet")
+    read = {
+        name: [
+            p.answer
+            for p in PromptData(str(tmp_path / f"{name}.parquet"), tok, shuffle=False, answer_key="answer").next_batch(
+                3
+            )
+        ]
+        for name in answers
+    }
+    assert read == {"f32": ["0.1", "2.5", "1e-07"], "f64": ["0.1", "1.2345678901234", "1e+300"]}
+
+
 def test_bad_sources(tmp_path, tok):
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "x.csv").write_text("a,b\n")
