@@ -92,6 +92,9 @@ class Tracker:
         self.path.write_text("".join(json.dumps(m) + "\n" for m in kept))
         self.file = open(self.path, "a")
         self.wandb = self._start_wandb(start_step) if cfg.tracking.wandb else None
+        # A step's W&B sample table waits for the step's metrics: in the async modes step k + 1's samples come before
+        # step k's metrics, and W&B drops a step below the last it has (every step before a table's went missing)
+        self._tables: dict[int, dict] = {}
         self.bar = None
         if cfg.tracking.progress:
             from tqdm import tqdm
@@ -140,7 +143,7 @@ class Tracker:
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
+            self.wandb.log(metrics | self._tables.pop(step, {}), step=step)
         if self.bar is not None:
             postfix = {"reward": metrics.get("rollout/raw_reward"), "tok/s": metrics.get("perf/rollout_tok_per_s")}
             self.bar.set_postfix({k: f"{v:.3g}" for k, v in postfix.items() if v is not None}, refresh=False)
@@ -169,7 +172,7 @@ class Tracker:
             data = [[json.dumps(r["prompt"]) if not isinstance(r["prompt"], str) else r["prompt"]] for r in rows]
             for cells, r in zip(data, rows):
                 cells += [r["response"], r["answer"], r["reward"], r["advantage"], r["weight_version"]]
-            self.wandb.log({"samples": wandb.Table(columns=columns, data=data)}, step=step)
+            self._tables[step] = {"samples": wandb.Table(columns=columns, data=data)}  # logged with its metrics
 
     def close(self) -> None:
         if self.bar is not None:

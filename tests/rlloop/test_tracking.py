@@ -163,6 +163,29 @@ def test_wandb_gets_sample_tables_and_no_secret_is_written(tmp_path, monkeypatch
             assert b"_secret_never_written" not in f.read_bytes(), f
 
 
+def test_the_async_modes_log_every_step_to_wandb_in_order(tmp_path, monkeypatch):
+    """W&B drops a step logged below the last it has. In the async modes step k + 1's samples are ready before step
+    k's metrics, and the sample table went to W&B first: every step before a table's step was lost (10 % of a run's
+    history at tracking.sample_every=10). What reaches W&B is recorded on its way in."""
+    import wandb
+
+    logged, log = [], wandb.Run.log
+    monkeypatch.setattr(
+        wandb.Run, "log", lambda run, data, step: logged.append((step, set(data))) or log(run, data, step)
+    )
+    overrides = ["run.steps=3", "run.eval_every=0", "run.save_every=0", "rollout.prompts_per_step=4", "loop.mode=async"]
+    overrides += ["cluster.use_ray=false", "tracking.progress=false", "tracking.wandb=true", "tracking.mode=offline"]
+    from rlloop.loop import train
+
+    train(load_config(TINY, [f"run.dir={tmp_path}", *overrides, "tracking.sample_every=2"]))
+    assert [step for step, _ in logged] == [1, 2, 3]
+    assert [("samples" in keys, "train/loss" in keys) for _, keys in logged] == [
+        (False, True),
+        (True, True),
+        (False, True),
+    ]
+
+
 def test_a_metrics_line_cut_short_at_the_end_is_left_out_and_one_inside_is_an_error(tmp_path):
     """The disk filled, or the driver died, while it wrote the last line: --resume goes on (and logs it again)."""
     path = tmp_path / "metrics.jsonl"
