@@ -150,12 +150,12 @@ def run_recipe(
             if state["data"]:  # empty when --debug train-only replays saved rollouts: it draws no prompts
                 data.load_state_dict(state["data"])
             cluster.sync_weights(version=start)
-        # The run directory changes only now: a start that failed (a resume that another train.parallel refused, a
-        # cluster that cannot host the run) leaves the run it was given as it was, config, metrics and report.
+        # The run directory changes only now: a start that failed (a checkpoint the trainer cannot load, a cluster
+        # that cannot host the run) leaves the run it was given as it was, config, metrics and report.
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         (run_dir / "cluster.json").write_text(json.dumps(cluster.placement, indent=1))  # role -> Ray node id
         (run_dir / "warmup.json").write_text(json.dumps(warm, indent=1))
-        tracker = stack.enter_context(closing(Tracker(cfg, run_dir, start)))
+        tracker = stack.enter_context(Tracker(cfg, run_dir, start))
         evaluating = eval_data is not None and cfg.run.eval_every > 0 and bool(cluster.engines)
         if evaluating and start == 0:
             tracker.log(0, rollout.evaluate())

@@ -174,7 +174,15 @@ class Tracker:
                 cells += [r["response"], r["answer"], r["reward"], r["advantage"], r["weight_version"]]
             self._tables[step] = {"samples": wandb.Table(columns=columns, data=data)}  # logged with its metrics
 
-    def close(self) -> None:
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        self.close(failed=error is not None)
+
+    def close(self, failed: bool = False) -> None:
+        """The report, the curves and W&B's summary; W&B marks the run failed when `failed` (an error, Ctrl-C), where
+        it showed a stopped run as finished."""
         if self.bar is not None:
             self.bar.close()
         self.file.close()
@@ -185,7 +193,7 @@ class Tracker:
         if self.wandb is not None:
             if rows:
                 self.wandb.summary.update(run_summary(rows))
-            self.wandb.finish()
+            self.wandb.finish(exit_code=1 if failed else 0)
 
 
 def _plain(value):

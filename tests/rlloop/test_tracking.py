@@ -186,6 +186,25 @@ def test_the_async_modes_log_every_step_to_wandb_in_order(tmp_path, monkeypatch)
     ]
 
 
+def test_a_run_stopped_by_an_error_or_ctrl_c_is_failed_in_wandb_not_finished(tmp_path, monkeypatch):
+    import wandb
+
+    codes, finish = [], wandb.Run.finish
+    monkeypatch.setattr(
+        wandb.Run, "finish", lambda run, exit_code=None: codes.append(exit_code) or finish(run, exit_code)
+    )
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    cfg = load_config(TINY, ["tracking.progress=false", "tracking.wandb=true", "tracking.mode=offline"])
+    (tmp_path / "done").mkdir(), (tmp_path / "stopped").mkdir()
+    with Tracker(cfg, tmp_path / "done") as tracker:
+        log_steps(tracker, [1])
+    with pytest.raises(KeyboardInterrupt), Tracker(cfg, tmp_path / "stopped") as tracker:
+        log_steps(tracker, [1])
+        raise KeyboardInterrupt
+    assert codes == [0, 1]
+    assert (tmp_path / "stopped" / "report.md").exists()  # the report of what it did, all the same
+
+
 def test_a_metrics_line_cut_short_at_the_end_is_left_out_and_one_inside_is_an_error(tmp_path):
     """The disk filled, or the driver died, while it wrote the last line: --resume goes on (and logs it again)."""
     path = tmp_path / "metrics.jsonl"
