@@ -213,8 +213,9 @@ def run_summary(rows: list[dict]) -> dict[str, float]:
     reward = _series(rows, "rollout/raw_reward")[1]
     if reward:
         summary["final/rollout/raw_reward"] = reward[-1]
-    summary["mean/perf/rollout_tok_per_s"] = _mean(_series(rows, "perf/rollout_tok_per_s")[1])
-    summary["mean/perf/step_s"] = _mean(_series(rows, "perf/step_s")[1])
+    for key in ("perf/rollout_tok_per_s", "perf/step_s"):
+        if values := _series(rows, key)[1]:  # none before the first step (a run stopped after its step-0 eval)
+            summary[f"mean/{key}"] = _mean(values)
     return summary
 
 
@@ -273,17 +274,21 @@ def make_report(cfg: Config, rows: list[dict]) -> str:
         "",
         f"- data: {cfg.data.path}; {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples "
         f"per step; {source}{sync}",
-        f"- reward (rollout/raw_reward): first {k} steps {_mean(reward[:k]):.3f} -> last {k} steps "
-        f"{_mean(reward[-k:]):.3f}",
     ]
+    if reward:  # none before the first step: a run stopped after its step-0 eval has only that to report
+        lines.append(
+            f"- reward (rollout/raw_reward): first {k} steps {_mean(reward[:k]):.3f} -> last {k} steps "
+            f"{_mean(reward[-k:]):.3f}"
+        )
     for key in sorted({k for r in rows for k in r if k.startswith("eval/")}):
         steps, values = _series(rows, key)
         lines.append(f"- {key}: " + ", ".join(f"step {s}: {v:.3f}" for s, v in zip(steps, values)))
     timed = ["perf/step_s", "perf/rollout_s", "perf/train_s", "perf/sync_s", "perf/rollout_tok_per_s"]
     if cfg.run.debug != "off":  # one role: nothing is synced, and the other's times are not there
         timed = [key for key in timed if key != "perf/sync_s" and _series(rows, key)[1]]
-    timing = {key: _mean(_series(rows, key)[1]) for key in timed}
-    lines.append("- mean per step: " + ", ".join(f"{k.split('/')[1]} {v:.3g}" for k, v in timing.items()))
+    timing = {key: _mean(values) for key in timed if (values := _series(rows, key)[1])}
+    if timing:
+        lines.append("- mean per step: " + ", ".join(f"{k.split('/')[1]} {v:.3g}" for k, v in timing.items()))
     sent, full = _series(rows, "sync/bytes")[1], _series(rows, "sync/full_bytes")[1]
     if sent and sum(sent):
         # a delta that does not pay is not sent (docs/design.md §6.6): then every version is a keyframe

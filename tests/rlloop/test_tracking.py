@@ -62,6 +62,17 @@ def test_numpy_scalars_are_logged_as_numbers_and_odd_rows_do_not_break_the_summa
     assert not (tmp_path / "none.png").exists()
 
 
+def test_a_run_stopped_after_its_step_0_eval_reports_that_and_no_nan(tmp_path):
+    """Its report read "reward: first 1 steps nan -> last 1 steps nan" and "mean per step: step_s nan, ...", and W&B's
+    summary had mean/perf/step_s = nan."""
+    from rlloop.tracking import make_report, run_summary
+
+    rows = [{"step": 0, "eval/tiny_arith": 0.148}]
+    report = make_report(load_config(TINY), rows)
+    assert "nan" not in report and "- eval/tiny_arith: step 0: 0.148" in report
+    assert run_summary(rows) == {"steps": 0, "final/eval/tiny_arith": 0.148}
+
+
 def test_a_run_that_starts_over_before_its_first_checkpoint_logs_each_step_once(tmp_path):
     """A trainer rank that dies before the first checkpoint has the cluster rebuilt from step 0, whose evaluation
     runs again (as does a run started again in the same directory): its line, and the others, must not double."""
