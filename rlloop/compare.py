@@ -160,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error("no metric was logged at the same steps by both groups: nothing to compare")
         for metric, v in verdicts.items():
             if v["within"] is None:
-                print(f"{metric:32s} no scale: B's runs do not vary (one run, or equal ones) and it is not smoothed")
+                print(
+                    f"{metric:32s} no scale: B's runs do not vary (one run, or equal ones), and one run's noise is "
+                    f"not known (an eval metric, or no more steps than --smooth {args.smooth})"
+                )
                 continue
             word = "within" if v["within"] else "OUTSIDE"
             print(f"{metric:32s} {word:8s} distance {v['distance']:.2f} spreads (spread {v['spread']:.4g})")
