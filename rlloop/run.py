@@ -275,4 +275,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C before the run's own handler (checks, imports): a traceback said nothing more
+        print("\ninterrupted before the run started: nothing was written", file=sys.stderr)
+        sys.exit(130)
