@@ -45,11 +45,7 @@ class Placement:
 
     def total(self) -> dict[str, float]:
         """What the whole plan asks for, summed over its bundles."""
-        out: dict[str, float] = {}
-        for bundle in self.bundles:
-            for key, value in bundle.items():
-                out[key] = out.get(key, 0.0) + value
-        return out
+        return summed(self.bundles)
 
     def shortfall(self, have: dict[str, float]) -> dict[str, tuple[float, float]]:
         """What the plan asks for beyond the resources `have` (a Ray node's or cluster's): key -> (need, have)."""
@@ -127,7 +123,9 @@ def colocated_plan(cluster: ClusterSection, accel: str | None, cpus: float, same
     else:  # accelerator chips, and each role's own host cores besides
         bundle = {"CPU": cpus * (1 + tp), accel: float(tp)}
         rollout_request, trainer_request = {"CPU": cpus, accel: tp / 2}, {"CPU": cpus, accel: 0.5}
-    bundle |= cluster.rollout_resources | cluster.trainer_resources
+    # Custom resources (a node's label) are asked by each actor of the bundle, the engine and its tp ranks alike: held
+    # once, the bundle's second asker was never scheduled
+    bundle = summed([bundle, cluster.rollout_resources, *[cluster.trainer_resources] * tp])
     return Placement(
         bundles=[dict(bundle) for _ in range(cluster.rollout_engines)],
         rollout_bundles=list(range(cluster.rollout_engines)),
@@ -137,6 +135,14 @@ def colocated_plan(cluster: ClusterSection, accel: str | None, cpus: float, same
         rollout_request=rollout_request | cluster.rollout_resources,
         trainer_request=trainer_request | cluster.trainer_resources,
     )
+
+
+def summed(resources: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for r in resources:
+        for key, value in r.items():
+            out[key] = out.get(key, 0.0) + value
+    return out
 
 
 def actor_options(

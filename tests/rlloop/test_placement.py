@@ -151,6 +151,35 @@ def test_colocated_cpu_plan_gives_both_roles_all_the_cores_of_a_host_the_split_p
         remove_placement_group(pg)
 
 
+LABELS = ["cluster.rollout_resources={node_a: 0.01}", "cluster.trainer_resources={node_a: 0.01}"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["cluster.device=gpu", "cluster.colocate=true", "cluster.rollout_engines=2", *LABELS],
+        ["cluster.device=cpu", "cluster.colocate=true", "cluster.rollout_engines=1", LABELS[1]],
+        ["cluster.device=cpu", "cluster.colocate=true", "cluster.rollout_engines=2", *LABELS],
+        ["cluster.device=tpu", *LABELS],
+        ["cluster.device=gpu", "cluster.rollout_engines=2", *LABELS],
+    ],
+    ids=["gpu-colocated", "cpu-colocated-tp2", "cpu-colocated", "tpu-split", "gpu-split"],
+)
+def test_every_actor_of_a_bundle_gets_what_it_asks_for(overrides):
+    """A node label in cluster.*_resources is asked by each actor: a colocated bundle held it once, so its second
+    actor (or a tp engine's second rank) was never scheduled and the run waited out actor_start_timeout_s."""
+    plan = plan_placement(load_config(REAL, overrides).cluster, same_host=True)
+    asked = [{} for _ in plan.bundles]
+    for role in plan.roles():
+        b = plan.bundle_of(role)
+        request = plan.rollout_request if role.startswith("rollout") else plan.trainer_request
+        for key, value in (request if request is not None else plan.bundles[b]).items():
+            asked[b][key] = asked[b].get(key, 0.0) + value
+    for bundle, want in zip(plan.bundles, asked):
+        assert all(want[key] <= bundle.get(key, 0.0) + 1e-9 for key in want), (bundle, want)
+    assert any("node_a" in want for want in asked)
+
+
 def qwen3_dir(tmp_path: Path, hidden: int, heads: int, kv_heads: int) -> str:
     import transformers
 
