@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -84,6 +85,10 @@ class Cluster:
             world * self.with_trainers,
         )
         if not self.remote:  # one trainer rank (rlloop.config)
+            if cfg.cluster.device == "gpu":  # colocated (rlloop.config): JAX must leave torch its share of the GPU
+                for key, value in actor_env(cfg, threads, True, range(0)).items():
+                    if key.startswith("XLA_PYTHON_CLIENT_"):
+                        os.environ.setdefault(key, value)
             engines = [RolloutWorker(**engine) for _ in range(cfg.cluster.rollout_engines * self.with_engines)]
             self.pool = EnginePool(cfg, engines, count=engine_restarts)
             self.trainers = [TrainerWorker(**ranks[0])] if self.with_trainers else []

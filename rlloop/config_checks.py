@@ -12,6 +12,8 @@ from pydantic import ValidationError
 from rlloop.config_errors import describe
 from rollout.buckets import validate_buckets
 
+TPU_CHIPS_PER_ACTOR = (1, 2, 4, 8)  # what Ray's TPU accelerator manager grants one actor
+
 if TYPE_CHECKING:
     from rlloop.config import Config
 
@@ -45,6 +47,16 @@ def check_across_sections(cfg: Config) -> None:
     if not c.use_ray and c.train_chips > 1:
         raise ValueError(
             f"cluster.train_chips={c.train_chips}: trainer ranks are Ray actors; set cluster.use_ray: true"
+        )
+    if not c.use_ray and c.device == "tpu":
+        raise ValueError(
+            "cluster.use_ray: false runs the engine and the trainer in this one process, which on TPU would need "
+            "jax[tpu] and torch_tpu in one environment and both on one chip: set cluster.use_ray: true"
+        )
+    if not c.use_ray and c.device == "gpu" and not c.colocate:
+        raise ValueError(
+            "cluster.use_ray: false runs the engine and the trainer in this one process on one GPU: set "
+            "cluster.colocate: true (they take turns on it), or cluster.use_ray: true (a GPU each)"
         )
     if not c.use_ray and cfg.sync.transport == "ray":
         raise ValueError("sync.transport: ray moves weights through Ray's object store; set cluster.use_ray: true")
@@ -84,6 +96,11 @@ def check_across_sections(cfg: Config) -> None:
         raise ValueError(
             f"cluster.rollout_chips={cfg.cluster.rollout_chips} does not split evenly over "
             f"cluster.rollout_engines={cfg.cluster.rollout_engines}"
+        )
+    if c.device == "tpu" and (chips := c.rollout_chips // c.rollout_engines) not in TPU_CHIPS_PER_ACTOR:
+        raise ValueError(
+            f"cluster.rollout_chips={c.rollout_chips} over cluster.rollout_engines={c.rollout_engines} gives an engine "
+            f"{chips} TPU chips; Ray gives an actor {', '.join(map(str, TPU_CHIPS_PER_ACTOR))} chips of a host"
         )
     r, t, p = cfg.rollout, cfg.train, cfg.data.max_prompt_len
     if t.compile == "model" and cfg.train_parallel == "fsdp":

@@ -105,8 +105,10 @@ def plan_memory(cfg: Config) -> MemoryPlan | None:
     plan = MemoryPlan(engine, trainer, device, source, {})
     if device is None:
         return plan
+    # --debug starts one role only: the other's memory is not needed
+    engines, ranks = cfg.run.debug != "train-only", cfg.run.debug != "rollout-only"
     if c.device == "cpu":  # one host: every engine (all of its devices) and rank together
-        need = c.rollout_engines * engine_cfg.tp * engine["total"] + c.train_chips * trainer["total"]
+        need = engines * c.rollout_engines * engine_cfg.tp * engine["total"] + ranks * c.train_chips * trainer["total"]
         if need > device:
             plan.fixes["host"] = (
                 f"all actors together need {need / GB:.1f} GB of the host's {device / GB:.1f} GB: lower "
@@ -117,7 +119,7 @@ def plan_memory(cfg: Config) -> MemoryPlan | None:
     usable, share = device, ""
     if c.device == "gpu" and not c.colocate:
         usable, share = int(device * ENGINE_GPU_MEM_FRACTION), f" ({ENGINE_GPU_MEM_FRACTION:g} of it: JAX's share)"
-    if engine["total"] > usable:
+    if engines and engine["total"] > usable:
         per_row = engine_cfg.max_seq_len * kv_bytes_per_token(shape, kv_item) // engine_cfg.tp
         rows = (usable - engine["weights"]) // per_row
         more_chips = "more chips per engine (cluster.rollout_chips / cluster.rollout_engines)"
@@ -132,7 +134,7 @@ def plan_memory(cfg: Config) -> MemoryPlan | None:
             f"rollout: {engine['total'] / GB:.1f} GB per chip exceeds {usable / GB:.1f} GB{share} by "
             f"{(engine['total'] - usable) / GB:.1f} GB; {fix}"
         )
-    if trainer["total"] > device:
+    if ranks and trainer["total"] > device:
         plan.fixes["trainer"] = (
             f"trainer: {trainer['total'] / GB:.1f} GB per rank exceeds {device / GB:.1f} GB by "
             f"{(trainer['total'] - device) / GB:.1f} GB; lower train.micro_batch_tokens, "

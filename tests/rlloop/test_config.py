@@ -77,8 +77,20 @@ BAD_OVERRIDES = [
     (["run.name=.."], "run.name: must be one part of a path"),
     (["cluster.rollout_engines=3"], "cluster.rollout_engines=3"),
     (["cluster.use_ray=false"], "cluster.train_chips=2: trainer ranks are Ray actors"),
-    (["cluster.use_ray=false", "cluster.train_chips=1", "sync.transport=ray"], "sync.transport: ray moves weights"),
+    (
+        ["cluster.use_ray=false", "cluster.train_chips=1", "cluster.device=cpu", "sync.transport=ray"],
+        "sync.transport: ray moves weights",
+    ),
     (["cluster.colocate=true"], "a TPU chip serves one process at a time"),
+    (["cluster.rollout_chips=3", "cluster.train_chips=1"], "Ray gives an actor 1, 2, 4, 8 chips of a host"),
+    (
+        ["cluster.use_ray=false", "cluster.train_chips=1", "cluster.rollout_chips=1"],
+        "cluster.use_ray: false runs the engine and the trainer in this one process, which on TPU",
+    ),
+    (
+        ["cluster.use_ray=false", "cluster.train_chips=1", "cluster.rollout_chips=1", "cluster.device=gpu"],
+        "set cluster.colocate: true (they take turns on it)",
+    ),
     (["cluster.colocate=true", "cluster.device=gpu", "loop.mode=async"], "loop.mode must be sync"),
     (
         ["cluster.colocate=true", "cluster.device=gpu", "cluster.rollout_chips=1"],

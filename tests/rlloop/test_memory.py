@@ -83,6 +83,16 @@ def test_a_trainer_that_does_not_fit_names_its_keys(capsys):
     assert "set train.gradient_checkpointing: true" in capsys.readouterr().err
 
 
+def test_a_debug_mode_plans_only_the_role_it_starts():
+    """--debug train-only starts no engine and rollout-only no trainer: the absent role's memory refused the run."""
+    small = ["cluster.device_memory_gb=40", "rollout.max_batch=16"]  # the trainer does not fit, the engine does
+    assert set(plan_memory(load_config(REAL, small)).fixes) == {"trainer"}
+    assert not plan_memory(load_config(REAL, [*small, "run.debug=rollout-only"])).fixes
+    big = ["cluster.device_memory_gb=80"]  # the engine does not fit, the trainer does
+    assert set(plan_memory(load_config(REAL, big)).fixes) == {"rollout"}
+    assert not plan_memory(load_config(REAL, [*big, "run.debug=train-only", "run.replay=/tmp"])).fixes
+
+
 def test_weights_that_alone_do_not_fit_a_chip_ask_for_more_chips_not_fewer_rows(capsys):
     assert main([REAL, "cluster.device_memory_gb=4", "--dry-run"]) == 2
     err = capsys.readouterr().err

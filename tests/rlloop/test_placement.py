@@ -88,9 +88,9 @@ def test_each_role_runs_in_its_own_runtime_env(fake_tpu_host, tmp_path):
 
 
 def test_a_plan_larger_than_the_host_does_not_fit(fake_tpu_host):
-    cfg = load_config(REAL, ["cluster.rollout_chips=3"])
+    cfg = load_config(REAL, ["cluster.rollout_chips=4"])
     plan = plan_placement(cfg.cluster, same_host=True)
-    assert plan.total()["TPU"] == 5  # 3 + the recipe's 2 trainer chips
+    assert plan.total()["TPU"] == 6  # 4 + the recipe's 2 trainer chips
     assert ray.cluster_resources()["TPU"] == 4  # what the Cluster refuses at once: the next test
 
 
@@ -103,8 +103,9 @@ def test_a_local_ray_refuses_a_plan_it_cannot_hold_at_once(fake_tpu_host, tmp_pa
     tiny = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml"
     cfg = load_config(tiny, ["cluster.device=tpu", "cluster.rollout_chips=4", "cluster.train_chips=1"])
     short = r"needs TPU 5 \(it has 4\).*cluster\.rollout_chips=4, cluster\.train_chips=1"
-    with pytest.raises(ClusterError, match=short):
+    with pytest.raises(ClusterError, match=short) as refused:
         Cluster(cfg, tmp_path)
+    assert "colocate=true" not in str(refused.value)  # which TPUs refuse: no advice to take it
 
 
 @ray.remote
