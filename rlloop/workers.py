@@ -120,19 +120,36 @@ def use_compile_cache(path: str | None) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+def devices_per_chip(devices: list) -> int:
+    """How many devices JAX shows of each chip: 2 on a TPU v7x (its TensorCores, which share the chip's `coords`), 1
+    elsewhere. Counted from the devices themselves: Ray sets no TPU_VISIBLE_CHIPS for an actor given all its host's."""
+    chips = {tuple(d.coords) for d in devices if getattr(d, "coords", None) is not None}
+    return len(devices) // len(chips) if chips else 1
+
+
 def over_every_tensorcore(engine: EngineConfig) -> EngineConfig:
     """On a TPU whose chips show JAX their two TensorCores as two devices (v7x), the engine's mesh is every device of
     its chips (those Ray made visible to it): `tp` counts chips. The memory plan holds either way: a chip's share
-    of the weights and cache is the same bytes, split in two."""
-    chips = os.environ.get("TPU_VISIBLE_CHIPS")
-    if not chips:
-        return engine
+    of the weights and cache is the same bytes, split in two; the model's heads must split over the TensorCores."""
     import jax
 
-    if jax.default_backend() != "tpu":
+    if jax.default_backend() != "tpu" or (per_chip := devices_per_chip(jax.local_devices())) == 1:
         return engine
-    per_chip = jax.local_device_count() // len(chips.split(","))
-    return dataclasses.replace(engine, tp=engine.tp * max(1, per_chip))
+    from rollout.model_config import ModelConfig
+    from rollout.weights import resolve_model_dir
+
+    cores = engine.tp * per_chip
+    if uneven := [
+        f"{k}={n}"
+        for k, n in ModelConfig.from_dir(resolve_model_dir(engine.model_path)).tp_sizes().items()
+        if n % cores
+    ]:
+        raise ValueError(
+            f"each of this engine's {engine.tp} TPU chip(s) shows JAX {per_chip} TensorCores, and the engine spans "
+            f"them all, tp={cores}: the model's {', '.join(uneven)} do not split over {cores}"
+            + ("; give each engine fewer chips (cluster.rollout_engines)" if engine.tp > 1 else "")
+        )
+    return dataclasses.replace(engine, tp=cores)
 
 
 class RolloutWorker:

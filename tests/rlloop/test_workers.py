@@ -124,18 +124,37 @@ def test_an_in_flight_generation_starts_on_the_version_pushed_just_before_it(tin
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("devices, tp", [(4, 4), (2, 2)])  # v7x: two TensorCores a chip, two devices; v6e: one
-def test_a_tpu_engine_spans_every_device_of_its_chips(monkeypatch, devices, tp):
-    """Two chips made visible by Ray: the engine's mesh is every device JAX shows of them (TPU hardware faked)."""
+def tpu_devices(*coords) -> list:
+    """What jax.local_devices() gives on a TPU host (faked here): a v7x chip's two TensorCores share its coords."""
+    from types import SimpleNamespace
+
+    return [SimpleNamespace(coords=c) for c in coords]
+
+
+@pytest.mark.parametrize(
+    "chips, devices, tp",
+    [
+        (1, tpu_devices((0, 0, 0), (0, 0, 0)), 2),  # v7x: a chip's two TensorCores are two devices
+        (2, tpu_devices((0, 0, 0), (1, 0, 0)), 2),  # v6e: one device a chip
+        (2, tpu_devices((0, 0, 0), (0, 0, 0), (1, 0, 0), (1, 0, 0)), None),  # 2 KV heads do not split over 4
+    ],
+    ids=["v7x", "v6e", "v7x-heads-do-not-split"],
+)
+def test_a_tpu_engine_spans_every_device_of_its_chips(monkeypatch, tiny_qwen3_dir, chips, devices, tp):
+    """The engine's mesh is every device JAX shows of its chips (TPU hardware faked), counted from the devices: an
+    actor given every chip of its host has no TPU_VISIBLE_CHIPS (Ray leaves it out), and used half of them. A model
+    whose heads do not split over the TensorCores is one clear error, where the engine failed at tp = 2 x chips."""
     import jax
 
-    monkeypatch.setenv("TPU_VISIBLE_CHIPS", "2,3")
+    monkeypatch.delenv("TPU_VISIBLE_CHIPS", raising=False)
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    monkeypatch.setattr(jax, "local_device_count", lambda: devices)
-    engine = EngineConfig(model_path="unused", tp=2)
-    assert rlloop.workers.over_every_tensorcore(engine).tp == tp
-    monkeypatch.delenv("TPU_VISIBLE_CHIPS")  # not placed by Ray: the chips it was given are all it knows of
-    assert rlloop.workers.over_every_tensorcore(engine).tp == 2
+    monkeypatch.setattr(jax, "local_devices", lambda: devices)
+    engine = EngineConfig(model_path=str(tiny_qwen3_dir), tp=chips)
+    if tp is None:
+        with pytest.raises(ValueError, match="tp=4: the model's num_key_value_heads=2 do not split over 4; give each"):
+            rlloop.workers.over_every_tensorcore(engine)
+    else:
+        assert rlloop.workers.over_every_tensorcore(engine).tp == tp
 
 
 def test_a_version_refused_by_two_engines_counts_twice(tmp_path):
