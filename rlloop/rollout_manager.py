@@ -14,7 +14,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,6 +106,7 @@ class RolloutManager:
         self.scorer = RewardScorer(r.fn, timeout_s=r.timeout_s, failure_reward=r.failure_reward, workers=r.workers)
         self.stop_ids = stop_token_ids(tokenizer)
         self._scoring = threading.Lock()
+        self.unpublished: set[int] = set()  # steps that changed no weight (trained nothing, or a non-finite step)
         self.eval_name = cfg.eval.name or (Path(cfg.eval.path).stem if cfg.eval.path else None)
 
     def sampling(self, seed: int, temperature: float | None = None, top_p: float | None = None) -> SamplingParams:
@@ -173,13 +174,24 @@ class RolloutManager:
                 break
         return self.batch(step, kept[:want], tally)
 
+    def published(self, step: int, published: bool) -> None:
+        """The schedule's word that `step` trained and did or did not publish weights."""
+        if not published:
+            self.unpublished.add(step)
+
+    def updates_behind(self, version: int, step: int) -> int:
+        """How many weight updates the trainer of `step` holds past `version`: it holds step - 1's weights, and each
+        step since `version` changed them, but for those that published nothing (as far as known: in the async modes
+        step - 1 may still be training). Counted in step numbers alone, a sample of unchanged weights looked stale, and
+        in fully_async two such steps in a row made every later group too stale to train, for ever."""
+        return step - 1 - version - sum(version < s < step for s in tuple(self.unpublished))
+
     def batch(self, step: int, groups: list[Group], tally: RolloutTally) -> StepRollout:
         """Shape rewards (overlong), compute group advantages and the step's rollout metrics."""
         cfg = self.cfg
         metrics = tally.metrics()
-        # the trainer taking step `step` holds version step - 1; --debug rollout-only has none, and its engines the
-        # initial weights throughout
-        holds = 0 if cfg.run.debug == "rollout-only" else step - 1
+        # --debug rollout-only has no trainer, and its engines the initial weights throughout
+        behind = (lambda v: 0) if cfg.run.debug == "rollout-only" else (lambda v: self.updates_behind(v, step))
         metrics["rollout/groups_kept"] = len(groups)
         completions = [c for grp in groups for c in grp.completions]
         # No group kept (every one uninformative; train_chips >= 1): train on nothing rather than on noise. So too
@@ -192,7 +204,7 @@ class RolloutManager:
                     len(groups),
                     cfg.cluster.train_chips,
                 )
-            return StepRollout(None, metrics | rollout_metrics(completions, holds))  # of the groups it kept
+            return StepRollout(None, metrics | rollout_metrics(completions, behind))  # of the groups it kept
         raw = np.concatenate([grp.rewards for grp in groups])
         lengths = np.array([len(c.token_ids) for c in completions])
         rewards = raw + overlong_penalty(
@@ -207,7 +219,7 @@ class RolloutManager:
             rewards=rewards,
             advantages=group_advantages(rewards, cfg.rollout.group_size, std_scale=cfg.grpo.std_scale),
         )
-        return StepRollout(samples, metrics | rollout_metrics(completions, holds))
+        return StepRollout(samples, metrics | rollout_metrics(completions, behind))
 
     def evaluate(self) -> dict[str, float]:
         """Mean accuracy (reward > 0) over `eval.samples` completions for each distinct eval prompt, on the newest
@@ -312,9 +324,9 @@ class RolloutTally:
         }
 
 
-def rollout_metrics(completions: list[Completion], trainer_version: int) -> dict:
-    """Lengths, truncation and weight versions of a step's samples. Staleness is in versions: the trainer that takes
-    them holds `trainer_version`, a sample started on `weight_version`."""
+def rollout_metrics(completions: list[Completion], behind: Callable[[int], int]) -> dict:
+    """Lengths, truncation and weight versions of a step's samples. Staleness is in weight updates: the trainer that
+    takes a sample started on `weight_version` holds `behind(weight_version)` updates more."""
     if not completions:
         return {
             "rollout/response_len/mean": 0.0,
@@ -323,7 +335,7 @@ def rollout_metrics(completions: list[Completion], trainer_version: int) -> dict
             "rollout/weight_version": -1.0,
         }
     lengths = np.array([len(c.token_ids) for c in completions])
-    staleness = np.array([trainer_version - c.weight_version for c in completions])
+    staleness = np.array([behind(c.weight_version) for c in completions])
     return {
         "rollout/response_len/mean": float(lengths.mean()),
         "rollout/response_len/max": float(lengths.max()),

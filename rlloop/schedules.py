@@ -48,6 +48,7 @@ class SyncRollout:
     def trained(self, step: int, published: bool = True) -> None:
         """The loop's word that `step` has trained and, if `published`, published its weights (a step that changed
         nothing publishes nothing). It may come from another thread, and out of order with the step before."""
+        self.manager.published(step, published)
 
     def resume_state(self) -> dict:
         return self.manager.data.state_dict()
@@ -64,6 +65,7 @@ class OneStepOffPolicy:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="rlloop-rollout")
         self.pending: tuple[int, dict, Future] | None = None  # (step, data cursor before it drew, its batch)
         self.trained_through, self.closing = start, False  # the last step whose weights are published
+        self.done: set[int] = set()  # steps past trained_through that are done, out of order
         self.cond = threading.Condition()
 
     def _start(self, step: int) -> None:
@@ -71,8 +73,15 @@ class OneStepOffPolicy:
         self.pending = (step, cursor, self.pool.submit(self._pull_and_collect, step))
 
     def trained(self, step: int, published: bool = True) -> None:
+        """Steps are trained in order, but a step that trains nothing is done at once, while the one before it still
+        trains: `trained_through` moves only over steps all done (it jumped, and the next generation pulled before
+        the step before had published, on older weights than the schedule calls for)."""
+        self.manager.published(step, published)
         with self.cond:
-            self.trained_through = max(self.trained_through, step)
+            self.done.add(step)
+            while self.trained_through + 1 in self.done:
+                self.trained_through += 1
+                self.done.discard(self.trained_through)
             self.cond.notify_all()
 
     def _pull_and_collect(self, step: int) -> StepRollout:
@@ -129,7 +138,6 @@ class FullyAsyncRollout:
         self.manager, self.max_staleness = manager, loop.max_staleness if trains else math.inf
         self.want = manager.cfg.rollout.prompts_per_step
         self.version = start  # the newest weight version published or seen on a sample
-        self.unpublished: set[int] = set()  # steps that changed no weight (trained nothing, or a non-finite step)
         self.training: set[int] = set()  # steps taken by the trainer and not yet trained
         self.first = start + 1  # the first step this run trains
         self.asking = start + 1  # the step whose batch `next` takes now or next
@@ -201,12 +209,6 @@ class FullyAsyncRollout:
                 self.pausing = False
                 self.cond.notify_all()
 
-    def _behind(self, version: int, step: int) -> int:
-        """How many weight updates the trainer of `step` holds past `version`: it holds step - 1's weights, and each
-        step since `version` changed them, but for those that published nothing. Counted in step numbers alone, two
-        such steps in a row (dynamic sampling that kept no group) made every later group look too stale, for ever."""
-        return step - 1 - version - sum(version < s < step for s in self.unpublished)
-
     def _admits(self) -> bool:
         """Whether a new chunk's groups would be at most `max_staleness` updates behind the trainer that takes them:
         behind `buffer` groups, its last one goes to step `asking + (buffer + want - 1) // want`, and it starts on
@@ -215,7 +217,7 @@ class FullyAsyncRollout:
         out was generated only to be dropped, two chunks a step)."""
         last_step = self.asking + (len(self.buffer) + self.want - 1) // self.want
         starved = self.starving and not self.training
-        return starved or self._behind(self.version, last_step) <= self.max_staleness
+        return starved or self.manager.updates_behind(self.version, last_step) <= self.max_staleness
 
     def next(self, step: int) -> StepRollout:
         """The oldest `prompts_per_step` fresh groups; blocks until the producer has them, or with dynamic sampling
@@ -234,7 +236,7 @@ class FullyAsyncRollout:
                     break
                 grp = self.buffer.popleft()
                 self.cond.notify_all()  # room in the buffer: the producer may go on
-                if self._behind(grp.first_version, step) > self.max_staleness:
+                if self.manager.updates_behind(grp.first_version, step) > self.max_staleness:
                     self.dropped_stale += 1
                 else:
                     taken.append(grp)
@@ -254,10 +256,9 @@ class FullyAsyncRollout:
         """The engines take new weights as they are published; a chunk held back as too stale may start now."""
         with self.cond:
             self.training.discard(step)
+            self.manager.published(step, published)
             if published:
                 self.version = max(self.version, step)
-            else:
-                self.unpublished.add(step)
             self.cond.notify_all()
 
     def resume_state(self) -> dict:

@@ -13,7 +13,7 @@ from rlloop.cluster import Cluster
 from rlloop.config import load_config
 from rlloop.data import Prompt, load_datasets
 from rlloop.rollout_manager import RolloutManager, RolloutTally, distinct, sampling_seed, top_up
-from rlloop.schedules import FullyAsyncRollout
+from rlloop.schedules import FullyAsyncRollout, OneStepOffPolicy
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "grpo_dapo_tiny.yaml")
@@ -155,6 +155,42 @@ def test_a_resumed_fully_async_run_draws_new_samples_for_its_first_chunk(setup):
         tokens.append([c.token_ids for c in batch.samples.completions])
     assert tokens[0] == tokens[1]  # a chunk's samples are its seed's: the same start draws the same
     assert tokens[2] != tokens[0]
+
+
+def test_staleness_counts_weight_updates_not_steps(setup):
+    """The engines hold version 0. At step 2 the trainer holds step 1's update, unless step 1 published nothing (it
+    kept no group, or its update was non-finite): then the samples of version 0 are as fresh as can be. Counted in
+    steps they were one stale, and fully_async logged staleness above the bound its own check had held."""
+    cluster, tok = setup
+    cfg = load_config(TINY, ["rollout.backend=hf", "cluster.use_ray=false", "rollout.prompts_per_step=2"])
+    staleness = []
+    for published in (True, False):
+        data, _ = load_datasets(cfg, tok)
+        with closing(RolloutManager(cfg, cluster, tok, data)) as rollout:
+            rollout.published(1, published)
+            metrics = rollout.collect(2).metrics
+        assert metrics["rollout/weight_version"] == 0
+        staleness.append(metrics["rollout/staleness/max"])
+    assert staleness == [1, 0]
+
+
+def test_async_generates_a_step_only_once_every_step_before_its_weights_is_done(setup):
+    """A step that trains nothing (dynamic sampling kept no group) is done at once, while the step before it still
+    trains: that let the next generation pull before the step before had published, on older weights than the
+    async schedule calls for (and than a run resumed at that point would use)."""
+    cluster, tok = setup
+    cfg = load_config(TINY, ["rollout.backend=hf", "cluster.use_ray=false", "loop.mode=async"])
+    data, _ = load_datasets(cfg, tok)
+    with closing(RolloutManager(cfg, cluster, tok, data)) as rollout:
+        schedule = OneStepOffPolicy(rollout)
+        try:
+            schedule.trained(1)
+            schedule.trained(3, published=False)  # step 2 still training
+            assert schedule.trained_through == 1
+            schedule.trained(2)
+            assert schedule.trained_through == 3 and rollout.unpublished == {3}
+        finally:
+            schedule.close()
 
 
 def test_dynamic_sampling_over_samples_by_the_kept_fraction():
