@@ -56,9 +56,10 @@ def step_work(cfg, batches, rl: dict, skip: int) -> dict:
         gen_flops = generate_flops(mc, [lp - 1 for lp in lens], [(lp, resp_mean) for lp in lens for _ in range(g)])
         # All rows decode together: one pass over the weights per decode step, and each row's KV as the engine reads
         # it at that step (the pages in use by the longest row, which grow as it does), not all at the final length.
+        # Decode step j reads len(prompt) + j positions: the first runs the prompt's last token (rollout/engine.py).
         rows = g * len(lens)
         gen_bytes = sum(
-            decode_bytes(mc, itemsize, 1, rows, max_len, max(lens) + j + 1, kv_itemsize) for j in range(resp_max)
+            decode_bytes(mc, itemsize, 1, rows, max_len, max(lens) + j, kv_itemsize) for j in range(resp_max)
         )
         per_step.append((trained, train, gen_flops, gen_bytes))
     trained, train, gen_flops, gen_bytes = (float(np.mean(c)) for c in zip(*per_step[skip:]))

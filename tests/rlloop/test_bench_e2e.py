@@ -150,7 +150,7 @@ def test_decode_bytes_are_counted_step_by_step():
     per_position = kv_bytes_per_token(mc, ITEMSIZE[cache_dtype(cfg.model.dtype, "cpu")])
 
     def generation(longest: int, rows: int, steps: int) -> float:
-        kv = [decode_kv_positions(max_len, longest + j + 1) for j in range(steps)]
+        kv = [decode_kv_positions(max_len, longest + j) for j in range(steps)]  # step 0 runs the prompt's last token
         return sum(weights + rows * n * per_position for n in kv)
 
     expected = [generation(60, 2 * g, 16), generation(20, 2 * g, 16)]
