@@ -138,6 +138,7 @@ def colocated_plan(cluster: ClusterSection, accel: str | None, cpus: float, same
 
 
 def summed(resources: list[dict[str, float]]) -> dict[str, float]:
+    """Ray resource requests added up, key by key."""
     out: dict[str, float] = {}
     for r in resources:
         for key, value in r.items():
