@@ -131,4 +131,7 @@ def _load_replicated(trainer: Trainer, path: str, state: dict) -> None:
         if state["masters"] is not None:
             for m, saved in zip(trainer.masters, state["masters"]):
                 m.copy_(saved)
+        elif trainer.masters is not trainer.params:  # an fp32 checkpoint, in a lower precision now: its weights
+            for name, m in zip(trainer.param_names, trainer.masters):  # are the masters (they kept the base model's)
+                m.copy_(loaded[name])
     trainer.optimizer.load_state_dict(state["optimizer"])

@@ -10,15 +10,24 @@ from trainer.parallel import compile_decoder
 from trainer.shared_prompts import check_shared_prompts, use_blocked_attention
 
 
-def load_policy_model(cfg: TrainerConfig, device: torch.device, sharded: bool) -> transformers.PreTrainedModel:
+def load_policy_model(
+    cfg: TrainerConfig, device: torch.device, sharded: bool
+) -> tuple[transformers.PreTrainedModel, dict[str, torch.Tensor] | None]:
     """`cfg.model_path` on `device`: in cfg.dtype, or in fp32 when `sharded` (fsdp keeps fp32 shards, the masters,
-    and computes in cfg.dtype through its mixed-precision policy)."""
+    and computes in cfg.dtype through its mixed-precision policy). Unsharded in a lower precision, also the fp32
+    values its parameters were rounded from, by name: the optimizer's fp32 masters start from them, as fsdp's do
+    (they started from the rounded weights, and one rank and two trained apart from an fp32 checkpoint)."""
+    lower = not sharded and cfg.dtype != "float32"
     model = transformers.AutoModelForCausalLM.from_pretrained(
         cfg.model_path,
-        dtype=torch.float32 if sharded else getattr(torch, cfg.dtype),
+        dtype=torch.float32 if sharded or lower else getattr(torch, cfg.dtype),
         trust_remote_code=cfg.trust_remote_code,
     )
     model.to(device)
+    loaded = None
+    if lower:  # the fp32 tensors themselves: casting the model gives its parameters new ones
+        loaded = {name: p.detach() for name, p in model.named_parameters()}
+        model.to(getattr(torch, cfg.dtype))
     if cfg.share_prompts:
         check_shared_prompts(model.config)
         use_blocked_attention(model)
@@ -36,7 +45,7 @@ def load_policy_model(cfg: TrainerConfig, device: torch.device, sharded: bool) -
     disable_dropout(model)
     if cfg.compile != "off":
         compile_decoder(model, cfg.compile, sharded)  # before FSDP wraps the layers, as torchtitan orders it
-    return model
+    return model, loaded
 
 
 def disable_dropout(model: torch.nn.Module) -> None:

@@ -59,7 +59,7 @@ class Trainer:
         self.export_dtype = getattr(torch, cfg.dtype)
         sharded = self.parallel == "fsdp"
 
-        self.model = load_policy_model(cfg, self.device, sharded)
+        self.model, loaded = load_policy_model(cfg, self.device, sharded)
         lm_head_on_tensor_cores(self.device, cfg.dtype)
         # Exact only while a zero advantage zeroes a sample's whole loss: no KL term, no entropy bonus.
         self.skip_zero_advantage = cfg.skip_zero_advantage and cfg.loss.kl_coef == 0.0 and cfg.loss.entropy_coef == 0.0
@@ -80,7 +80,8 @@ class Trainer:
         if cfg.dtype == "float32" or sharded:
             self.masters = self.params
         else:
-            self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
+            self.masters = [torch.nn.Parameter(loaded[n]) for n in self.param_names]
+        del loaded
         self.optimizer, self.scheduler = make_optimizer(cfg, named, self.masters)
         self.step = 0
         self.bad_steps = 0  # non-finite optimizer steps in a row
@@ -118,18 +119,21 @@ class Trainer:
         ref = [self._score(self.ref_scorer, mbs) for mbs in plans] if self.ref_scorer else [None] * len(plans)
 
         totals: dict[str, float] = {}
+        lr = None  # the rate of the last update applied
         grad_norms = []
         for mbs, norms_mb, old_mb, ref_mb in zip(plans, norms, old, ref):
             self.optimizer.zero_grad(set_to_none=True)
             for key, value in self._accumulate_gradients(mbs, norms_mb, old_mb, ref_mb).items():
                 # Losses are per optimizer step (averaged over minibatches); token sums simply add up.
                 totals[key] = totals.get(key, 0.0) + (value / len(plans) if key in ADDITIVE_METRICS else value)
-            lr = self.optimizer.param_groups[0]["lr"]
+            rate = self.optimizer.param_groups[0]["lr"]
             grad_norms.append(self._optimizer_step())
+            lr = rate if np.isfinite(grad_norms[-1]) else lr  # of an update applied, not of one skipped
         totals["skipped_samples"] = float(len(batch) - sum(map(len, trained)))
         metrics = self._finish_metrics(totals, batch)
         metrics["train/grad_norm"] = float(np.mean(grad_norms))
-        metrics["train/lr"] = lr
+        if lr is not None:  # none when every update was skipped
+            metrics["train/lr"] = lr
         metrics["train/minibatches"] = float(len(plans))
         metrics["train/skipped_steps"] = float(sum(not np.isfinite(g) for g in grad_norms))
         if self.bad_steps >= self.cfg.max_bad_steps:

@@ -247,6 +247,34 @@ def test_bf16_keeps_fp32_masters_and_exports_them_rounded(tiny_qwen3_dir, make_b
         assert np.array_equal(exported[name].view(np.uint16), want.view(np.uint16)), name
 
 
+def test_bf16_masters_start_from_the_fp32_checkpoint_and_resume_from_an_fp32_one(tmp_path, tiny_qwen3_dir, make_batch):
+    """One rank (ddp) built its fp32 masters from the bf16-rounded weights, where fsdp's start from the checkpoint's
+    fp32 values: one rank and two trained apart. And an fp32 checkpoint resumed in bf16 kept the base model's masters,
+    which the first step copied back into the model: the checkpoint's training was lost."""
+    import safetensors.torch
+
+    base = safetensors.torch.load_file(f"{tiny_qwen3_dir}/model.safetensors")
+    bf16 = Trainer(TrainerConfig(tiny_qwen3_dir, dtype="bfloat16"))
+    for name, master in zip(bf16.param_names, bf16.masters):
+        assert torch.equal(master, base[name]), name  # not its rounding to bf16
+    fp32 = Trainer(TrainerConfig(tiny_qwen3_dir, lr=5e-2))
+    fp32.train_step(make_batch(6, seed=3))
+    fp32.save(tmp_path / "ckpt")
+    bf16.load(tmp_path / "ckpt")
+    for name, master, trained in zip(bf16.param_names, bf16.masters, fp32.params):
+        assert torch.equal(master, trained), name
+
+
+def test_train_lr_is_the_rate_of_an_update_applied(tiny_qwen3_dir, make_batch):
+    """With two minibatches the second update is skipped (its loss overflows): train/lr said the skipped update's
+    rate, where it is the rate of the last update the step applied."""
+    trainer = Trainer(TrainerConfig(tiny_qwen3_dir, lr=1.0, lr_warmup_steps=4, minibatches=2))
+    batch = make_batch(4, seed=1)
+    batch.advantages[2] = batch.advantages[3] = 3e38  # finite, but the second minibatch's fp32 loss is not
+    metrics = trainer.train_step(batch)
+    assert metrics["train/skipped_steps"] == 1 and metrics["train/lr"] == 0.25  # warmup: 1/4, then 2/4 skipped
+
+
 def test_fp32_export_aliases_live_parameters(tiny_qwen3_dir, make_batch):
     trainer = Trainer(TrainerConfig(tiny_qwen3_dir, lr=1e-3))
     exported = trainer.export_weights()
