@@ -25,9 +25,11 @@ def load_policy_model(
     )
     model.to(device)
     loaded = None
-    if lower:  # the fp32 tensors themselves: casting the model gives its parameters new ones
+    if lower:  # the fp32 tensors themselves: cast, the parameters get new ones
         loaded = {name: p.detach() for name, p in model.named_parameters()}
-        model.to(getattr(torch, cfg.dtype))
+        with torch.no_grad():
+            for p in model.parameters():  # not model.to(): RoPE's buffers stay fp32, as loaded
+                p.data = p.data.to(getattr(torch, cfg.dtype))
     if cfg.share_prompts:
         check_shared_prompts(model.config)
         use_blocked_attention(model)

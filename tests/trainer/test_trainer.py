@@ -257,6 +257,7 @@ def test_bf16_masters_start_from_the_fp32_checkpoint_and_resume_from_an_fp32_one
     bf16 = Trainer(TrainerConfig(tiny_qwen3_dir, dtype="bfloat16"))
     for name, master in zip(bf16.param_names, bf16.masters):
         assert torch.equal(master, base[name]), name  # not its rounding to bf16
+    assert {b.dtype for b in bf16.model.buffers()} == {torch.float32}  # RoPE's, as from_pretrained keeps them
     fp32 = Trainer(TrainerConfig(tiny_qwen3_dir, lr=5e-2))
     fp32.train_step(make_batch(6, seed=3))
     fp32.save(tmp_path / "ckpt")
