@@ -13,7 +13,7 @@ BACKENDS = ("hf", "jax")
 
 def make_engine(backend: str, cfg: EngineConfig, device: str = "cpu") -> RolloutEngine:
     """Build a rollout engine from `cfg`: "jax" uses all of it (on JAX's default devices); "hf" uses model_path,
-    dtype, max_batch, trust_remote_code and seed, on torch device `device`."""
+    dtype, max_batch, trust_remote_code, seed and max_seq_len, on torch device `device`."""
     if backend == "hf":
         from rollout.hf_backend import HFEngine
 
@@ -24,6 +24,7 @@ def make_engine(backend: str, cfg: EngineConfig, device: str = "cpu") -> Rollout
             max_batch=cfg.max_batch,
             trust_remote_code=cfg.trust_remote_code,
             seed=cfg.seed,
+            max_seq_len=cfg.max_seq_len,
         )
     if backend == "jax":
         from rollout.engine import JaxEngine

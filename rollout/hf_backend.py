@@ -43,6 +43,7 @@ class HFEngine(RolloutEngine):
         max_batch: int = 64,
         trust_remote_code: bool = False,
         seed: int = 0,
+        max_seq_len: int | None = None,
     ):
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
@@ -50,6 +51,7 @@ class HFEngine(RolloutEngine):
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.device = torch.device(device)
         self.max_batch, self.seed = max_batch, seed  # seed: EngineConfig.seed's, mixed into every request's
+        self.max_seq_len = max_seq_len  # EngineConfig.max_seq_len's, the same bound as the JAX engine's cache
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             model_path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
         )
@@ -100,6 +102,11 @@ class HFEngine(RolloutEngine):
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty")
+            if self.max_seq_len is not None and len(prompt) + sampling.max_new_tokens > self.max_seq_len:
+                raise ValueError(
+                    f"prompt {i} ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
+                    f"exceeds max_seq_len {self.max_seq_len}"
+                )
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")

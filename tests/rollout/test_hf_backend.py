@@ -202,6 +202,8 @@ def test_bad_requests_raise(engine, model_dir):
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="tpu_magic"):
         make_engine("tpu_magic", EngineConfig(model_path=model_dir))
-    built = make_engine("hf", EngineConfig(model_path=model_dir, dtype="float32", max_batch=2))
+    built = make_engine("hf", EngineConfig(model_path=model_dir, dtype="float32", max_batch=2, max_seq_len=16))
     assert isinstance(built, HFEngine) and isinstance(built, RolloutEngine)
     assert built.max_batch == 2 and built.model.dtype == torch.float32 and built.warmup() == {}
+    with pytest.raises(ValueError, match=r"prompt 0 \(10 tokens\) \+ max_new_tokens \(7\) exceeds max_seq_len 16"):
+        built.generate([[1] * 10], 1, SamplingParams(max_new_tokens=7))  # as the JAX engine refuses it
