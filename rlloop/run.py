@@ -1,9 +1,10 @@
 """`python -m rlloop.run CONFIG.yaml [key.path=value ...] [--dry-run] [--resume]`: the user's entry point.
 
 The same command runs locally and as a Ray job (`ray job submit --working-dir . -- python -m rlloop.run ...`). Exit
-codes: 0 done, 1 an actor died, the cluster cannot host the plan, training stayed non-finite for train.max_bad_steps
-steps or a checkpoint cannot be written or resumed, 2 bad config, model or data (the message names the key), 130
-interrupted (Ctrl-C) and 143 terminated (SIGTERM), both after cleaning up: continue with --resume.
+codes: 0 done; 1 an actor died, the cluster cannot host the plan, training stayed non-finite for train.max_bad_steps
+steps, the reward function's workers cannot start, or a checkpoint cannot be written or resumed; 2 bad config, model
+or data (the message names the key); 130 interrupted (Ctrl-C) and 143 terminated (SIGTERM), both after cleaning up:
+continue with --resume.
 """
 
 from __future__ import annotations
