@@ -227,14 +227,16 @@ def run_recipe(
 def start_training(cfg: Config, cluster: Cluster, step: int, samples, trained: Callable[[int, bool], None]):
     """Queue the step's training and the publication of its weights (in the trainer's same round trip): the sync
     mode's engines load them now, the async modes' before (async) or while (fully_async) they generate. A step that
-    applied no update (non-finite) or failed publishes nothing, nor does --debug train-only, which has no engine.
+    applied no update (non-finite) publishes nothing, nor does --debug train-only, which has no engine.
     The rollout schedule hears `trained(step, published)` as soon as the trainer is done, not once the driver, a
-    batch later, waits for the step: fully_async's producer may be waiting for those weights to start a chunk.
+    batch later, waits for the step: fully_async's producer may be waiting for those weights to start a chunk. A step
+    whose training failed is never heard of: the cluster's run ends there (the next generation, released by it,
+    found a dead engine and spent a restart on it while the trainer's death was still being found).
     Returns the wait for the step's metrics, which counts `queued` seconds of the driver's in queueing as training."""
     training = cluster.start_train_step(
         samples.to_train_batch(), publish=step if cluster.engines else None, profile=profile_dir(cfg, step)
     )
-    training.add_done_callback(lambda done: trained(step, not done.exception() and "perf/push_s" in done.result()))
+    training.add_done_callback(lambda done: done.exception() or trained(step, "perf/push_s" in done.result()))
 
     def wait(queued: float) -> dict[str, float]:
         t0 = time.perf_counter()
