@@ -140,11 +140,11 @@ def check_model(cfg: Config) -> dict:
         except (ValueError, TypeError) as e:
             raise ModelError(f"model.path: {where}: {e}") from None
         _check_engine_tp(cfg, shape, where)
-    if cfg.train.share_prompts and sliding_window_layers(hf):
+    if cfg.train.share_prompts and sliding_window_layers(built := _as_transformers_builds_it(hf)):
         raise ModelError(
             f"train.share_prompts: {where} has sliding-window attention layers (layer_types "
-            f"{hf.get('layer_types')}, sliding_window {hf.get('sliding_window')}), which shared-prompt rows cannot "
-            "train; set train.share_prompts=false"
+            f"{getattr(built, 'layer_types', None)}, sliding_window {built.sliding_window}), which shared-prompt rows "
+            "cannot train; set train.share_prompts=false"
         )
     context = hf.get("max_position_embeddings")
     need = cfg.data.max_prompt_len + cfg.rollout.max_response_len
@@ -155,6 +155,17 @@ def check_model(cfg: Config) -> dict:
             f"({where}); lower one of them"
         )
     return hf
+
+
+def _as_transformers_builds_it(hf: dict):
+    """config.json as the trainer's model will see it (transformers resolves settings such as Qwen2's
+    `use_sliding_window` there); a model_type transformers does not know (remote code) as written."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.for_model(**hf)
+    except (ValueError, KeyError, TypeError):
+        return transformers.PretrainedConfig(**hf)
 
 
 def load_tokenizer(model: ModelSection):

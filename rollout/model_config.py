@@ -34,6 +34,14 @@ def eos_token_ids(hf_config: dict, generation_config: dict | None = None) -> tup
     return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else (eos,)))
 
 
+def _has_sliding_layers(hf: dict) -> bool:
+    """Whether transformers runs some layer of this config.json with a sliding window: its `layer_types`, which
+    transformers derives from `use_sliding_window`, `sliding_window` and `max_window_layers` when the file has none."""
+    import transformers
+
+    return "sliding_attention" in (getattr(transformers.AutoConfig.for_model(**hf), "layer_types", None) or ())
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     family: str
@@ -84,7 +92,7 @@ class ModelConfig:
             raise ValueError(f"unsupported model_type {model_type!r}; the JAX decoder supports {', '.join(FAMILIES)}")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {hf.get('hidden_act')!r}; expected 'silu' (SwiGLU)")
-        if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
+        if _has_sliding_layers(hf):
             raise ValueError(
                 "unsupported: sliding-window attention (use_sliding_window / layer_types); the JAX decoder attends "
                 "over the whole sequence, so it would decode another model than transformers does"

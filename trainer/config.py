@@ -9,7 +9,6 @@ validate a config without loading the trainer.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, ConfigDict, Field, model_validator
@@ -31,11 +30,15 @@ def chunk_elements(device: str) -> int:
     return CUDA_CHUNK_ELEMENTS if device == "cuda" else CHUNK_ELEMENTS
 
 
-def sliding_window_layers(hf: Mapping) -> bool:
-    """Whether a Hugging Face model config (config.json as a dict) has sliding-window attention layers, which
-    `share_prompts` cannot train: HF would take its 4D mask in place of the window's."""
-    layer_types = set(hf.get("layer_types") or ["full_attention"])
-    return layer_types != {"full_attention"} or bool(hf.get("use_sliding_window", hf.get("sliding_window") is not None))
+def sliding_window_layers(config) -> bool:
+    """Whether a model (its transformers config, as transformers built it) has sliding-window attention layers, which
+    `share_prompts` cannot train: HF would take its 4D mask in place of the window's. The built config, not
+    config.json: Qwen2's `sliding_window` is only used with `use_sliding_window` and from `max_window_layers` on, which
+    transformers resolves into `layer_types`; a model without `layer_types` (Mistral) slides wherever the window is set."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return "sliding_attention" in layer_types
+    return getattr(config, "sliding_window", None) is not None
 
 
 def _compile_scope(value):

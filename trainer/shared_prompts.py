@@ -53,7 +53,7 @@ def check_shared_prompts(config: transformers.PretrainedConfig) -> None:
             f"train.share_prompts needs the model's attention to be one of {SHARED_PROMPT_ATTENTION}, "
             f"not {attention!r}; set train.share_prompts=false"
         )
-    if sliding_window_layers(config.to_dict()):
+    if sliding_window_layers(config):
         raise ValueError(
             "train.share_prompts does not support sliding-window attention layers (this model has layer_types "
             f"{getattr(config, 'layer_types', None)}, sliding_window {getattr(config, 'sliding_window', None)}); "

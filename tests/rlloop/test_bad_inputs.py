@@ -284,10 +284,12 @@ MODEL_CASES = [  # (id, how to break a copy d of the tiny model, overrides (defa
      ["= 144 tokens, beyond the model's max_position_embeddings 64"]),
     # the tiny example trains with train.share_prompts: true; the HF backend (the JAX decoder refuses the model)
     ("sliding-window-with-shared-prompts",
-     lambda d: edit_json(d / "config.json", use_sliding_window=True, sliding_window=32, max_window_layers=0),
+     lambda d: edit_json(d / "config.json", use_sliding_window=True, sliding_window=32, max_window_layers=0,
+                         layer_types=None),
      ["model.path={d}", "rollout.backend=hf"],
      ["train.share_prompts:", "has sliding-window attention layers", "set train.share_prompts=false"]),
-    ("sliding-window-jax", lambda d: edit_json(d / "config.json", use_sliding_window=True, sliding_window=32), [],
+    ("sliding-window-jax", lambda d: edit_json(d / "config.json", layer_types=["sliding_attention"] * 2,
+                                               sliding_window=32), [],
      ["unsupported: sliding-window attention"]),
     ("no-chat-template", lambda d: (d / "chat_template.jinja").unlink(), [],
      ["model.path: the tokenizer in", "has no chat template"]),
@@ -320,6 +322,18 @@ def test_trust_remote_code_is_the_way_out(capsys, tmp_path):
     d = Path(shutil.copytree(MODEL, tmp_path / "model"))
     edit_json(d / "config.json", auto_map=AUTO_MAP)
     assert main([TINY, f"model.path={d}", "model.trust_remote_code=true", "--dry-run"]) == 0
+    assert "model, tokenizer and data: checked" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("window", [dict(sliding_window=32), dict(use_sliding_window=True, sliding_window=32)])
+def test_a_window_transformers_does_not_use_is_no_sliding_window(window, capsys, tmp_path):
+    """Qwen2/Qwen3 configs carry `sliding_window` for layers from `max_window_layers` on, and only with
+    `use_sliding_window`: a model with none of those layers keeps train.share_prompts (it was refused from
+    config.json's `sliding_window` alone)."""
+    d = Path(shutil.copytree(MODEL, tmp_path / "model"))
+    layers = json.loads((d / "config.json").read_text())["num_hidden_layers"]
+    edit_json(d / "config.json", max_window_layers=layers, **window)
+    assert main([TINY, f"model.path={d}", "rollout.backend=hf", "--dry-run"]) == 0
     assert "model, tokenizer and data: checked" in capsys.readouterr().out
 
 
