@@ -19,7 +19,7 @@ from pathlib import Path
 
 import xxhash
 
-from rlloop.errors import TrainerDied
+from rlloop.errors import CheckpointError, TrainerDied
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -27,10 +27,6 @@ CHECKSUMS = "checksums"  # state.json's key for the xxh3 of the manifest and of 
 _OWN = {(MANIFEST,), ("state.json",)}  # the checkpoint's own files, outside its manifest
 _NAME = re.compile(rf"{PREFIX}(\d+)", re.ASCII)
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written (the previous one is intact) or no intact one is left to resume from."""
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:

@@ -30,10 +30,10 @@ def merge_stats(per_engine: dict[int, dict]) -> dict[str, float]:
         "pad_slots": sum(s.get("pad_slots", 0.0) for s in stats),
         "busy_s": max(s.get("busy_s", 0.0) for s in stats),
     }
-    for e, s in per_engine.items():  # the HF backend reports `tokens` and `seconds`
+    for e, s in per_engine.items():
         merged[f"engine_{e}/busy_s"] = s.get("busy_s", 0.0)
-        merged[f"engine_{e}/tokens"] = s.get("gen_tokens", s.get("tokens", 0.0))
-        merged[f"engine_{e}/seconds"] = s.get("wall_s", s.get("seconds", 0.0))
+        merged[f"engine_{e}/tokens"] = s.get("gen_tokens", 0.0)
+        merged[f"engine_{e}/seconds"] = s.get("wall_s", 0.0)
     return merged
 
 

@@ -1,6 +1,8 @@
-"""What an actor's death or an unplaceable plan raises, apart from the cluster that raises it, so that code which must
-tell a recoverable death from a failed write (`rlloop/checkpoint.py`) need not import the cluster and its workers;
-what bad data raises, wherever it is read; and what a reward function that cannot run at all raises."""
+"""The errors a run ends with, each the one line `rlloop.run` prints (config errors: rlloop/config_errors.py).
+
+Apart from the code that raises them, so that code which must tell a recoverable death from a failed write
+(`rlloop/checkpoint.py`) need not import the cluster and its workers, and the driver imports none of the stacks.
+"""
 
 
 class ClusterError(RuntimeError):
@@ -13,6 +15,14 @@ class ActorDied(ClusterError):
 
 class TrainerDied(ActorDied):
     """A trainer rank's actor died: the loop rebuilds the cluster from the last checkpoint (run.max_restarts)."""
+
+
+class ModelError(ValueError):
+    """The model or tokenizer a config names cannot be loaded; the message names the key."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (the previous one is intact) or no intact one is left to resume from."""
 
 
 class DataError(ValueError):

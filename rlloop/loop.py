@@ -17,12 +17,12 @@ from typing import Callable
 
 import yaml
 
-from rlloop.checkpoint import CheckpointError, checkpoint_marks, latest_checkpoint, load_state, save_checkpoint
+from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, load_state, save_checkpoint
 from rlloop.cluster import Cluster
 from rlloop.config import Config, to_yaml
 from rlloop.data import Inputs, load_inputs
 from rlloop.engine_pool import RestartCount
-from rlloop.errors import TrainerDied
+from rlloop.errors import CheckpointError, TrainerDied
 from rlloop.profiling import profile_dir
 from rlloop.ray_session import ray_session
 from rlloop.rollout_manager import RolloutManager

@@ -14,14 +14,11 @@ import json
 from pathlib import Path
 
 from rlloop.config import Config, ModelSection
+from rlloop.errors import ModelError
 from trainer.config import sliding_window_layers
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")  # what the engine (safetensors) and trainer read
 SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-
-
-class ModelError(ValueError):
-    """The model or tokenizer a config names cannot be loaded; the message names the key."""
 
 
 def is_local(source: str) -> bool:

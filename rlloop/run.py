@@ -2,8 +2,9 @@
 
 The same command runs locally and as a Ray job (`ray job submit --working-dir . -- python -m rlloop.run ...`). Exit
 codes: 0 done; 1 an actor died, the cluster cannot host the plan, training stayed non-finite for train.max_bad_steps
-steps, the reward function's workers cannot start, or a checkpoint cannot be written or resumed; 2 bad config, model
-or data (the message names the key); 130 interrupted (Ctrl-C) and 143 terminated (SIGTERM), both after cleaning up:
+steps, the reward function's workers cannot start, a checkpoint cannot be written or resumed, or the data no longer
+fits the checkpoint being resumed; 2 bad config, model or data, found before anything starts (the message names the
+key); 130 interrupted (Ctrl-C) and 143 terminated (SIGTERM), both after cleaning up:
 continue with --resume.
 """
 
@@ -25,6 +26,23 @@ from rlloop.tracking import log_to_terminal
 from trainer.config import resolve_parallel
 
 log = logging.getLogger("rlloop.run")  # not __name__: that is "__main__" under python -m
+
+
+def error_label(e: Exception) -> str:
+    """What the run calls an error it ends on: the first word of its one line."""
+    from rlloop import errors
+    from trainer import NonFiniteTraining
+
+    labels = {
+        ConfigError: "config",
+        errors.ModelError: "model",
+        errors.DataError: "data",
+        errors.RewardError: "reward",
+        errors.ClusterError: "cluster",
+        errors.CheckpointError: "checkpoint",
+        NonFiniteTraining: "training",
+    }
+    return next(label for kind, label in labels.items() if isinstance(e, kind))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -223,8 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     log_to_terminal()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from rlloop.errors import DataError
-    from rlloop.model import ModelError
+    from rlloop import errors
 
     # Config, reward, model and data problems end here, exit 2, before the run directory, Ray or any actor exists:
     # nothing is written, and no checkpoint of a run being resumed is touched.
@@ -232,16 +249,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides + debug_overrides(args))
         check_references(cfg)
         inputs, notes = preflight(cfg, dry_run=args.dry_run)
-    except (ConfigError, ModelError, DataError) as e:
-        kind = "config" if isinstance(e, ConfigError) else "model" if isinstance(e, ModelError) else "data"
-        print(f"{kind} error: {e}", file=sys.stderr)
+    except (ConfigError, errors.ModelError, errors.DataError) as e:
+        print(f"{error_label(e)} error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
         dry_run(cfg, notes)
         return 0
 
-    from rlloop.checkpoint import CheckpointError, checkpoint_marks
-    from rlloop.errors import ActorDied, ClusterError, RewardError
+    from rlloop.checkpoint import checkpoint_marks
     from rlloop.loop import train
     from trainer import NonFiniteTraining
 
@@ -250,21 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     earlier = checkpoint_marks(cfg.run_dir)  # an earlier run's, which this one replaces at its first save
     try:
         run_dir = train(cfg, resume=args.resume, inputs=inputs)
-    except ClusterError as e:  # an actor's death past run.max_restarts, or a cluster that cannot host the run
-        advice = f"\n{go_on(args, cfg.run_dir, earlier)}" if isinstance(e, ActorDied) else ""
-        print(f"cluster error: {e}{advice}", file=sys.stderr)
-        return 1
-    except CheckpointError as e:
-        print(f"checkpoint error: {e}", file=sys.stderr)
-        return 1
-    except DataError as e:  # other data than the checkpoint's, a row the tokenizer cannot encode, lost replays
-        print(f"data error: {e}", file=sys.stderr)
-        return 1
-    except NonFiniteTraining as e:
-        print(f"training error: {e}", file=sys.stderr)
-        return 1
-    except RewardError as e:  # its workers die as they start
-        print(f"reward error: {e}", file=sys.stderr)
+    # Data errors here: other data than the checkpoint's, a row the tokenizer cannot encode, lost replays
+    except (errors.ClusterError, errors.CheckpointError, errors.DataError, NonFiniteTraining, errors.RewardError) as e:
+        advice = f"\n{go_on(args, cfg.run_dir, earlier)}" if isinstance(e, errors.ActorDied) else ""
+        print(f"{error_label(e)} error: {e}{advice}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, SystemExit) as e:
         if (what := stopped_by(e)) is None:

@@ -12,20 +12,12 @@ BACKENDS = ("hf", "jax")
 
 
 def make_engine(backend: str, cfg: EngineConfig, device: str = "cpu") -> RolloutEngine:
-    """Build a rollout engine from `cfg`: "jax" uses all of it (on JAX's default devices); "hf" uses model_path,
-    dtype, max_batch, trust_remote_code, seed and max_seq_len, on torch device `device`."""
+    """Build a rollout engine from `cfg`: "jax" uses all of it (on JAX's default devices); "hf" what
+    `HFEngine` says, on torch device `device`."""
     if backend == "hf":
         from rollout.hf_backend import HFEngine
 
-        return HFEngine(
-            cfg.model_path,
-            dtype=cfg.dtype,
-            device=device,
-            max_batch=cfg.max_batch,
-            trust_remote_code=cfg.trust_remote_code,
-            seed=cfg.seed,
-            max_seq_len=cfg.max_seq_len,
-        )
+        return HFEngine(cfg, device)
     if backend == "jax":
         from rollout.engine import JaxEngine
 

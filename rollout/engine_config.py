@@ -2,8 +2,7 @@
 
 Kept apart from rollout.engine because the RL loop's driver builds (and checks) it without loading jax; it is a
 pydantic dataclass so that each field declares its own range, a bad value fails with the field named, and it pickles
-to Ray actors as is. The HF backend reads model_path, trust_remote_code, dtype and max_batch from it
-(rollout.make_engine).
+to Ray actors as is. The HF backend (rollout.hf_backend) reads the settings that apply to `transformers.generate`.
 """
 
 from __future__ import annotations

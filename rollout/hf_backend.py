@@ -17,8 +17,9 @@ import numpy as np
 import torch
 import transformers
 
+from rollout.engine_config import EngineConfig
 from rollout.model_config import eos_token_ids
-from rollout.types import DTYPES, Completion, RolloutEngine, SamplingParams, mix_seed
+from rollout.types import Completion, RolloutEngine, SamplingParams, mix_seed
 
 
 def numpy_to_torch(array: np.ndarray) -> torch.Tensor:
@@ -35,25 +36,14 @@ def numpy_to_torch(array: np.ndarray) -> torch.Tensor:
 class HFEngine(RolloutEngine):
     """`RolloutEngine` backed by a Hugging Face causal LM and `model.generate`."""
 
-    def __init__(
-        self,
-        model_path: str,
-        dtype: str = "float32",
-        device: str = "cpu",
-        max_batch: int = 64,
-        trust_remote_code: bool = False,
-        seed: int = 0,
-        max_seq_len: int | None = None,
-    ):
-        if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    def __init__(self, cfg: EngineConfig, device: str = "cpu"):
+        """The model of `cfg.model_path` on torch device `device`. Of the JAX engine's settings it keeps dtype,
+        trust_remote_code, max_batch (rows per generate batch), max_seq_len (the bound on prompt + response that
+        the JAX engine's cache sets) and seed (mixed into every request's)."""
         self.device = torch.device(device)
-        self.max_batch, self.seed = max_batch, seed  # seed: EngineConfig.seed's, mixed into every request's
-        self.max_seq_len = max_seq_len  # EngineConfig.max_seq_len's, the same bound as the JAX engine's cache
+        self.max_batch, self.max_seq_len, self.seed = cfg.max_batch, cfg.max_seq_len, cfg.seed
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
+            cfg.model_path, dtype=getattr(torch, cfg.dtype), trust_remote_code=cfg.trust_remote_code
         )
         self.model.to(self.device).eval()
         cfg = self.model.config
@@ -67,7 +57,7 @@ class HFEngine(RolloutEngine):
         # knob comes from SamplingParams, and rows stop only on the ids `sampling.stop_ids` returns.
         self.model.generation_config = transformers.GenerationConfig(pad_token_id=self.pad_token_id)
         self.weight_version = 0
-        self._stats = {"tokens": 0.0, "seconds": 0.0, "tok_s": 0.0, "weight_version": 0.0}
+        self._stats = {"gen_tokens": 0.0, "wall_s": 0.0, "tok_s": 0.0, "weight_version": 0.0}
 
     def warmup(self) -> dict[str, float]:
         """Nothing to compile: transformers runs eagerly."""
@@ -102,7 +92,7 @@ class HFEngine(RolloutEngine):
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty")
-            if self.max_seq_len is not None and len(prompt) + sampling.max_new_tokens > self.max_seq_len:
+            if len(prompt) + sampling.max_new_tokens > self.max_seq_len:
                 raise ValueError(
                     f"prompt {i} ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
                     f"exceeds max_seq_len {self.max_seq_len}"
@@ -127,9 +117,9 @@ class HFEngine(RolloutEngine):
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
         tokens = sum(len(c.token_ids) for c in completions)
-        self._stats = {
-            "tokens": float(tokens),
-            "seconds": seconds,
+        self._stats = {  # the JAX engine's names for them
+            "gen_tokens": float(tokens),
+            "wall_s": seconds,
             "tok_s": tokens / max(seconds, 1e-9),
             "weight_version": float(self.weight_version),
         }

@@ -35,11 +35,11 @@ def eos_token_ids(hf_config: dict, generation_config: dict | None = None) -> tup
 
 
 def _has_sliding_layers(hf: dict) -> bool:
-    """Whether transformers runs some layer of this config.json with a sliding window: its `layer_types`, which
-    transformers derives from `use_sliding_window`, `sliding_window` and `max_window_layers` when the file has none."""
-    import transformers
-
-    return "sliding_attention" in (getattr(transformers.AutoConfig.for_model(**hf), "layer_types", None) or ())
+    """Whether some layer of this config.json may attend through a sliding window: its `layer_types` (what
+    transformers runs) where the file has them, else `use_sliding_window` (refused even where `max_window_layers`
+    would keep every layer whole: reading transformers' config here would load torch into the engine)."""
+    layer_types = hf.get("layer_types")
+    return "sliding_attention" in layer_types if layer_types is not None else bool(hf.get("use_sliding_window"))
 
 
 @dataclass(frozen=True)

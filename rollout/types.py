@@ -89,7 +89,8 @@ class RolloutEngine(Protocol):
 
     `generate` returns `len(prompts) * n` completions ordered by (prompt_index, sample_index).
     `load_weights` takes numpy / ml_dtypes arrays keyed by Hugging Face parameter names.
-    `stats` describes the last `generate` call (tokens, seconds, tokens/s, and backend-specific counters).
+    `stats` describes the last `generate` call (gen_tokens, wall_s, tok_s, weight_version, and backend-specific
+    counters).
     `warmup` builds whatever the backend compiles and returns seconds per compiled bucket ({} if it compiles nothing).
     `between_dispatches`, if given, is called by the JAX engine before each decode dispatch, so the caller can
     `load_weights` mid-generation (PipelineRL's in-flight update: tokens after it come from the new weights); the HF

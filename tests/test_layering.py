@@ -89,7 +89,7 @@ def test_the_driver_loads_no_trainer_stack_and_a_jax_engine_no_torch():
     a 2-core host), and a JAX engine's process never loads torch."""
     driver = (
         "import rlloop.run; from rlloop.loop import train; from trainer import NonFiniteTraining; "
-        "from rlloop.checkpoint import CheckpointError; from weight_sync.shm import remove_stale_segments"
+        "from rlloop.errors import CheckpointError; from weight_sync.shm import remove_stale_segments"
     )
     assert modules_loaded_by(driver, {"torch", "ml_dtypes", "jax"}) == []
     engine = (

@@ -33,8 +33,9 @@ def chunk_elements(device: str) -> int:
 def sliding_window_layers(config) -> bool:
     """Whether a model (its transformers config, as transformers built it) has sliding-window attention layers, which
     `share_prompts` cannot train: HF would take its 4D mask in place of the window's. The built config, not
-    config.json: Qwen2's `sliding_window` is only used with `use_sliding_window` and from `max_window_layers` on, which
-    transformers resolves into `layer_types`; a model without `layer_types` (Mistral) slides wherever the window is set."""
+    config.json: Qwen2's `sliding_window` is only used with `use_sliding_window` and from `max_window_layers` on,
+    which transformers resolves into `layer_types`; a model without `layer_types` (Mistral) slides wherever the window
+    is set."""
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return "sliding_attention" in layer_types

@@ -12,7 +12,8 @@
                  copy of the LM head and its gradient when the model is not fp32
 
 An estimate, not an allocator trace: it leaves out the framework's workspace, fragmentation and (fsdp) the one
-unsharded layer in flight. The plan's `margin` covers those.
+unsharded layer in flight, and the plan (rlloop/memory.py) adds no margin for them: a plan that just fits can still
+run out.
 """
 
 from __future__ import annotations

@@ -103,6 +103,14 @@ def make_prompts(num_prompts: int, vocab: int, min_len: int, max_len: int, seed:
     return [rng.integers(3, vocab, size=int(rng.integers(min_len, max_len + 1))).tolist() for _ in range(num_prompts)]
 
 
+def engine_config(path: Path, prompts, n, sampling, dtype: str):
+    """Both engines' settings: every row at once, positions for the longest prompt and its new tokens."""
+    from rollout.engine_config import EngineConfig
+
+    max_seq_len = max(len(p) for p in prompts) + sampling.max_new_tokens
+    return EngineConfig(model_path=str(path), dtype=dtype, max_batch=len(prompts) * n, max_seq_len=max_seq_len)
+
+
 def hf_runners(path: Path, prompts, n, sampling, dtype: str) -> dict:
     """Timed closures for the baseline: HFEngine (generate + log-probs from the processed scores), and plain
     `model.generate` on the same padded batch without scores, so the report shows what the log-prob bookkeeping
@@ -111,7 +119,7 @@ def hf_runners(path: Path, prompts, n, sampling, dtype: str) -> dict:
 
     from rollout.hf_backend import HFEngine
 
-    engine = HFEngine(str(path), dtype=dtype, max_batch=len(prompts) * n)
+    engine = HFEngine(engine_config(path, prompts, n, sampling, dtype))
     engine.generate(prompts[:1], 1, type(sampling)(max_new_tokens=2))  # torch's first-call costs, not counted
     rows = [p for p in prompts for _ in range(n)]
     width = max(len(p) for p in rows)
@@ -143,12 +151,8 @@ def hf_runners(path: Path, prompts, n, sampling, dtype: str) -> dict:
 def jax_runner(path: Path, prompts, n, sampling, dtype: str):
     """(timed closure, warmup report) for the JAX engine; the closure records the stats of its last run."""
     from rollout.engine import JaxEngine
-    from rollout.engine_config import EngineConfig
 
-    max_seq_len = max(len(p) for p in prompts) + sampling.max_new_tokens
-    engine = JaxEngine(
-        EngineConfig(model_path=str(path), dtype=dtype, max_batch=len(prompts) * n, max_seq_len=max_seq_len)
-    )
+    engine = JaxEngine(engine_config(path, prompts, n, sampling, dtype))
     start = time.perf_counter()
     engine.warmup()
     warm = {"warmup_s": time.perf_counter() - start, "compiles_after_warmup": 0.0}

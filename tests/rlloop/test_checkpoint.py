@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rlloop.checkpoint import CheckpointError, checkpoint_marks, latest_checkpoint, save_checkpoint, verify
-from rlloop.errors import TrainerDied
+from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, save_checkpoint, verify
+from rlloop.errors import CheckpointError, TrainerDied
 
 
 def trainer_writing(nbytes: int):

@@ -32,7 +32,8 @@ def other_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    return HFEngine(model_dir, max_batch=3)  # 3 < rows, so batching and left padding across batches are exercised
+    # 3 < rows, so batching and left padding across batches are exercised
+    return HFEngine(EngineConfig(model_dir, max_batch=3))
 
 
 def reference_model(path):
@@ -124,8 +125,8 @@ def test_stop_ids_end_rows(engine):
 
 
 def test_load_weights_changes_outputs_and_stamps_version(model_dir, other_model_dir):
-    engine = HFEngine(model_dir)
-    other = HFEngine(other_model_dir)
+    engine = HFEngine(EngineConfig(model_dir))
+    other = HFEngine(EngineConfig(other_model_dir))
     greedy = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
     before = engine.generate(PROMPTS, 1, greedy)
     assert all(c.weight_version == 0 for c in before)
@@ -137,14 +138,14 @@ def test_load_weights_changes_outputs_and_stamps_version(model_dir, other_model_
     assert [c.token_ids for c in after] == [c.token_ids for c in expected]
     assert [c.token_ids for c in after] != [c.token_ids for c in before]
     assert all(c.weight_version == 7 for c in after)
-    assert engine.stats()["weight_version"] == 7 and engine.stats()["tokens"] == 40
+    assert engine.stats()["weight_version"] == 7 and engine.stats()["gen_tokens"] == 40
 
 
 def test_load_weights_takes_what_the_jax_engine_takes(model_dir, other_model_dir):
     """Some checkpoints and exporters carry RoPE's inv_freq buffer: derived from the config, not a weight, it is left
     out by both backends alike rather than refused by one."""
-    engine = HFEngine(model_dir)
-    arrays = {k: v.numpy().copy() for k, v in HFEngine(other_model_dir).model.state_dict().items()}
+    engine = HFEngine(EngineConfig(model_dir))
+    arrays = {k: v.numpy().copy() for k, v in HFEngine(EngineConfig(other_model_dir)).model.state_dict().items()}
     arrays["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(8, np.float32)
     engine.load_weights(arrays, version=3)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
@@ -152,7 +153,7 @@ def test_load_weights_takes_what_the_jax_engine_takes(model_dir, other_model_dir
 
 
 def test_load_weights_bf16_is_bit_exact(model_dir):
-    engine = HFEngine(model_dir, dtype="bfloat16")
+    engine = HFEngine(EngineConfig(model_dir, dtype="bfloat16"))
     name = "model.layers.0.mlp.up_proj.weight"
     values = np.random.default_rng(0).normal(size=tuple(engine.model.state_dict()[name].shape)).astype(np.float32)
     sent = values.astype(ml_dtypes.bfloat16)
@@ -164,7 +165,7 @@ def test_load_weights_bf16_is_bit_exact(model_dir):
 
 
 def test_bad_weights_raise_and_change_nothing(model_dir):
-    engine = HFEngine(model_dir)
+    engine = HFEngine(EngineConfig(model_dir))
     snapshot = {k: v.clone() for k, v in engine.model.state_dict().items()}
     good = {k: np.zeros(tuple(v.shape), np.float32) for k, v in snapshot.items() if k != "lm_head.weight"}
     with pytest.raises(ValueError, match="model.layers.9.bogus"):
