@@ -327,11 +327,13 @@ class Cluster:
 
             # which go once its process is gone: ray.kill returns before that (a stopped process takes seconds)
             deadline = time.monotonic() + 30
-            while remove_stale_segments() is not None and segment_path(self.sync_run_id, "ctl").exists():
+            remove_stale_segments()
+            while segment_path(self.sync_run_id, "ctl").exists():
                 if time.monotonic() > deadline:
                     log.warning("a killed trainer's shared memory outlived it; the next run's start removes it")
                     break
                 time.sleep(0.1)
+                remove_stale_segments()
         if self.pg is not None:
             ray.util.remove_placement_group(self.pg)
         if self.owns_ray and ray.is_initialized():

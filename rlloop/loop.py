@@ -126,9 +126,9 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 def run_recipe(
     cfg: Config,
     inputs: Inputs,
-    ckpt: Path | None = None,
-    trainer_restarts: int = 0,
-    engine_restarts: RestartCount | None = None,
+    ckpt: Path | None,
+    trainer_restarts: int,
+    engine_restarts: RestartCount,
 ) -> Path:
     """The recipe's steps, from `ckpt` (an intact checkpoint of this run) or from the start."""
     run_dir = cfg.run_dir

@@ -22,6 +22,8 @@ from rlloop.config import Config
 
 log = logging.getLogger(__name__)
 
+NAMESPACE = "rlloop"  # the run's named actors (the Ray sync mailbox) live here
+
 AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
 
 
@@ -55,10 +57,15 @@ def reap_orphaned_agents(timeout: float = 5.0) -> int:
     return len(procs)
 
 
+def ray_address(cfg: Config) -> str | None:
+    """The Ray cluster to connect to: `cluster.address`, else $RAY_ADDRESS (a Ray job's); None starts a local one."""
+    return cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+
+
 def local_ray(cfg: Config) -> bool:
     """Whether this driver's Ray is one started in this process (no `cluster.address`, no RAY_ADDRESS): its resources
     are the host's and stay so, where a cluster it connects to may have an autoscaler that adds nodes."""
-    return not (cfg.cluster.address or os.environ.get("RAY_ADDRESS"))
+    return ray_address(cfg) is None
 
 
 def _no_token_notice(record: logging.LogRecord) -> bool:
@@ -70,7 +77,7 @@ def start_ray(cfg: Config) -> bool:
     run left (`reap_orphaned_agents`); returns whether this process started it (and so must stop it)."""
     import ray
 
-    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    address = ray_address(cfg)
     if address is None:
         reap_orphaned_agents()
     log.info("starting a local Ray" if address is None else f"connecting to Ray at {address}")
@@ -80,7 +87,7 @@ def start_ray(cfg: Config) -> bool:
     on_sigterm = signal.getsignal(signal.SIGTERM)
     try:
         ray.init(
-            address=address, namespace="rlloop", include_dashboard=False, log_to_driver=True, configure_logging=False
+            address=address, namespace=NAMESPACE, include_dashboard=False, log_to_driver=True, configure_logging=False
         )
     except BaseException:  # Ctrl-C midway: a local Ray half started must not outlive the driver
         if address is None and ray.is_initialized():

@@ -24,9 +24,8 @@ from typing import Mapping
 import numpy as np
 import ray
 
+from rlloop.ray_session import NAMESPACE
 from weight_sync import Manifest, Message, Receiver, Sender, decode_payload, encode_payload_into, payload_nbytes
-
-NAMESPACE = "rlloop"
 
 
 @ray.remote(num_cpus=0)
@@ -72,8 +71,8 @@ def get_mailbox(run_id: str, keep: int = 2):
 
 
 class RaySender(Sender):
-    def __init__(self, run_id: str, *, delta: bool = False, keyframe_every: int = 10, keep: int = 2, **kw):
-        super().__init__(delta=delta, keyframe_every=keyframe_every, **kw)
+    def __init__(self, run_id: str, *, delta: bool = False, keyframe_every: int = 10, keep: int = 2):
+        super().__init__(delta=delta, keyframe_every=keyframe_every)
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.mailbox = get_mailbox(run_id, keep)
@@ -95,9 +94,8 @@ class RaySender(Sender):
 
 
 class RayReceiver(Receiver):
-    def __init__(self, run_id: str, *, delta: bool = False, verify: bool = True):
+    def __init__(self, run_id: str, *, delta: bool = False):
         super().__init__(delta=delta)
-        self.verify = verify
         self.mailbox = get_mailbox(run_id)
         self._writer: int | None = None
 
@@ -117,7 +115,7 @@ class RayReceiver(Receiver):
             payload = ray.get(boxed[0])
         except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError):
             return None
-        manifest, blobs = decode_payload(payload, verify=self.verify)
+        manifest, blobs = decode_payload(payload, verify=True)
         return Message(manifest, blobs)
 
     def _request_keyframe(self) -> None:

@@ -33,7 +33,7 @@ from safetensors.numpy import save_file
 from weight_sync.checksum import checksum, checksums
 from weight_sync.manifest import CorruptVersion, Manifest, fill_checksums
 from weight_sync.protocol import Message, Receiver, Sender
-from weight_sync.shm import _check_run_id
+from weight_sync.shm import check_run_id
 
 _VERSION_DIR = re.compile(r"^v(\d{12,})$")  # zero-padded to 12 digits, longer from 10**12 on
 WEIGHTS, MANIFEST, KEYFRAME_REQUEST, WRITER = "weights.safetensors", "manifest.json", "KEYFRAME_REQUEST", "WRITER"
@@ -120,14 +120,12 @@ def _versions(run_dir: Path) -> list[int]:
 
 
 class DiskSender(Sender):
-    def __init__(
-        self, root: str | Path, run_id: str, *, keep: int = 2, delta: bool = False, keyframe_every: int = 10, **kw
-    ):
-        super().__init__(delta=delta, keyframe_every=keyframe_every, **kw)
+    def __init__(self, root: str | Path, run_id: str, *, keep: int = 2, delta: bool = False, keyframe_every: int = 10):
+        super().__init__(delta=delta, keyframe_every=keyframe_every)
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.keep = keep
-        self.run_dir = Path(root) / _check_run_id(run_id)
+        self.run_dir = Path(root) / check_run_id(run_id)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.run_dir, 0o700)  # the weights are the owner's: nobody else lists or reads the versions
         # A new sender starts a new epoch: versions of an earlier writer (a crashed or resumed run) would otherwise
@@ -170,7 +168,7 @@ class DiskSender(Sender):
 class DiskReceiver(Receiver):
     def __init__(self, root: str | Path, run_id: str, *, delta: bool = False):
         super().__init__(delta=delta)
-        self.run_dir = Path(root) / _check_run_id(run_id)
+        self.run_dir = Path(root) / check_run_id(run_id)
         self._writer: str | None = None  # the sender epoch whose versions we follow
 
     def _latest(self, at_most: int | None = None) -> int | None:

@@ -66,6 +66,9 @@ class SyncStats:
         }
 
 
+DELTA_WORTH_RATIO = 0.5  # a delta past this fraction of the full version is sent as a keyframe instead
+
+
 @dataclass
 class Message:
     """One version as read from a transport: its verified manifest and a uint8 view of each entry's stored bytes."""
@@ -101,12 +104,11 @@ class Sender(_Endpoint):
     `close()`: release what the transport holds (also called by `with`).
     """
 
-    def __init__(self, *, delta: bool = False, keyframe_every: int = 10, worth_ratio: float = 0.5):
+    def __init__(self, *, delta: bool = False, keyframe_every: int = 10):
         if keyframe_every < 1:
             raise ValueError(f"keyframe_every must be >= 1, got {keyframe_every}")
         self.delta = delta
         self.keyframe_every = keyframe_every
-        self.worth_ratio = worth_ratio  # send a keyframe when the delta would exceed this fraction of full
         self.version: int | None = None
         self.last_stats: SyncStats | None = None
         self._last: dict[str, np.ndarray] | None = None  # bits of the last version sent (delta mode only)
@@ -175,7 +177,7 @@ class Sender(_Endpoint):
         # only find that out (fp32 at a high learning rate changes every element; zstd-ing it all cost more than
         # the whole push of a small model). Weights are float mantissas, which zstd barely shrinks.
         value_bytes = sum(len(idx) * arrays[n].itemsize for n, idx in changed.items())
-        hopeless = value_bytes > self.worth_ratio * full_bytes
+        hopeless = value_bytes > DELTA_WORTH_RATIO * full_bytes
         if changed and not requested and not hopeless and self._deltas_since_key + 1 < self.keyframe_every:
             entries, blobs = [], {}
             for name, new in arrays.items():
@@ -192,7 +194,7 @@ class Sender(_Endpoint):
                         checksum(new),
                     )
                 )
-            if sum(b.nbytes for b in blobs.values()) <= self.worth_ratio * full_bytes:
+            if sum(b.nbytes for b in blobs.values()) <= DELTA_WORTH_RATIO * full_bytes:
                 self._deltas_since_key += 1
                 return Manifest(version, self.version, entries), blobs, changed
         self._deltas_since_key = 0

@@ -53,7 +53,7 @@ _BUF_F = (8, 12)  # per buffer: seq, version, length
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
-def _check_run_id(run_id: str) -> str:
+def check_run_id(run_id: str) -> str:
     if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
         raise ValueError(f"run_id {run_id!r} must be letters, digits, '_', '.' or '-' (it names /dev/shm segments)")
     return run_id
@@ -184,9 +184,9 @@ def _install_cleanup_handlers() -> None:
 
 
 class ShmSender(Sender):
-    def __init__(self, run_id: str, *, delta: bool = False, keyframe_every: int = 10, **kw):
-        super().__init__(delta=delta, keyframe_every=keyframe_every, **kw)
-        self.run_id = _check_run_id(run_id)
+    def __init__(self, run_id: str, *, delta: bool = False, keyframe_every: int = 10):
+        super().__init__(delta=delta, keyframe_every=keyframe_every)
+        self.run_id = check_run_id(run_id)
         ctl_path = segment_path(run_id, "ctl")
         for _ in range(3):  # another process's sweep may hold a dead writer's lock for the moment it removes its files
             remove_stale_segments()
@@ -268,7 +268,7 @@ class ShmSender(Sender):
 class ShmReceiver(Receiver):
     def __init__(self, run_id: str, *, delta: bool = False, verify: bool = True):
         super().__init__(delta=delta)
-        self.run_id = _check_run_id(run_id)
+        self.run_id = check_run_id(run_id)
         self.verify = verify
         self._instance = None
         self._ctl: np.ndarray | None = None
