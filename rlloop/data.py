@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rlloop.config import Config
+from rlloop.config import Config, DataSection
 from rlloop.data_files import load_rows
 from rlloop.errors import DataError
 
@@ -112,27 +112,11 @@ def encodes_any_text(tokenizer) -> bool:
 class PromptData:
     """Seeded, resumable batches of tokenized prompts."""
 
-    def __init__(
-        self,
-        path: str,
-        tokenizer,
-        *,
-        split: str = "train",
-        prompt_key: str = "prompt",
-        answer_key: str = "reward_model.ground_truth",
-        max_prompt_len: int = 1024,
-        on_long_prompt: str = "drop",
-        shuffle: bool = True,
-        seed: int = 0,
-        key: str = "data.path",
-    ):
-        self.rows = load_rows(path, split, key)
-        check_columns(self.rows, prompt_key, answer_key, path, key)
-        self.key = key  # data.path or eval.path: named in errors
-        self.source, self.tokenizer = path, tokenizer
-        self.prompt_key, self.answer_key = prompt_key, answer_key
-        self.max_prompt_len, self.on_long_prompt = max_prompt_len, on_long_prompt
-        self.shuffle, self.seed = shuffle, seed
+    def __init__(self, cfg: DataSection, tokenizer, *, seed: int = 0, key: str = "data.path"):
+        """The rows of `cfg.path`, in an order seeded by `seed` (run.seed); `key` is the config key errors name."""
+        self.rows = load_rows(cfg.path, cfg.split, key)
+        check_columns(self.rows, cfg.prompt_key, cfg.answer_key, cfg.path, key)
+        self.cfg, self.tokenizer, self.seed, self.key = cfg, tokenizer, seed, key
         self.epoch, self.position, self.dropped = 0, 0, 0
         self._order = self._make_order()
         self._template_bytes: dict[tuple, int] = {}  # roles -> the chat template's bytes around them
@@ -141,7 +125,7 @@ class PromptData:
         return len(self.rows)
 
     def _make_order(self) -> np.ndarray:
-        if not self.shuffle:
+        if not self.cfg.shuffle:
             return np.arange(len(self.rows))
         return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.rows))
 
@@ -149,13 +133,13 @@ class PromptData:
         """(messages, answer) of `row`; a DataError naming the row and the column otherwise."""
         parsed = []
         for key, name, parse in (
-            (self.prompt_key, "data.prompt_key", to_messages),
-            (self.answer_key, "data.answer_key", to_answer),
+            (self.cfg.prompt_key, "data.prompt_key", to_messages),
+            (self.cfg.answer_key, "data.answer_key", to_answer),
         ):
             try:
                 parsed.append(parse(get_field(row, key)))
             except DataError as e:
-                raise DataError(f"{self.key} {self.source}: row {index} (0-based), {name} {key!r}: {e}") from None
+                raise DataError(f"{self.key} {self.cfg.path}: row {index} (0-based), {name} {key!r}: {e}") from None
         return parsed[0], parsed[1]
 
     def _parse(self, index: int) -> tuple[list[dict], list[int], str]:
@@ -167,7 +151,7 @@ class PromptData:
         try:
             return encode_prompt(self.tokenizer, messages)
         except Exception as e:  # a tokenizer without an unknown token (the tiny one) meets a character it lacks
-            raise DataError(f"{self.key} {self.source}: row {index}: the tokenizer cannot encode it: {e}") from None
+            raise DataError(f"{self.key} {self.cfg.path}: row {index}: the tokenizer cannot encode it: {e}") from None
 
     def _token_bound(self, messages: list[dict]) -> int:
         """An upper bound on the prompt's tokens without tokenizing it: its UTF-8 bytes plus the chat template's
@@ -185,15 +169,15 @@ class PromptData:
 
     def _too_long(self, index: int, tokens: int) -> DataError:
         return DataError(
-            f"{self.key} {self.source}: row {index} has {tokens} prompt tokens > "
-            f"data.max_prompt_len={self.max_prompt_len} (data.on_long_prompt: error)"
+            f"{self.key} {self.cfg.path}: row {index} has {tokens} prompt tokens > "
+            f"data.max_prompt_len={self.cfg.max_prompt_len} (data.on_long_prompt: error)"
         )
 
     def get(self, index: int) -> Prompt | None:
         """Row `index` tokenized, or None when it is too long and the policy is to drop it."""
         messages, ids, answer = self._parse(index)
-        if len(ids) > self.max_prompt_len:
-            if self.on_long_prompt == "error":
+        if len(ids) > self.cfg.max_prompt_len:
+            if self.cfg.on_long_prompt == "error":
                 raise self._too_long(index, len(ids))
             self.dropped += 1
             return None
@@ -205,25 +189,25 @@ class PromptData:
         bound exceeds the limit are tokenized (DAPO-Math-17k's 1.8 M rows take seconds, not a tokenizer pass), unless
         the tokenizer cannot encode every text (no byte fallback, no unknown token: the tiny one), where every row is:
         one with a character it lacks ended the run at the step that drew it."""
-        columns = sorted({key.split(".")[0] for key in (self.prompt_key, self.answer_key)})
+        columns = sorted({key.split(".")[0] for key in (self.cfg.prompt_key, self.cfg.answer_key)})
         index, fits, shortest = 0, 0, None
         every_row = not encodes_any_text(self.tokenizer)
         for batch in self.rows.select_columns(columns).iter(batch_size=4096):
             for values in zip(*(batch[c] for c in columns)):
                 messages, _ = self._parse_row(index, dict(zip(columns, values)))
-                if not every_row and self._token_bound(messages) <= self.max_prompt_len:
+                if not every_row and self._token_bound(messages) <= self.cfg.max_prompt_len:
                     fits += 1
                 else:
                     tokens = len(self._encode(index, messages))
-                    if tokens > self.max_prompt_len and self.on_long_prompt == "error":
+                    if tokens > self.cfg.max_prompt_len and self.cfg.on_long_prompt == "error":
                         raise self._too_long(index, tokens)
-                    fits += tokens <= self.max_prompt_len
+                    fits += tokens <= self.cfg.max_prompt_len
                     shortest = tokens if shortest is None else min(shortest, tokens)
                 index += 1
         if not fits:
             raise DataError(
-                f"{self.key} {self.source}: every prompt (all {index} rows) is longer than data.max_prompt_len="
-                f"{self.max_prompt_len} tokens (the shortest has {shortest}); raise data.max_prompt_len "
+                f"{self.key} {self.cfg.path}: every prompt (all {index} rows) is longer than data.max_prompt_len="
+                f"{self.cfg.max_prompt_len} tokens (the shortest has {shortest}); raise data.max_prompt_len "
                 "(and rollout.prefill_buckets with it) or shorten the prompts"
             )
 
@@ -243,8 +227,8 @@ class PromptData:
                 batch.append(prompt)
             elif seen_in_call > len(self._order) and not batch:
                 raise DataError(
-                    f"{self.key} {self.source}: every prompt ({len(self._order)} rows) is longer than "
-                    f"data.max_prompt_len={self.max_prompt_len} tokens"
+                    f"{self.key} {self.cfg.path}: every prompt ({len(self._order)} rows) is longer than "
+                    f"data.max_prompt_len={self.cfg.max_prompt_len} tokens"
                 )
         return batch
 
@@ -260,7 +244,7 @@ class PromptData:
     def load_state_dict(self, state: dict) -> None:
         if state.get("rows", len(self.rows)) != len(self.rows):  # a position in other data means nothing here
             raise DataError(
-                f"{self.key} {self.source} has {len(self.rows)} rows, and the checkpoint's position is in data of "
+                f"{self.key} {self.cfg.path} has {len(self.rows)} rows, and the checkpoint's position is in data of "
                 f"{state['rows']}: resume with the data the run was trained on, or start a new run (another run.dir)"
             )
         self.seed, self.epoch, self.position, self.dropped = (
@@ -274,32 +258,14 @@ class PromptData:
 
 def load_datasets(cfg: Config, tokenizer) -> tuple[PromptData, PromptData | None]:
     """The training prompts (seeded by `run.seed`) and the eval prompts (in file order; None without `eval.path`)."""
-    d = cfg.data
-    train = PromptData(
-        d.path,
-        tokenizer,
-        split=d.split,
-        prompt_key=d.prompt_key,
-        answer_key=d.answer_key,
-        max_prompt_len=d.max_prompt_len,
-        on_long_prompt=d.on_long_prompt,
-        shuffle=d.shuffle,
-        seed=cfg.run.seed,
-    )
+    train = PromptData(cfg.data, tokenizer, seed=cfg.run.seed)
     if not cfg.eval.path:
         return train, None
-    evals = PromptData(
-        cfg.eval.path,
-        tokenizer,
-        split=cfg.eval.split,
-        prompt_key=d.prompt_key,
-        answer_key=d.answer_key,
-        max_prompt_len=d.max_prompt_len,
-        on_long_prompt="drop",
-        shuffle=False,
-        key="eval.path",
+    # The training data's columns and length limit; the file's order, and too-long prompts left out
+    held_out = cfg.data.model_copy(
+        update=dict(path=cfg.eval.path, split=cfg.eval.split, on_long_prompt="drop", shuffle=False)
     )
-    return train, evals
+    return train, PromptData(held_out, tokenizer, key="eval.path")
 
 
 @dataclass

@@ -26,9 +26,12 @@ import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from rlloop.errors import RewardError
+
+if TYPE_CHECKING:  # the reward workers import this module: they need no config (pydantic, the components' configs)
+    from rlloop.config import RewardSection
 
 log = logging.getLogger(__name__)
 
@@ -221,9 +224,9 @@ def init_worker(parent: int) -> None:
 class RewardScorer:
     """Scores responses in worker processes, with a per-sample time limit and a failure reward."""
 
-    def __init__(self, fn: str = "dapo", *, timeout_s: float = 10.0, failure_reward: float = 0.0, workers: int = 2):
-        resolve(fn)  # fail fast, in the caller's process
-        self.spec, self.timeout_s, self.failure_reward, self.workers = fn, timeout_s, failure_reward, workers
+    def __init__(self, cfg: RewardSection):
+        resolve(cfg.fn)  # fail fast, in the caller's process
+        self.cfg = cfg
         self.errors = 0  # raised, returned a non-number, or killed its worker
         self.timeouts = 0
         self._pool: ProcessPoolExecutor | None = None
@@ -233,7 +236,7 @@ class RewardScorer:
     def _get_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(
-                self.workers,
+                self.cfg.workers,
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=init_worker,
                 initargs=(os.getpid(),),
@@ -241,14 +244,14 @@ class RewardScorer:
             # Start the workers and import the function before any sample's time limit runs: a spawned worker
             # imports the driver's modules again (~1 s, more on a busy host), which a short reward.timeout_s took for
             # a hang, again and again, failing every sample.
-            starts = [self._pool.submit(_start_worker, self.spec) for _ in range(self.workers)]
+            starts = [self._pool.submit(_start_worker, self.cfg.fn) for _ in range(self.cfg.workers)]
             done, _ = wait(starts, timeout=WORKER_START_S)
             if any(isinstance(f.exception(), BrokenProcessPool) for f in done):
                 self._kill_pool()
                 self._failed_starts += 1
                 if self._failed_starts == MAX_FAILED_STARTS:  # else new pools forever, no sample ever scored
                     raise RewardError(
-                        f"reward.fn {self.spec}: the reward worker processes died as they started, "
+                        f"reward.fn {self.cfg.fn}: the reward worker processes died as they started, "
                         f"{MAX_FAILED_STARTS} pools in a row. A script that starts a run must guard it with "
                         "`if __name__ == '__main__':` (each worker imports the script again); else the host may be "
                         "out of memory"
@@ -270,8 +273,8 @@ class RewardScorer:
     def _fail(self, why: str) -> float:
         self.errors += 1
         if self.errors == 1:  # once per scorer: the counter (rollout/reward_failures) tracks the rest
-            log.warning("reward.fn %s %s; such samples get reward.failure_reward", self.spec, why)
-        return self.failure_reward
+            log.warning("reward.fn %s %s; such samples get reward.failure_reward", self.cfg.fn, why)
+        return self.cfg.failure_reward
 
     def _accept(self, value) -> float:
         # A str is refused even when it parses ("1.5"): the contract is a number, and a function returning text
@@ -315,15 +318,15 @@ class RewardScorer:
             return False
         if suspects:
             return not inflight
-        return bool(waiting) and len(inflight) < self.workers
+        return bool(waiting) and len(inflight) < self.cfg.workers
 
     def _chunk_size(self, remaining: int) -> int:
         """Samples for the next round trip: as many as the last ones suggest take ~10 % of one sample's time limit (the
         chunk's limit), one until there is a measurement, and few enough that every worker gets some."""
         if self._sample_s is None:
             return 1
-        fit = int(0.1 * self.timeout_s / max(self._sample_s, 1e-6))
-        return max(1, min(MAX_CHUNK, fit, -(-remaining // (2 * self.workers))))
+        fit = int(0.1 * self.cfg.timeout_s / max(self._sample_s, 1e-6))
+        return max(1, min(MAX_CHUNK, fit, -(-remaining // (2 * self.cfg.workers))))
 
     def score(self, responses: list[str], answers: list[str]) -> list[float]:
         # Samples go out in chunks: a round trip to a worker costs ~0.3 ms, which for 128 samples one by one was
@@ -331,7 +334,7 @@ class RewardScorer:
         # deadline (one sample's `timeout_s`; chunks are sized to take a tenth of it) is its own. A chunk that runs
         # past it comes back one sample at a time, each with that limit, so only a sample that is itself too slow
         # times out.
-        results: list[float] = [self.failure_reward] * len(responses)
+        results: list[float] = [self.cfg.failure_reward] * len(responses)
         pending = deque(range(len(responses)))  # not sent yet
         jobs: deque[list[int]] = deque()  # sent before and to be sent again as they are: retries, survivors of a kill
         suspects: deque[list[int]] = deque()  # in flight when a worker died: each runs again alone (`_settle`)
@@ -342,13 +345,13 @@ class RewardScorer:
                 queue = suspects or jobs
                 job = queue.popleft() if queue else [pending.popleft() for _ in range(self._chunk_size(len(pending)))]
                 try:
-                    fut = pool.submit(_score_chunk, self.spec, [(responses[i], answers[i]) for i in job])
+                    fut = pool.submit(_score_chunk, self.cfg.fn, [(responses[i], answers[i]) for i in job])
                 except BrokenProcessPool:  # a worker died between calls (the OOM killer, a thread the fn left)
                     (suspects if queue is suspects else jobs).appendleft(job)
                     broken = True
                     break
                 now = time.monotonic()
-                inflight[fut] = (job, now, now + self.timeout_s, queue is suspects)
+                inflight[fut] = (job, now, now + self.cfg.timeout_s, queue is suspects)
             if inflight and not broken:
                 first_deadline = min(deadline for _, _, deadline, _ in inflight.values())
                 timeout = max(0.0, first_deadline - time.monotonic())
@@ -367,7 +370,9 @@ class RewardScorer:
                     self.timeouts += 1
                     if self.timeouts == 1:
                         log.warning(
-                            "reward.fn %s ran past reward.timeout_s=%s; its worker is killed", self.spec, self.timeout_s
+                            "reward.fn %s ran past reward.timeout_s=%s; its worker is killed",
+                            self.cfg.fn,
+                            self.cfg.timeout_s,
                         )
             if expired or broken:  # kill the stuck or dead pool; restart the samples caught in it
                 caught = [job for job, _, _, _ in inflight.values()]

@@ -102,8 +102,7 @@ class RolloutManager:
     def __init__(self, cfg: Config, cluster, tokenizer, data: PromptData, eval_data: PromptData | None = None):
         self.cfg, self.cluster, self.tokenizer = cfg, cluster, tokenizer
         self.data, self.eval_data = data, eval_data
-        r = cfg.reward
-        self.scorer = RewardScorer(r.fn, timeout_s=r.timeout_s, failure_reward=r.failure_reward, workers=r.workers)
+        self.scorer = RewardScorer(cfg.reward)
         self.stop_ids = stop_token_ids(tokenizer)
         self._scoring = threading.Lock()
         self.unpublished: set[int] = set()  # steps that changed no weight (trained nothing, or a non-finite step)

@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 from transformers import AutoTokenizer
 
+from rlloop.config import DataSection
 from rlloop.data import PromptData
 from rlloop.errors import DataError
 from rlloop.tiny import ASSETS, make_rows
@@ -29,7 +30,7 @@ def rows(n=10, long_every=0):
 
 
 def test_jsonl_prompts_use_the_chat_template(tok):
-    data = PromptData(str(TRAIN), tok, shuffle=False)
+    data = PromptData(DataSection(path=str(TRAIN), shuffle=False), tok)
     first = data.next_batch(1)[0]
     row = json.loads(TRAIN.read_text().splitlines()[0])
     assert first.answer == row["reward_model"]["ground_truth"]
@@ -44,8 +45,8 @@ def test_parquet_and_directory_sources_agree(tmp_path, tok):
     df.iloc[:5].to_parquet(tmp_path / "parts" / "a.parquet")
     df.iloc[5:].to_parquet(tmp_path / "parts" / "b.parquet")
     df.to_parquet(tmp_path / "all.parquet")
-    a = PromptData(str(tmp_path / "all.parquet"), tok, seed=3).next_batch(10)
-    b = PromptData(str(tmp_path / "parts"), tok, seed=3).next_batch(10)
+    a = PromptData(DataSection(path=str(tmp_path / "all.parquet")), tok, seed=3).next_batch(10)
+    b = PromptData(DataSection(path=str(tmp_path / "parts")), tok, seed=3).next_batch(10)
     assert [p.token_ids for p in a] == [p.token_ids for p in b]
     assert sorted(p.answer for p in a) == sorted(str(2 * i + 1) for i in range(10))
 
@@ -61,24 +62,24 @@ def test_a_directory_holding_several_splits_gives_the_one_asked_for(tmp_path, to
     df.iloc[:6].to_parquet(tmp_path / "snap" / "data" / "train-00000-of-00001.parquet")
     df.iloc[6:].to_parquet(tmp_path / "snap" / "data" / "test-00000-of-00001.parquet")
     (tmp_path / "snap" / "README.md").write_text("a dataset card")
-    assert len(PromptData(str(tmp_path / "snap"), tok)) == 6
-    assert len(PromptData(str(tmp_path / "snap"), tok, split="test")) == 4
+    assert len(PromptData(DataSection(path=str(tmp_path / "snap")), tok)) == 6
+    assert len(PromptData(DataSection(path=str(tmp_path / "snap"), split="test"), tok)) == 4
     with pytest.raises(DataError, match="no 'validation' split in it"):
-        PromptData(str(tmp_path / "snap"), tok, split="validation")
-    assert len(PromptData(str(ASSETS / "data"), tok)) == len(TRAIN.read_text().splitlines()) == 336
+        PromptData(DataSection(path=str(tmp_path / "snap"), split="validation"), tok)
+    assert len(PromptData(DataSection(path=str(ASSETS / "data")), tok)) == len(TRAIN.read_text().splitlines()) == 336
     datasets.DatasetDict(train=datasets.Dataset.from_pandas(df)).save_to_disk(tmp_path / "saved")
-    assert len(PromptData(str(tmp_path / "saved"), tok)) == 10
+    assert len(PromptData(DataSection(path=str(tmp_path / "saved")), tok)) == 10
 
 
 def test_seeded_order_and_resume(tok):
-    full = PromptData(str(TRAIN), tok, seed=7)
+    full = PromptData(DataSection(path=str(TRAIN)), tok, seed=7)
     first = [p.index for p in full.next_batch(300)] + [p.index for p in full.next_batch(100)]  # crosses an epoch
-    again = PromptData(str(TRAIN), tok, seed=7)
+    again = PromptData(DataSection(path=str(TRAIN)), tok, seed=7)
     again.next_batch(300)
-    resumed = PromptData(str(TRAIN), tok, seed=7)
+    resumed = PromptData(DataSection(path=str(TRAIN)), tok, seed=7)
     resumed.load_state_dict(again.state_dict())
     assert [p.index for p in resumed.next_batch(100)] == first[300:]
-    assert [p.index for p in PromptData(str(TRAIN), tok, seed=8).next_batch(20)] != first[:20]
+    assert [p.index for p in PromptData(DataSection(path=str(TRAIN)), tok, seed=8).next_batch(20)] != first[:20]
     assert sorted(first[: len(full)]) == list(range(len(full)))  # an epoch is a permutation
 
 
@@ -87,10 +88,10 @@ def test_a_position_in_other_data_is_refused(tmp_path, tok):
     IndexError mid-run), or silently other ones."""
     path = tmp_path / "one.jsonl"
     path.write_text(json.dumps(rows(1)[0]) + "\n")
-    trained = PromptData(str(TRAIN), tok, seed=7)
+    trained = PromptData(DataSection(path=str(TRAIN)), tok, seed=7)
     trained.next_batch(40)
     with pytest.raises(DataError, match=r"one.jsonl has 1 rows, and the checkpoint's position is in data of \d+"):
-        PromptData(str(path), tok).load_state_dict(trained.state_dict())
+        PromptData(DataSection(path=str(path)), tok).load_state_dict(trained.state_dict())
 
 
 def test_a_resume_on_other_data_is_refused_before_anything_starts_and_the_run_is_left_as_it_was(tmp_path, caplog):
@@ -118,13 +119,13 @@ def test_a_prompt_the_tokenizer_cannot_encode_names_its_row(tmp_path, tok):
     bad[2]["prompt"][0]["content"] = "Solve: 数学 + 9"
     path = tmp_path / "bad.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in bad))
-    data = PromptData(str(path), tok, shuffle=False)
+    data = PromptData(DataSection(path=str(path), shuffle=False), tok)
     assert len(data.next_batch(2)) == 2
     with pytest.raises(DataError, match="bad.jsonl: row 2: the tokenizer cannot encode it"):
         data.next_batch(1)
     # and the check before a run finds it, though the row is short (rows within the length bound went untokenized)
     with pytest.raises(DataError, match="bad.jsonl: row 2: the tokenizer cannot encode it"):
-        PromptData(str(path), tok).validate()
+        PromptData(DataSection(path=str(path)), tok).validate()
 
 
 def test_a_tokenizer_that_encodes_any_text_is_told_from_one_that_does_not(tok):
@@ -144,25 +145,27 @@ def test_a_tokenizer_that_encodes_any_text_is_told_from_one_that_does_not(tok):
 def test_long_prompts_are_dropped_and_counted_or_an_error(tmp_path, tok):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows(10, long_every=3)))
-    data = PromptData(str(path), tok, max_prompt_len=100, shuffle=False)
+    data = PromptData(DataSection(path=str(path), max_prompt_len=100, shuffle=False), tok)
     batch = data.next_batch(6)
     assert len(batch) == 6 and all(len(p.token_ids) <= 100 for p in batch) and data.dropped == 3
-    strict = PromptData(str(path), tok, max_prompt_len=100, shuffle=False, on_long_prompt="error")
+    strict = PromptData(DataSection(path=str(path), max_prompt_len=100, shuffle=False, on_long_prompt="error"), tok)
     with pytest.raises(DataError, match="max_prompt_len=100"):
         strict.next_batch(2)
 
 
 def test_every_prompt_too_long_is_an_error_not_a_hang(tok):
     with pytest.raises(DataError, match="every prompt"):
-        PromptData(str(TRAIN), tok, max_prompt_len=5).next_batch(2)
+        PromptData(DataSection(path=str(TRAIN), max_prompt_len=5), tok).next_batch(2)
 
 
 def test_missing_column_names_it_and_lists_columns(tmp_path, tok):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"question": "1+1", "answer": "2"}) + "\n" for _ in range(3)))
     with pytest.raises(DataError, match=r"column 'prompt' \(data.prompt_key\).*\['answer', 'question'\]"):
-        PromptData(str(path), tok)
-    data = PromptData(str(path), tok, prompt_key="question", answer_key="answer")  # a plain-string prompt column
+        PromptData(DataSection(path=str(path)), tok)
+    data = PromptData(
+        DataSection(path=str(path), prompt_key="question", answer_key="answer"), tok
+    )  # a plain-string prompt column
     assert data.next_batch(1)[0].answer == "2"
 
 
@@ -173,7 +176,7 @@ def test_whole_numbers_in_a_float_column_are_written_as_integers(tmp_path, tok):
         r["reward_model"]["ground_truth"] = answer
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in table))
-    data = PromptData(str(path), tok, shuffle=False)
+    data = PromptData(DataSection(path=str(path), shuffle=False), tok)
     assert [p.answer for p in data.next_batch(3)] == ["3", "2.5", "-4"]
 
 
@@ -190,9 +193,9 @@ def test_a_float32_answer_column_keeps_its_own_digits(tmp_path, tok):
     read = {
         name: [
             p.answer
-            for p in PromptData(str(tmp_path / f"{name}.parquet"), tok, shuffle=False, answer_key="answer").next_batch(
-                3
-            )
+            for p in PromptData(
+                DataSection(path=str(tmp_path / f"{name}.parquet"), shuffle=False, answer_key="answer"), tok
+            ).next_batch(3)
         ]
         for name in answers
     }
@@ -210,9 +213,9 @@ def test_bad_sources(tmp_path, tok):
         (tmp_path / "x.csv", "unsupported format"),
     ]:
         with pytest.raises(DataError, match=message):
-            PromptData(str(path), tok)
+            PromptData(DataSection(path=str(path)), tok)
 
 
 def test_hub_id_goes_through_the_hub_loader_and_fails_clearly_offline(tok):
     with pytest.raises(DataError, match="could not load from the Hugging Face hub"):
-        PromptData("BytedTsinghua-SIA/DAPO-Math-17k", tok)
+        PromptData(DataSection(path="BytedTsinghua-SIA/DAPO-Math-17k"), tok)

@@ -11,6 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from rlloop.config import RewardSection
 from rlloop.errors import RewardError
 from rlloop.rewards import RewardScorer, dapo_reward, last_boxed, math_reward, normalize_final_answer, resolve
 
@@ -76,11 +77,11 @@ def test_resolve_errors_name_the_problem():
 
 
 def test_scorer_failures_get_the_failure_reward_and_are_counted():
-    scorer = RewardScorer("tests.rlloop.reward_fns:raises", failure_reward=-3.0, workers=1)
+    scorer = RewardScorer(RewardSection(fn="tests.rlloop.reward_fns:raises", failure_reward=-3.0, workers=1))
     try:
         assert scorer.score(["ok", "boom", "fine"], ["1", "1", "1"]) == [1.0, -3.0, 1.0]
         assert scorer.errors == 1
-        scorer.spec = "tests.rlloop.reward_fns:not_a_number"
+        scorer.cfg = scorer.cfg.model_copy(update={"fn": "tests.rlloop.reward_fns:not_a_number"})
         assert scorer.score(["a"], ["1"]) == [-3.0]
         assert scorer.errors == 2
     finally:
@@ -88,7 +89,9 @@ def test_scorer_failures_get_the_failure_reward_and_are_counted():
 
 
 def test_scorer_timeout_kills_the_stuck_worker_and_goes_on(tmp_path):
-    scorer = RewardScorer("tests.rlloop.reward_fns:slow", timeout_s=2.0, failure_reward=-1.0, workers=1)
+    scorer = RewardScorer(
+        RewardSection(fn="tests.rlloop.reward_fns:slow", timeout_s=2.0, failure_reward=-1.0, workers=1)
+    )
     pid_file = tmp_path / "stuck.pid"
     try:
         scores = scorer.score(["a", f"sleep:{pid_file}", "b", "c"], ["1"] * 4)
@@ -103,7 +106,7 @@ def test_scorer_timeout_kills_the_stuck_worker_and_goes_on(tmp_path):
 
 
 def test_scorer_survives_a_dying_worker():
-    scorer = RewardScorer("tests.rlloop.reward_fns:dies", failure_reward=0.0, workers=1)
+    scorer = RewardScorer(RewardSection(fn="tests.rlloop.reward_fns:dies", failure_reward=0.0, workers=1))
     try:
         scores = scorer.score(["die"], ["1"])
         assert scores == [0.0] and scorer.errors == 1
@@ -115,7 +118,9 @@ def test_scorer_survives_a_dying_worker():
 def test_a_dying_worker_fails_only_the_sample_that_killed_it():
     """Two workers: "die" kills its own while "slow" is still running in the other. The pool breaks under both, but
     only the sample that dies again when run alone is the culprit."""
-    scorer = RewardScorer("tests.rlloop.reward_fns:dies_later", timeout_s=10.0, failure_reward=-7.0, workers=2)
+    scorer = RewardScorer(
+        RewardSection(fn="tests.rlloop.reward_fns:dies_later", timeout_s=10.0, failure_reward=-7.0, workers=2)
+    )
     try:
         assert scorer.score(["slow", "die"], ["1", "1"]) == [1.0, -7.0] and scorer.errors == 1
     finally:
@@ -124,7 +129,7 @@ def test_a_dying_worker_fails_only_the_sample_that_killed_it():
 
 def test_a_worker_killed_between_calls_is_replaced():
     """A worker that dies while idle (the OOM killer) breaks the pool: the next call gets a new one, not an error."""
-    scorer = RewardScorer("tests.rlloop.reward_fns:exact", failure_reward=-1.0, workers=2)
+    scorer = RewardScorer(RewardSection(fn="tests.rlloop.reward_fns:exact", failure_reward=-1.0, workers=2))
     try:
         assert scorer.score(["1", "2"], ["1", "1"]) == [1.0, 0.0]
         os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)
@@ -135,7 +140,7 @@ def test_a_worker_killed_between_calls_is_replaced():
 
 
 def test_a_value_whose_float_raises_is_a_failure_not_a_crash():
-    scorer = RewardScorer("tests.rlloop.reward_fns:lazy_value", failure_reward=-1.0, workers=1)
+    scorer = RewardScorer(RewardSection(fn="tests.rlloop.reward_fns:lazy_value", failure_reward=-1.0, workers=1))
     try:
         assert scorer.score(["a"], ["1"]) == [-1.0] and scorer.errors == 1
     finally:
@@ -149,7 +154,9 @@ def test_a_value_whose_float_raises_is_a_failure_not_a_crash():
 def test_a_failing_sample_in_a_chunk_fails_alone(fn, culprit, want, counter):
     """After a warm-up call (fast samples: chunks of 16 from then on), the one sample of 40 that raises, hangs or kills
     its worker gets the failure reward and is counted once, and the other 39, its chunk-mates included, are scored."""
-    scorer = RewardScorer(f"tests.rlloop.reward_fns:{fn}", timeout_s=2.0, failure_reward=-1.0, workers=1)
+    scorer = RewardScorer(
+        RewardSection(fn=f"tests.rlloop.reward_fns:{fn}", timeout_s=2.0, failure_reward=-1.0, workers=1)
+    )
     responses = ["ok"] * 40
     responses[13] = culprit
     try:
@@ -164,10 +171,11 @@ def test_a_failing_sample_in_a_chunk_fails_alone(fn, culprit, want, counter):
 
 DRIVER = """
 import torch  # what a driver's main module imports, a spawned reward worker imports again before its first sample
+from rlloop.config import RewardSection
 from rlloop.rewards import RewardScorer
 
 if __name__ == "__main__":
-    scorer = RewardScorer({spec!r}, timeout_s=0.3, failure_reward=-1.0, workers=2)
+    scorer = RewardScorer(RewardSection(fn={spec!r}, timeout_s=0.3, failure_reward=-1.0, workers=2))
     print(scorer.score({responses!r}, ["1", "1", "1", "3"]), scorer.errors, scorer.timeouts)
     scorer.close()
 """
@@ -193,7 +201,9 @@ def test_a_short_time_limit_is_not_spent_starting_the_workers(tmp_path, spec, re
 
 def test_what_a_timed_out_function_started_goes_with_its_worker(tmp_path):
     """A code-execution reward runs a subprocess; one that hangs outlived the killed worker and the run."""
-    scorer = RewardScorer("tests.rlloop.reward_fns:runs_a_child", timeout_s=1.0, failure_reward=-1.0, workers=1)
+    scorer = RewardScorer(
+        RewardSection(fn="tests.rlloop.reward_fns:runs_a_child", timeout_s=1.0, failure_reward=-1.0, workers=1)
+    )
     pid_file = tmp_path / "child.pid"
     try:
         assert scorer.score([str(pid_file)], ["1"]) == [-1.0] and scorer.timeouts == 1
@@ -218,7 +228,7 @@ def ended(pid: int, within_s: float = 10.0) -> bool:
 def test_workers_that_die_as_they_start_end_the_scoring_with_one_clear_error():
     """A reward module that kills the process importing it in a worker (as a script without a main guard does):
     new pools were started forever, and no sample was ever scored."""
-    scorer = RewardScorer("tests.rlloop.reward_fns_child_dies:score", workers=1)
+    scorer = RewardScorer(RewardSection(fn="tests.rlloop.reward_fns_child_dies:score", workers=1))
     try:
         with pytest.raises(RewardError, match="died as they started, 3 pools in a row.*if __name__"):
             scorer.score(["1"], ["1"])
@@ -229,7 +239,7 @@ def test_workers_that_die_as_they_start_end_the_scoring_with_one_clear_error():
 
 @pytest.mark.parametrize("value", ["1e39", "-3.5e38"])
 def test_a_reward_past_float32_is_a_failure_not_an_infinite_advantage(value):
-    scorer = RewardScorer("tests.rlloop.reward_fns:as_float", failure_reward=-1.0, workers=1)
+    scorer = RewardScorer(RewardSection(fn="tests.rlloop.reward_fns:as_float", failure_reward=-1.0, workers=1))
     try:
         assert scorer.score([value, "3e38"], ["1", "1"]) == [-1.0, 3e38] and scorer.errors == 1
     finally:
