@@ -288,6 +288,11 @@ class Cluster:
         pushed = self._call_all(self.trainers, "push_weights", [(version,)] * len(self.trainers))
         return pushed[0] if pushed else {}
 
+    def sync_metrics(self) -> dict[str, float]:
+        """The engines' receiver metrics as they last reported them (fully_async: as they loaded weights mid-
+        generation); see `EnginePool.sync_metrics`."""
+        return self.pool.sync_metrics()
+
     def pull_weights(self, at_most: int | None = None) -> dict[str, float]:
         """Every engine loads the newest version, or the newest up to `at_most` (queued behind a generation in flight,
         as slime's async loop does); see `EnginePool.pull_weights`."""

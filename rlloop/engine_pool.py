@@ -60,6 +60,7 @@ class EnginePool:
         self._count, self._counting = count or RestartCount(), threading.Lock()
         self._versions = [0] * n  # the weight version each engine holds, as its last pull said
         self._receiver_counts: dict[int, dict[str, float]] = {}  # RECEIVER_COUNTS: each engine's last pulled
+        self._sync_reports: dict[int, dict[str, float]] = {}  # each engine's receiver metrics, as it last said
         self._retired_counts = dict.fromkeys(RECEIVER_COUNTS, 0.0)  # those of engines rebuilt (new ones count from 0)
 
     def generate(
@@ -101,6 +102,7 @@ class EnginePool:
                         self._queued[e] -= b
         for (e, _), (_, stats) in zip(calls, results):  # with in-flight updates (fully_async) it may have moved on
             self._versions[e] = int(stats.get("weight_version", self._versions[e]))
+        self._note_sync({e: stats for (e, _), (_, stats) in zip(calls, results) if "sync/rollout_version" in stats})
         completions = []
         for (_, idx), (share, _) in zip(calls, results):
             for c in share:
@@ -119,18 +121,29 @@ class EnginePool:
         return [sorted(s) for s in shares]
 
     def pull_weights(self, at_most: int | None = None) -> dict[str, float]:
-        """Every engine loads the newest version, or the newest up to `at_most`; engine 0's receiver metrics, the
-        receivers' counts over every engine there has been, each engine's version."""
+        """Every engine loads the newest version, or the newest up to `at_most`; engine 0's pull seconds and
+        `sync_metrics`."""
         pulled = self.call("pull_weights", at_most)
-        out = dict(pulled[0]) if pulled else {}
-        for e, m in enumerate(pulled):
+        self._note_sync(dict(enumerate(pulled)))
+        return {"perf/pull_s": pulled[0]["perf/pull_s"], **self.sync_metrics()} if pulled else {}
+
+    def _note_sync(self, reports: dict[int, dict[str, float]]) -> None:
+        """Engines' receiver metrics, from a pull or a generation that loaded weights as it went (fully_async)."""
+        for e, m in reports.items():
+            self._sync_reports[e] = {key: v for key, v in m.items() if key.startswith("sync/")}
             self._receiver_counts[e] = {key: m[key] for key in RECEIVER_COUNTS if key in m}
             self._versions[e] = int(m["sync/rollout_version"])
+
+    def sync_metrics(self) -> dict[str, float]:
+        """The receivers' metrics as last reported: engine 0's (the last pull's read and apply seconds, its version),
+        the counts over every engine there has been, and with several engines each one's version."""
+        if not self._sync_reports:
+            return {}
+        out = dict(self._sync_reports[min(self._sync_reports)])
         for key in RECEIVER_COUNTS:
-            if key in out:
-                out[key] = sum(c.get(key, 0.0) for c in self._receiver_counts.values()) + self._retired_counts[key]
-        if len(pulled) > 1:
-            out |= {f"rollout/engine_{e}/version": m["sync/rollout_version"] for e, m in enumerate(pulled)}
+            out[key] = sum(c.get(key, 0.0) for c in self._receiver_counts.values()) + self._retired_counts[key]
+        if len(self.engines) > 1:
+            out |= {f"rollout/engine_{e}/version": float(v) for e, v in enumerate(self._versions)}
         return out
 
     @property
@@ -194,6 +207,7 @@ class EnginePool:
             log.warning("rollout engine %d %s; restarting it (%d/%d)", e, why, done, most)
             for key, n in self._receiver_counts.pop(e, {}).items():
                 self._retired_counts[key] += n
+            self._sync_reports.pop(e, None)
             opts, kwargs = self._specs[e]
             engine = ray.remote(RolloutWorker).options(**opts).remote(**kwargs)
             try:

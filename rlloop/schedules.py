@@ -249,7 +249,7 @@ class FullyAsyncRollout:
             self.training.add(step)
             self.cond.notify_all()
         batch = self.manager.batch(step, taken, tally)
-        batch.metrics |= counts
+        batch.metrics |= counts | self.manager.cluster.sync_metrics()  # the engines pulled as they generated
         return batch
 
     def trained(self, step: int, published: bool = True) -> None:

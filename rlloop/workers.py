@@ -186,14 +186,16 @@ class RolloutWorker:
         self, prompts: list[list[int]], n: int, sampling, in_flight_updates: bool = False, profile: str | None = None
     ) -> tuple[list, dict]:
         """Completions and the engine's stats (plus `busy_s`, this call's wall time in the actor). With
-        `in_flight_updates`, newly pushed weights are loaded between decode dispatches (fully async RL); with
-        `profile`, the call is traced there (rlloop/profiling.py)."""
+        `in_flight_updates`, newly pushed weights are loaded between decode dispatches (fully async RL), and the
+        stats carry the receiver's metrics as `pull_weights` does; with `profile`, the call is traced there
+        (rlloop/profiling.py)."""
         t0 = time.perf_counter()
         self._polled_at = float("-inf")  # the first dispatch always looks: a version waiting now starts every row
         hook = self._poll_in_flight if in_flight_updates else None
         with self.trace(profile):
             completions = self.engine.generate(prompts, n, sampling, between_dispatches=hook)
-        return completions, {**self.engine.stats(), "busy_s": time.perf_counter() - t0}
+        stats = {**self.engine.stats(), "busy_s": time.perf_counter() - t0}
+        return completions, stats | (self._sync_metrics() if in_flight_updates else {})
 
     def _poll_in_flight(self) -> None:
         """Between decode dispatches: pull, if IN_FLIGHT_POLL_S has passed since the last look and long enough for
@@ -238,11 +240,10 @@ class RolloutWorker:
         """Load the newest verified version (at most `at_most`), if any, and report the receiver's sync metrics."""
         t0 = time.perf_counter()
         self._pull_in_flight(at_most)
-        return {
-            **self.receiver.metrics(),
-            "sync/rollout_version": self.version,
-            "perf/pull_s": time.perf_counter() - t0,
-        }
+        return self._sync_metrics() | {"perf/pull_s": time.perf_counter() - t0}
+
+    def _sync_metrics(self) -> dict[str, float]:
+        return {**self.receiver.metrics(), "sync/rollout_version": self.version}
 
     def close(self) -> None:
         self.receiver.close()

@@ -69,6 +69,12 @@ def test_no_trained_sample_is_staler_than_allowed_and_versions_are_recorded(tmp_
     if mode == "async":  # exactly one step off-policy once the pipeline is full
         assert {r["weight_version"] for r in rows[4]} == {2}
     assert max(m.get("rollout/staleness/max", 0) for m in metrics) <= max_staleness
+    # The engines' receivers report every step (fully_async's engines pull mid-generation, never in a pull call):
+    # the version an engine holds is at least what its samples were generated on, and nothing was refused
+    for m in metrics:
+        if m["step"] in rows:
+            assert m["sync/rollout_version"] >= max(r["last_weight_version"] for r in rows[m["step"]])
+            assert m["sync/refused"] == 0 and "sync/read_s" in m
     assert_breakdown_fits(metrics)
 
 
