@@ -130,7 +130,7 @@ def plot(groups: dict[str, list[list[dict]]], metrics, smooth: int, out: Path) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rlloop.compare", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m rlloop.compare", description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", help="run directories of group A")
     p.add_argument("--vs", nargs="*", default=[], help="run directories of group B (the reference)")
     p.add_argument("--metrics", default=",".join(DEFAULT_METRICS), help="comma-separated; prefix* expands")

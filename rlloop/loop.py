@@ -123,6 +123,13 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
+def save_model(cluster: Cluster, tokenizer, path: str) -> None:
+    """The trainer's state, and next to its model the run's tokenizer: a checkpoint's trainer/ is a model directory
+    that `model.path` (or transformers) loads as it is."""
+    cluster.save(path)
+    tokenizer.save_pretrained(path)
+
+
 def run_recipe(
     cfg: Config,
     inputs: Inputs,
@@ -197,7 +204,7 @@ def run_recipe(
                     "totals": totals | restarts,
                     "train_parallel": cfg.train_parallel,
                 }
-                save_checkpoint(run_dir, step, loop_state, cluster.save)
+                save_checkpoint(run_dir, step, loop_state, lambda path: save_model(cluster, tokenizer, path))
             clock.restart()
 
         # In the async modes step k + 1's training is queued behind step k's before step k is finished, so the

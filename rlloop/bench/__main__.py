@@ -13,7 +13,7 @@ def main() -> None:
         print(usage)
         for name in BENCHES:
             doc = importlib.import_module(f"rlloop.bench.{name}").__doc__ or ""
-            print(f"  {name:15s} {doc.strip().splitlines()[0] if doc.strip() else ''}")
+            print(f"  {name:15s} {' '.join(doc.split(chr(10) * 2)[0].split())}")  # the docstring's first paragraph
         return
     if len(sys.argv) < 2 or sys.argv[1] not in BENCHES:
         print(usage, file=sys.stderr)

@@ -242,7 +242,7 @@ def bench_nccl(path: Path, workdir: Path) -> dict:
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m rlloop.bench device", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m rlloop.bench device", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes: the code paths, not the figures")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {','.join(PARTS)}")
     ap.add_argument("--prompts", type=int, default=32)

@@ -241,7 +241,7 @@ def describe(name: str, r: dict) -> str:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The arguments, every one checked (a usage error, exit 2) before any run starts."""
-    ap = argparse.ArgumentParser(prog="python -m rlloop.bench e2e", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m rlloop.bench e2e", description=__doc__.split("\n\n")[0])
     ap.add_argument("--settings", default=None, help="comma list of tiny,30m (default both; --quick: tiny)")
     ap.add_argument(
         "--steps", type=positive_int, help=f"steps per run (default {DEFAULT_STEPS}; --quick: 2, 3 with an async mode)"

@@ -202,7 +202,7 @@ def _child(args, extra: list[str]) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    p = argparse.ArgumentParser(prog="python -m rlloop.bench logprob_memory", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m rlloop.bench logprob_memory", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--seq", type=int, default=512, help="tokens per row, prompt + response")
     p.add_argument("--response", type=int, default=256, help="response tokens per row")

@@ -153,7 +153,7 @@ def engines_throughput(model: Path, prompts_n: int, max_len: int, workdir: Path)
 
 
 def main(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="python -m rlloop.bench loop", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m rlloop.bench loop", description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=positive_int, default=12, help="steps per run (4 or more: 2 fill, 1 last, untimed)")
     ap.add_argument("--engine-hidden", type=int, default=384, help="width of the random model of part 2")
     ap.add_argument(

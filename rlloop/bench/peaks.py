@@ -77,7 +77,7 @@ def measure_peaks(dtype: str = "float32") -> dict[str, float]:
 def main(argv: list[str]) -> None:
     from rollout.types import DTYPES
 
-    ap = argparse.ArgumentParser(prog="python -m rlloop.bench peaks", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m rlloop.bench peaks", description=__doc__.split("\n\n")[0])
     # No `choices`: argparse checks a list default of nargs="*" against them as one value and refuses it.
     ap.add_argument("dtypes", nargs="*", metavar="DTYPE", help=f"of {', '.join(DTYPES)} (default float32)")
     args = ap.parse_args(argv)

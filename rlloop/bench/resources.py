@@ -86,7 +86,7 @@ def plot(times: list[float], series: dict[str, list[float]], out: Path) -> None:
 
 
 def main(argv: list[str]) -> None:
-    p = argparse.ArgumentParser(prog="python -m rlloop.bench resources", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m rlloop.bench resources", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--every", type=float, default=2.0)
     p.add_argument("--out", default="rss.png")

@@ -312,7 +312,7 @@ def limit_cpu_threads(threads: int) -> None:
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m rlloop.bench rollout", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m rlloop.bench rollout", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="4 prompts x 4 samples x 32 tokens")
     ap.add_argument("--models", default="tiny,30m", help=f"comma list of {','.join(MODEL_SPECS)}")
     ap.add_argument("--prompts", type=int, default=8)

@@ -207,7 +207,7 @@ def bench_delta(steps: int, root: str) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    p = argparse.ArgumentParser(prog="python -m rlloop.bench sync", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m rlloop.bench sync", description=__doc__.split("\n\n")[0])
     p.add_argument("--mb", type=positive_int, default=1024, help="size of the full-sync state dict in MiB")
     p.add_argument(
         "--reps", type=positive_int, default=4, help="timed rounds after two warm-up rounds (best is reported)"

@@ -14,6 +14,7 @@ import pytest
 
 from rlloop.config import load_config
 from rlloop.loop import train
+from rlloop.model import check_model, load_tokenizer
 
 pytestmark = pytest.mark.xdist_group("ray")  # starts Ray: one at a time (tests/conftest.py)
 
@@ -99,6 +100,16 @@ def test_local_run_resumes_exactly_where_it_stopped(tmp_path, mode):
     assert [m["rollout/weight_version"] for m in b] == ([0, 1, 2, 3] if mode == "sync" else [0, 0, 2, 2])
     a_weights, b_weights = (tmp_path / d / "checkpoints/step_000004/trainer/model.safetensors" for d in "ab")
     assert a_weights.read_bytes() == b_weights.read_bytes()
+    # the trained policy is a model directory of its own, tokenizer and chat template included: it passes the checks
+    # a run makes of model.path, and the run's prompts encode to the same ids
+    trained = load_config(TINY, [f"model.path={a_weights.parent}"])
+    check_model(trained)
+    chat = [{"role": "user", "content": "1 + 2 ="}]
+    prompt_ids = [
+        tok(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))["input_ids"]
+        for tok in (load_tokenizer(trained.model), load_tokenizer(straight.model))
+    ]
+    assert prompt_ids[0] == prompt_ids[1] and len(prompt_ids[0]) > 5
     # a --resume with no step left to train returns at once, touching nothing
     files = [tmp_path / "b" / name for name in ("metrics.jsonl", "config.yaml")]
     before = [f.read_text() for f in files]
