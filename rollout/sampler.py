@@ -21,8 +21,10 @@ Semantics:
 - Determinism: a row's uniform comes from a key derived only from (seed, request_id, position), and every
   reduction runs along its own row, so a row's token does not depend on the rest of the batch (up to float
   rounding of the row's CDF, which can only matter when the uniform lands within ~1e-7 of a token boundary).
-- Ties: the kept set is "value >= cutoff", so tokens tied with the cutoff are all kept (as in vLLM's threshold
-  masking); with real-valued logits ties have probability ~0.
+- Ties: the kept set is "value >= cutoff", so tokens tied with the cutoff are all kept. That is vLLM's top-k (a
+  threshold); HF's and vLLM's top-p keep a prefix of the sorted tokens instead, so of tokens tied at the top-p
+  cutoff they keep some. Ties need equal fp32 logits, which real models all but never produce; in exchange, a
+  row's kept set needs no sort and does not depend on the order of its tied tokens.
 - Resolution: the CDF is float32, so a token whose probability is below ~1e-7 of the row's mass is sampled with
   a relative error of that order; its reported log-prob is still exact.
 - Greedy: the first index of the row maximum, like argmax.
@@ -31,7 +33,8 @@ Semantics:
   `logprobs_mode=processed_logprobs`, which TRL requires for its importance-sampling correction, and the HF
   backend's processed scores). That is the behaviour policy q of the sample; the trainer scores the full tempered
   policy pi, so TIS's ratio pi/q corrects for the truncation as well as for engine-trainer numerics (pi <= q on
-  every kept token). For greedy rows (T == 0) it is log_softmax(logits) at the argmax (unfiltered).
+  every kept token). For greedy rows (T below GREEDY_BELOW, as in vLLM) it is log_softmax(logits) at the argmax
+  (unfiltered).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from rollout.types import GREEDY_BELOW
 
 _SEARCH_STEPS = 32  # bisection steps over a 32-bit key space: the result is exact
 
@@ -173,7 +178,7 @@ def sample(
     temperature = temperature.astype(jnp.float32)
     top_k = top_k.astype(jnp.int32)
     top_p = top_p.astype(jnp.float32)
-    greedy = temperature <= 0.0
+    greedy = temperature < GREEDY_BELOW
 
     t = jnp.where(greedy, 1.0, temperature)[:, None]
     filters = (~greedy) & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))

@@ -30,9 +30,14 @@ def request_id(prompt_index: int, sample_index: int) -> int:
     return (int(prompt_index) * 65537 + int(sample_index)) & 0x7FFFFFFF
 
 
+# A temperature below this samples greedily (vLLM's _SAMPLING_EPS): logits / T overflows float32 long before T
+# reaches 0 (|logit| 40 at T = 1e-37), and the log-prob of the token picked came out NaN.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 => greedy
+    temperature: float = 1.0  # 0 (or anything below GREEDY_BELOW) => greedy
     top_p: float = 1.0  # 1.0 => off; applied inside the top-k set (vLLM / HF order)
     top_k: int = -1  # -1 (or any value <= 0) => off
     max_new_tokens: int = 256
@@ -58,7 +63,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def stop_ids(self, eos_token_ids) -> tuple[int, ...]:
         """Ids that end a row, sorted: the model's `eos_token_ids` (unless ignore_eos) and stop_token_ids."""

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from rollout.sampler import sample
+from rollout.types import GREEDY_BELOW, SamplingParams
 
 sample_jit = jax.jit(sample)
 
@@ -77,10 +78,15 @@ def test_empirical_frequencies_match_exact_distribution(temperature, top_k, top_
 
 
 def test_greedy_is_argmax_with_unfiltered_logprob():
+    """Temperatures below GREEDY_BELOW are greedy too (vLLM's rule): logits of a realistic scale over T = 1e-37
+    overflowed float32, and the log-prob came out NaN."""
     rng = np.random.default_rng(0)
-    logits = rng.normal(size=(64, 1000)).astype(np.float32) * 3
+    logits = rng.normal(size=(64, 1000)).astype(np.float32) * 12
     # Greedy rows ignore top-k/top-p; mix in sampled rows with filters so the filtering branch runs too.
-    temperature = np.where(np.arange(64) % 2 == 0, 0.0, 1.0).astype(np.float32)
+    near_zero = np.array([0.0, 1e-37, 1e-6, GREEDY_BELOW / 2], np.float32)
+    temperature = np.where(np.arange(64) % 2 == 0, near_zero[np.arange(64) // 2 % 4], 1.0).astype(np.float32)
+    assert all(SamplingParams(temperature=float(t)).greedy for t in near_zero)
+    assert not SamplingParams(temperature=GREEDY_BELOW).greedy
     top_k = np.full(64, 5, np.int32)
     top_p = np.full(64, 0.5, np.float32)
     tokens, logprobs = sample_jit(
@@ -93,7 +99,8 @@ def test_greedy_is_argmax_with_unfiltered_logprob():
         jnp.zeros(64, jnp.int32),
     )
     tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
-    g = temperature == 0
+    g = temperature < GREEDY_BELOW
+    assert g.sum() == 32
     np.testing.assert_array_equal(tokens[g], logits[g].argmax(-1))
     ref = logits.astype(np.float64)
     log_softmax = ref - ref.max(-1, keepdims=True)
