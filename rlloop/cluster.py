@@ -61,6 +61,12 @@ class Cluster:
         self.trainers: list = []
         sync, threads = sync_spec(cfg, run_dir), cfg.cluster.cpus_per_actor
         self.sync_run_id = sync.run_id
+        if cfg.sync.transport == "shm":
+            from weight_sync.shm import remove_stale_segments
+
+            # A killed run's segments under this run's name would be read as its versions by the engines' receivers
+            # before the trainer's sender sweeps them, or ever, under --debug rollout-only (no sender)
+            remove_stale_segments()
         engine = dict(
             engine=cfg.engine_config(),
             backend=cfg.rollout.backend,

@@ -4,15 +4,19 @@
 import json
 import shlex
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, load_state, save_checkpoint
+from rlloop.cluster import run_id_for
 from rlloop.errors import DataError
 from rlloop.run import Terminated, go_on, main, parse_args, run_command, stopped_by
 from rlloop.schedules import ReplayRollout
 from rlloop.tracking import rollouts_file
+from weight_sync.shm import segment_path
 
 TINY = str(Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml")
 COMMON = ["run.steps=3", "run.eval_every=0", "rollout.prompts_per_step=4", "cluster.use_ray=false"]
@@ -65,6 +69,35 @@ def test_rollout_only_generates_scores_and_saves_without_a_trainer(tmp_path, mod
     report = (tmp_path / "report.md").read_text()
     assert "3 steps of rollouts (--debug rollout-only: no training)" in report
     assert "nan" not in report and "train_s" not in report and "sync" not in report
+
+
+def test_rollout_only_never_reads_the_weights_a_killed_run_left_in_shared_memory(tmp_path):
+    """A run killed outright leaves its segments; with no trainer there is no sender to sweep them, and fully_async's
+    engines pulled the dead run's newest version as this run's weights."""
+    writer = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WRITER.format(run_id=run_id_for(tmp_path))], stdout=subprocess.PIPE, text=True
+    )
+    assert writer.stdout.readline().strip() == "pushed"
+    writer.kill()
+    writer.wait()
+    assert segment_path(run_id_for(tmp_path), "ctl").exists()
+    assert main([TINY, "--debug", "rollout-only", *COMMON, f"run.dir={tmp_path}", "loop.mode=fully_async"]) == 0
+    saved = [json.loads(line) for line in (tmp_path / "rollouts" / "step_000003.jsonl").read_text().splitlines()]
+    assert {r["last_weight_version"] for r in saved} == {0}
+    assert not segment_path(run_id_for(tmp_path), "ctl").exists()
+
+
+KILLED_WRITER = """
+import time
+import numpy as np
+from weight_sync import make_sender
+
+sender = make_sender("shm", run_id="{run_id}")
+for version in (1, 2):
+    sender.push({{"model.embed_tokens.weight": np.ones((99, 64), np.float32)}}, version)
+print("pushed", flush=True)
+time.sleep(600)
+"""
 
 
 def test_the_resume_command_printed_on_ctrl_c_keeps_the_debug_mode():
