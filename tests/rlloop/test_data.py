@@ -81,6 +81,7 @@ def test_seeded_order_and_resume(tok):
     assert [p.index for p in resumed.next_batch(100)] == first[300:]
     assert [p.index for p in PromptData(DataSection(path=str(TRAIN)), tok, seed=8).next_batch(20)] != first[:20]
     assert sorted(first[: len(full)]) == list(range(len(full)))  # an epoch is a permutation
+    assert first[len(full) :] != first[: 400 - len(full)]  # and each epoch a new one
 
 
 def test_a_position_in_other_data_is_refused(tmp_path, tok):

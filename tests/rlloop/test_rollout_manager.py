@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from rlloop.advantages import group_advantages
 from rlloop.cluster import Cluster
 from rlloop.config import load_config
 from rlloop.data import Prompt, load_datasets
@@ -45,16 +44,42 @@ def run_collect(setup, overrides):
     return cfg, (batch.samples, batch.metrics)
 
 
-def test_groups_rewards_and_advantages(setup):
-    cfg, (samples, metrics) = run_collect(setup, ["rollout.prompts_per_step=6"])
+@pytest.mark.parametrize("std_scale", [True, False])
+def test_groups_rewards_and_advantages(setup, std_scale):
+    """Advantages as GRPO defines them, written out here: the group's mean subtracted, divided by the group's
+    (Bessel) std + 1e-4 unless grpo.std_scale is off (Dr.GRPO)."""
+    cfg, (samples, metrics) = run_collect(setup, ["rollout.prompts_per_step=6", f"grpo.std_scale={std_scale}"])
     g = cfg.rollout.group_size
     assert len(samples.prompts) == 6 and len(samples.completions) == 6 * g
     for j, c in enumerate(samples.completions):  # each completion answers its own group's prompt
         assert c.prompt_index == j // g and c.sample_index == j % g
-    np.testing.assert_allclose(samples.advantages, group_advantages(samples.rewards, g))
+    groups = samples.rewards.astype(np.float64).reshape(-1, g)
+    want = groups - groups.mean(axis=1, keepdims=True)
+    if std_scale:
+        want /= groups.std(axis=1, ddof=1, keepdims=True) + 1e-4
+    assert (groups.std(axis=1) > 0).any()  # some group carries a signal, whose scale the two modes differ in
+    np.testing.assert_allclose(samples.advantages, want.reshape(-1), rtol=1e-6, atol=1e-6)
     batch = samples.to_train_batch()
     assert batch.prompts[g] == samples.prompts[1].token_ids and batch.responses[0] == samples.completions[0].token_ids
     assert metrics["rollout/raw_reward"] == pytest.approx(float(samples.raw_rewards.mean()))
+
+
+def test_dynamic_sampling_trains_exactly_prompts_per_step_groups_when_it_has_more(setup):
+    """Pairs under a reward that fails on about half the responses: the first round keeps some groups, the next
+    over-samples by the fraction kept and ends with more than a step takes; the step trains on exactly
+    rollout.prompts_per_step of them."""
+    cfg, (samples, metrics) = run_collect(
+        setup,
+        [
+            "rollout.prompts_per_step=12",
+            "rollout.group_size=2",
+            "grpo.dynamic_sampling=true",
+            "grpo.max_sampling_rounds=4",
+            "reward.fn=tests.rlloop.reward_fns:fails_on_odd_length",
+        ],
+    )
+    assert len(samples.prompts) == metrics["rollout/groups_kept"] == 12
+    assert len(samples.completions) == 12 * cfg.rollout.group_size
 
 
 def test_dynamic_sampling_keeps_only_informative_groups(setup):
@@ -114,6 +139,23 @@ def test_evaluation_takes_the_first_max_prompts_that_fit(setup, tmp_path):
     assert alone != one  # the score tells one prompt from two
 
 
+@pytest.mark.parametrize("deterministic", ["eval.temperature=0", "eval.top_p=0.01"])
+def test_evaluation_samples_with_its_own_temperature_and_top_p(setup, deterministic):
+    """eval.temperature and eval.top_p, not the rollout's: greedy (or a top_p that keeps only the likeliest token)
+    scores the same whatever the seed, where the rollout's T=1, top_p=1 does not."""
+    cluster, tok = setup
+
+    def score(seed: int, *overrides: str) -> float:
+        evals = ["eval.max_prompts=16", "eval.samples=4", f"run.seed={seed}"]
+        cfg = load_config(TINY, ["rollout.backend=hf", "cluster.use_ray=false", *evals, *overrides])
+        data, eval_data = load_datasets(cfg, tok)
+        with closing(RolloutManager(cfg, cluster, tok, data, eval_data)) as rollout:
+            return rollout.evaluate()[f"eval/{cfg.eval.name}"]
+
+    assert len({score(seed) for seed in (1, 2, 3)}) > 1  # sampled: the seed shows
+    assert len({score(seed, deterministic) for seed in (1, 2, 3)}) == 1
+
+
 def test_evaluation_takes_each_distinct_prompt_once():
     """A file that repeats its rows (as some AIME copies do, 32 times) costs what one without the repeats costs: the
     same prompt with another answer is another question."""
@@ -122,12 +164,19 @@ def test_evaluation_takes_each_distinct_prompt_once():
     assert [p.index for p in distinct(prompts)] == [0, 2, 3, 5]
 
 
-def test_overlong_shaping_penalises_truncated_responses(setup):
+@pytest.mark.parametrize("penalty", [1.0, 0.5])
+def test_overlong_shaping_penalises_truncated_responses(setup, penalty):
     cfg, (samples, metrics) = run_collect(
-        setup, ["rollout.prompts_per_step=2", "rollout.max_response_len=4", "grpo.overlong_buffer=2"]
+        setup,
+        [
+            "rollout.prompts_per_step=2",
+            "rollout.max_response_len=4",
+            "grpo.overlong_buffer=2",
+            f"grpo.overlong_penalty={penalty}",
+        ],
     )
     assert metrics["rollout/truncated_ratio"] == 1.0  # "Answer: N" needs more than 4 tokens
-    np.testing.assert_allclose(samples.rewards, samples.raw_rewards - 1.0)
+    np.testing.assert_allclose(samples.rewards, samples.raw_rewards - penalty)
 
 
 def test_sampling_seeds_never_repeat_across_steps_rounds_and_chunks():
