@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from contextlib import ExitStack, closing, contextmanager, nullcontext
+from contextlib import ExitStack, closing, contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -182,9 +182,9 @@ def run_recipe(
             if cfg.loop.mode != "sync":  # the engines generate while the trainer trains: what the driver waited
                 metrics["perf/rollout_wait_s"] = clock.waited
             if evaluating and cfg.run.evals_at(step):
-                # fully_async's producer starts no chunk meanwhile
-                with batches.paused() if cfg.loop.mode == "fully_async" else nullcontext():
-                    t0 = time.perf_counter()
+                t0 = time.perf_counter()
+                # Meanwhile fully_async's producer starts no chunk, and async's next step has loaded its older weights
+                with batches.paused():
                     if cfg.loop.mode != "sync":  # the engines finish the generation under way: that wait is not eval
                         cluster.pull_weights()
                         metrics["perf/rollout_wait_s"] += time.perf_counter() - t0

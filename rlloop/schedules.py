@@ -24,8 +24,8 @@ import json
 import math
 import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +49,10 @@ class SyncRollout:
         """The loop's word that `step` has trained and, if `published`, published its weights (a step that changed
         nothing publishes nothing). It may come from another thread, and out of order with the step before."""
         self.manager.published(step, published)
+
+    def paused(self):
+        """Around the loop's evaluation, which loads the newest weights: here nothing generates meanwhile."""
+        return nullcontext()
 
     def resume_state(self) -> dict:
         return self.manager.data.state_dict()
@@ -101,6 +105,15 @@ class OneStepOffPolicy:
         batch = self.manager.collect(step)
         batch.metrics |= pulled
         return batch
+
+    @contextmanager
+    def paused(self):
+        """Around the loop's evaluation of step k, which loads k's weights: step k + 1, generated on k - 1's, is done
+        first (a pull delayed past the evaluation's found k's loaded, and generated on them). It costs the evaluation
+        nothing: on the engines its calls would queue behind that generation anyway."""
+        if self.pending is not None:
+            wait([self.pending[2]])
+        yield
 
     def next(self, step: int) -> StepRollout:
         if self.pending is None or self.pending[0] != step:
@@ -298,6 +311,9 @@ class ReplayRollout:
 
     def trained(self, step: int, published: bool = True) -> None:
         pass
+
+    def paused(self):
+        return nullcontext()  # no engine: nothing generates, and no evaluation
 
     def resume_state(self) -> dict:
         return {}

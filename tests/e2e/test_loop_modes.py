@@ -120,19 +120,24 @@ def test_fully_async_goes_on_after_steps_that_trained_nothing(tmp_path, monkeypa
     assert metrics[-1]["rollout/stale_groups_dropped"] == 0
 
 
-def test_async_generates_each_step_on_the_weights_two_steps_back_however_late_it_pulls(tmp_path, monkeypatch):
+@pytest.mark.parametrize("delay_s,evals", [(0.5, "run.eval_every=0"), (3.0, "run.eval_every=2")])
+def test_async_generates_each_step_on_the_weights_two_steps_back_however_late_it_pulls(
+    tmp_path, monkeypatch, delay_s, evals
+):
     """async generates step k on step k - 2's weights. The rollout thread's pull is delayed here past a whole train
     step (a loaded host), so step k - 1's weights are out by then too; the engines used to load those, the newest, and
-    the run differed from one on an idle host."""
+    the run differed from one on an idle host. Past an evaluation, too, which loads the newest weights: step 3's pull
+    found step 2's loaded by the step-2 evaluation and generated on them."""
     pull = Cluster.pull_weights
 
     def late_pull(self, *args, **kwargs):
         if threading.current_thread().name.startswith("rlloop-rollout"):
-            time.sleep(0.5)
+            time.sleep(delay_s)
         return pull(self, *args, **kwargs)
 
     monkeypatch.setattr(Cluster, "pull_weights", late_pull)
-    train(load_config(TINY, LOCAL + ["loop.mode=async", "run.steps=5", "run.save_every=0", f"run.dir={tmp_path}"]))
+    overrides = ["loop.mode=async", "run.steps=5", "run.save_every=0", evals, f"run.dir={tmp_path}"]
+    train(load_config(TINY, LOCAL + overrides))
     versions = {step: {r["weight_version"] for r in rows} for step, rows in trained_rows(tmp_path).items()}
     assert versions == {1: {0}, 2: {0}, 3: {1}, 4: {2}, 5: {3}}
 
