@@ -121,7 +121,9 @@ def checkpoint_marks(run_dir: Path) -> frozenset[tuple[str, int, int]]:
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest intact checkpoint. Each newer one that fails `verify` is moved aside to `<name>.corrupt`, with a
-    warning naming it: left in place, it would count among the `keep` newest and have the intact one pruned."""
+    warning naming it: left in place, it would count among the `keep` newest and have the intact one pruned. None if
+    the run has none; a CheckpointError if it has only corrupt ones, now or moved aside before (a second --resume
+    found none left, and started the run over)."""
     completed = _completed(run_dir)
     for ckpt in reversed(completed):
         problem = verify(ckpt)
@@ -131,8 +133,11 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
         shutil.rmtree(aside, ignore_errors=True)
         ckpt.rename(aside)
         log.warning("checkpoint %s is corrupt (%s): moved to %s; trying the one before it", ckpt, problem, aside.name)
-    if completed:
-        raise CheckpointError(f"no intact checkpoint left in {Path(run_dir) / 'checkpoints'} to resume from")
+    if corrupt := sorted(p.name for p in (Path(run_dir) / "checkpoints").glob(f"{PREFIX}*.corrupt")):
+        raise CheckpointError(
+            f"no intact checkpoint left in {Path(run_dir) / 'checkpoints'} to resume from (corrupt: "
+            f"{', '.join(corrupt)}); to start the run over, run it without --resume"
+        )
     return None
 
 
