@@ -10,6 +10,7 @@ error, as configured.
 
 from __future__ import annotations
 
+import logging
 import numbers
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ import numpy as np
 from rlloop.config import Config, DataSection
 from rlloop.data_files import load_rows
 from rlloop.errors import DataError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -209,6 +212,15 @@ class PromptData:
                 f"{self.key} {self.cfg.path}: every prompt (all {index} rows) is longer than data.max_prompt_len="
                 f"{self.cfg.max_prompt_len} tokens (the shortest has {shortest}); raise data.max_prompt_len "
                 "(and rollout.prefill_buckets with it) or shorten the prompts"
+            )
+        if fits < index:  # each is counted in data/dropped_prompts as it is drawn; the eval's, nowhere else
+            log.warning(
+                "%s %s: %d of its %d prompts are longer than data.max_prompt_len=%d tokens and are left out",
+                self.key,
+                self.cfg.path,
+                index - fits,
+                index,
+                self.cfg.max_prompt_len,
             )
 
     def next_batch(self, n: int) -> list[Prompt]:

@@ -143,10 +143,13 @@ def test_a_tokenizer_that_encodes_any_text_is_told_from_one_that_does_not(tok):
     assert not encodes_any_text(tok)  # the tiny character vocabulary, no unknown token
 
 
-def test_long_prompts_are_dropped_and_counted_or_an_error(tmp_path, tok):
+def test_long_prompts_are_dropped_and_counted_or_an_error(tmp_path, tok, caplog):
+    """The check before the run says how many will be left out (an eval file's were left out unsaid)."""
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows(10, long_every=3)))
     data = PromptData(DataSection(path=str(path), max_prompt_len=100, shuffle=False), tok)
+    data.validate()
+    assert "d.jsonl: 4 of its 10 prompts are longer than data.max_prompt_len=100 tokens and are left out" in caplog.text
     batch = data.next_batch(6)
     assert len(batch) == 6 and all(len(p.token_ids) <= 100 for p in batch) and data.dropped == 3
     strict = PromptData(DataSection(path=str(path), max_prompt_len=100, shuffle=False, on_long_prompt="error"), tok)
