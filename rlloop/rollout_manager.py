@@ -173,7 +173,7 @@ class RolloutManager:
                 break
         return self.batch(step, kept[:want], tally)
 
-    def published(self, step: int, published: bool) -> None:
+    def record_publication(self, step: int, published: bool) -> None:
         """The schedule's word that `step` trained and did or did not publish weights."""
         if not published:
             self.unpublished.add(step)

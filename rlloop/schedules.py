@@ -48,7 +48,7 @@ class SyncRollout:
     def trained(self, step: int, published: bool = True) -> None:
         """The loop's word that `step` has trained and, if `published`, published its weights (a step that changed
         nothing publishes nothing). It may come from another thread, and out of order with the step before."""
-        self.manager.published(step, published)
+        self.manager.record_publication(step, published)
 
     def paused(self):
         """Around the loop's evaluation, which loads the newest weights: here nothing generates meanwhile."""
@@ -61,7 +61,7 @@ class SyncRollout:
         pass
 
 
-class OneStepOffPolicy:
+class AsyncRollout:
     """`loop.mode: async`. Step k's batch was generated while step k - 1 trained."""
 
     def __init__(self, manager: RolloutManager, start: int = 0):
@@ -80,7 +80,7 @@ class OneStepOffPolicy:
         """Steps are trained in order, but a step that trains nothing is done at once, while the one before it still
         trains: `trained_through` moves only over steps all done (it jumped, and the next generation pulled before
         the step before had published, on older weights than the schedule calls for)."""
-        self.manager.published(step, published)
+        self.manager.record_publication(step, published)
         with self.cond:
             self.done.add(step)
             while self.trained_through + 1 in self.done:
@@ -269,7 +269,7 @@ class FullyAsyncRollout:
         """The engines take new weights as they are published; a chunk held back as too stale may start now."""
         with self.cond:
             self.training.discard(step)
-            self.manager.published(step, published)
+            self.manager.record_publication(step, published)
             if published:
                 self.version = max(self.version, step)
             self.cond.notify_all()
@@ -348,7 +348,7 @@ def rollout_schedule(loop: LoopSection, manager: RolloutManager, replay: str | N
     if replay is not None:
         return ReplayRollout(replay)
     if loop.mode == "async":
-        return OneStepOffPolicy(manager, start)
+        return AsyncRollout(manager, start)
     if loop.mode == "fully_async":
         return FullyAsyncRollout(manager, loop, start)
     return SyncRollout(manager)

@@ -12,7 +12,7 @@ from rlloop.cluster import Cluster
 from rlloop.config import load_config
 from rlloop.data import Prompt, load_datasets
 from rlloop.rollout_manager import RolloutManager, RolloutTally, distinct, sampling_seed, top_up
-from rlloop.schedules import FullyAsyncRollout, OneStepOffPolicy
+from rlloop.schedules import AsyncRollout, FullyAsyncRollout
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "grpo_dapo_tiny.yaml")
@@ -216,7 +216,7 @@ def test_staleness_counts_weight_updates_not_steps(setup):
     for published in (True, False):
         data, _ = load_datasets(cfg, tok)
         with closing(RolloutManager(cfg, cluster, tok, data)) as rollout:
-            rollout.published(1, published)
+            rollout.record_publication(1, published)
             metrics = rollout.collect(2).metrics
         assert metrics["rollout/weight_version"] == 0
         staleness.append(metrics["rollout/staleness/max"])
@@ -231,7 +231,7 @@ def test_async_generates_a_step_only_once_every_step_before_its_weights_is_done(
     cfg = load_config(TINY, ["rollout.backend=hf", "cluster.use_ray=false", "loop.mode=async"])
     data, _ = load_datasets(cfg, tok)
     with closing(RolloutManager(cfg, cluster, tok, data)) as rollout:
-        schedule = OneStepOffPolicy(rollout)
+        schedule = AsyncRollout(rollout)
         try:
             schedule.trained(1)
             schedule.trained(3, published=False)  # step 2 still training
