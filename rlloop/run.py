@@ -23,7 +23,6 @@ from pathlib import Path
 from rlloop.config import Config, ConfigError, load_config, to_yaml
 from rlloop.data import Inputs
 from rlloop.tracking import log_to_terminal
-from trainer.config import resolve_parallel
 
 log = logging.getLogger("rlloop.run")  # not __name__: that is "__main__" under python -m
 
@@ -219,8 +218,7 @@ def dry_run(cfg: Config, notes: list[str] = ()) -> None:
     print("\n".join(f"# {note}" for note in notes or ["model, tokenizer and data: checked"]))
     print(f"# run directory: {cfg.run_dir}")
     plan = plan_placement(cfg.cluster, same_host=cfg.sync.transport == "shm")
-    chips = cfg.cluster.train_chips
-    parallel = resolve_parallel(cfg.train.parallel, chips) if chips > 1 else "one"
+    parallel = cfg.train_parallel if cfg.cluster.train_chips > 1 else "one"
     print(
         f"# rollout: {cfg.cluster.rollout_chips} {cfg.cluster.device} chip(s) in {cfg.cluster.rollout_engines} "
         f"{cfg.rollout.backend} engine(s); trainer: {cfg.cluster.train_chips} rank(s) ({parallel}); "
