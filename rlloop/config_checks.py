@@ -22,6 +22,12 @@ log = logging.getLogger("rlloop.config")
 
 def check_across_sections(cfg: Config) -> None:
     """ValueError naming the keys of the first combination of settings that cannot run."""
+    for check in (_modes_and_loss, _without_ray, _colocated, _chips_per_engine, _batch_and_buckets, _components):
+        check(cfg)
+    _unused_eval_settings(cfg)
+
+
+def _modes_and_loss(cfg: Config) -> None:
     if (cfg.run.debug == "train-only") != (cfg.run.replay is not None):
         raise ValueError(
             "run.replay (the rollouts/ directory of a run made with tracking.save_rollouts or --debug "
@@ -43,6 +49,10 @@ def check_across_sections(cfg: Config) -> None:
             f"loop.mode={cfg.loop.mode} trains on samples of older weights: it needs the off-policy "
             "correction against the rollout log-probs, grpo.tis_cap (e.g. 2.0), not null"
         )
+
+
+def _without_ray(cfg: Config) -> None:
+    """cluster.use_ray: false runs one engine and one trainer rank in this process."""
     c = cfg.cluster
     if not c.use_ray and c.train_chips > 1:
         raise ValueError(
@@ -66,6 +76,11 @@ def check_across_sections(cfg: Config) -> None:
             f"{c.rollout_chips // c.rollout_engines} chips (tensor parallel), which Ray's placement provides; without "
             "Ray an engine runs in this process on one chip: set cluster.use_ray: true, or one chip per engine"
         )
+
+
+def _colocated(cfg: Config) -> None:
+    """cluster.colocate: the engines and the trainer ranks take turns on the same chips."""
+    c = cfg.cluster
     if c.colocate and cfg.loop.mode != "sync":
         raise ValueError(
             f"cluster.colocate: true takes turns on the chips, so it cannot overlap rollout and "
@@ -87,22 +102,29 @@ def check_across_sections(cfg: Config) -> None:
             f"cluster.colocate: true puts both roles on the same chips: cluster.rollout_chips "
             f"({c.rollout_chips}) must equal cluster.train_chips ({c.train_chips})"
         )
+
+
+def _chips_per_engine(cfg: Config) -> None:
+    c = cfg.cluster
     if c.rollout_engines > c.rollout_chips:
         raise ValueError(
             f"cluster.rollout_engines={c.rollout_engines} is more engines than cluster.rollout_chips="
             f"{c.rollout_chips}: each engine needs at least one chip of its own"
         )
-    if cfg.cluster.rollout_chips % cfg.cluster.rollout_engines:
+    if c.rollout_chips % c.rollout_engines:
         raise ValueError(
-            f"cluster.rollout_chips={cfg.cluster.rollout_chips} does not split evenly over "
-            f"cluster.rollout_engines={cfg.cluster.rollout_engines}"
+            f"cluster.rollout_chips={c.rollout_chips} does not split evenly over "
+            f"cluster.rollout_engines={c.rollout_engines}"
         )
     if c.device == "tpu" and (chips := c.rollout_chips // c.rollout_engines) not in TPU_CHIPS_PER_ACTOR:
         raise ValueError(
             f"cluster.rollout_chips={c.rollout_chips} over cluster.rollout_engines={c.rollout_engines} gives an engine "
             f"{chips} TPU chips; Ray gives an actor {', '.join(map(str, TPU_CHIPS_PER_ACTOR))} chips of a host"
         )
-    r, t, p = cfg.rollout, cfg.train, cfg.data.max_prompt_len
+
+
+def _batch_and_buckets(cfg: Config) -> None:
+    c, r, t, p = cfg.cluster, cfg.rollout, cfg.train, cfg.data.max_prompt_len
     if t.compile == "model" and cfg.train_parallel == "fsdp":
         raise ValueError(
             f"train.compile=model compiles the whole decoder as one graph, but fsdp (train.parallel={t.parallel} "
@@ -132,7 +154,10 @@ def check_across_sections(cfg: Config) -> None:
                 validate_buckets(f"rollout.{kind}_buckets", buckets, limit, kind == "decode")
         except ValueError as e:  # `why` names the limit's keys: not for a size below 1, which breaks no limit
             raise ValueError(f"{e}{f' ({why})' if min(buckets) >= 1 else ''}") from None
-    # The components' own checks (cross-field ones too) at load time, not in an actor minutes later.
+
+
+def _components(cfg: Config) -> None:
+    """The components' own checks (cross-field ones too) at load time, not in an actor minutes later."""
     for section, build in (
         ("grpo", cfg.loss_config),
         ("rollout", cfg.engine_config),
@@ -142,7 +167,6 @@ def check_across_sections(cfg: Config) -> None:
             build()
         except ValidationError as e:
             raise ValueError("; ".join(_component_error(err, cfg, section) for err in e.errors())) from None
-    _unused_eval_settings(cfg)
 
 
 def _component_error(err: dict, cfg: Config, section: str) -> str:

@@ -32,7 +32,7 @@ from rollout.model_config import ModelConfig
 from rollout.programs import copy_program, decode_program, prefill_program
 from rollout.scheduler import Admission, Request, Scheduler, pack_prefills
 from rollout.sharding import cache_sharding, check_tp, make_mesh, param_shardings
-from rollout.types import Completion, SamplingParams, request_id
+from rollout.types import Completion, SamplingParams, check_requests, request_id
 from rollout.weight_table import copies_tied_head
 from rollout.weights import (
     load_safetensors_dir,
@@ -194,21 +194,11 @@ class JaxEngine:
     def _validate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> np.ndarray:
         if self.weight_version is None:
             raise ValueError(f"no weights loaded: {self.model_dir!r} has no safetensors; call load_weights() first")
-        if n < 1:
-            raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
+        check_requests(prompts, n, sampling, self.cfg.max_seq_len, self.model_cfg.vocab_size)
         limit = self.prefill_buckets[-1]
         for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
             if len(p) > limit:
                 raise ValueError(f"prompt {i} has {len(p)} tokens, above the largest prefill bucket {limit}")
-            if len(p) + sampling.max_new_tokens > self.cfg.max_seq_len:
-                raise ValueError(
-                    f"prompt {i} ({len(p)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
-                    f"exceeds max_seq_len {self.cfg.max_seq_len}"
-                )
-            if min(p) < 0 or max(p) >= self.model_cfg.vocab_size:
-                raise ValueError(f"prompt {i} has a token id outside the vocabulary [0, {self.model_cfg.vocab_size})")
         stop = sampling.stop_ids(self.model_cfg.eos_token_ids)
         if len(stop) > MAX_STOP_IDS:
             raise ValueError(f"{len(stop)} stop token ids (eos included), above the limit MAX_STOP_IDS={MAX_STOP_IDS}")

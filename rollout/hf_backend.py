@@ -19,7 +19,7 @@ import transformers
 
 from rollout.engine_config import EngineConfig
 from rollout.model_config import eos_token_ids
-from rollout.types import Completion, RolloutEngine, SamplingParams, mix_seed
+from rollout.types import Completion, RolloutEngine, SamplingParams, check_requests, mix_seed
 
 
 def numpy_to_torch(array: np.ndarray) -> torch.Tensor:
@@ -87,19 +87,7 @@ class HFEngine(RolloutEngine):
     ) -> list[Completion]:
         """`model.generate` over batches of rows; `between_dispatches` runs before each batch (weights load between
         batches, never inside one)."""
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        for i, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            if len(prompt) + sampling.max_new_tokens > self.max_seq_len:
-                raise ValueError(
-                    f"prompt {i} ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
-                    f"exceeds max_seq_len {self.max_seq_len}"
-                )
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        check_requests(prompts, n, sampling, self.max_seq_len, self.vocab_size)
         self.resume()  # a released (colocated) model comes back to its device first, as the JAX engine's does
         # One row per sample, in (prompt_index, sample_index) order, so results come back already ordered.
         rows = [(p, s) for p in range(len(prompts)) for s in range(n)]

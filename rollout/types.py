@@ -71,6 +71,23 @@ class SamplingParams:
         return tuple(sorted(set(eos) | set(self.stop_token_ids)))
 
 
+def check_requests(prompts: list[list[int]], n: int, sampling: SamplingParams, max_seq_len: int, vocab_size: int):
+    """What both backends refuse of a generate call, in the same words: no samples, an empty prompt, a prompt that
+    with its new tokens passes `max_seq_len`, a token id outside the vocabulary."""
+    if n < 1:
+        raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        if len(prompt) + sampling.max_new_tokens > max_seq_len:
+            raise ValueError(
+                f"prompt {i} ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
+                f"exceeds max_seq_len {max_seq_len}"
+            )
+        if bad := [t for t in prompt if not 0 <= t < vocab_size]:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
 @dataclass
 class Completion:
     prompt_index: int  # index into the prompts list given to generate()
