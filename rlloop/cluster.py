@@ -18,13 +18,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from rlloop.config import Config
+from rlloop.config import Config, component_kwargs
 from rlloop.engine_pool import EnginePool, RestartCount
 from rlloop.errors import ActorDied, ClusterError, TrainerDied
 from rlloop.placement import actor_env, actor_options, check_cluster_fits, check_one_node_fits, plan_placement
 from rlloop.profiling import rank_trace
 from rlloop.ray_session import local_ray, start_ray
-from rlloop.workers import RolloutWorker, SyncSpec, TrainerWorker, freeze_heap
+from rlloop.workers import RolloutWorker, TrainerWorker, freeze_heap
+from weight_sync import SyncConfig
 
 PLACEMENT_TIMEOUT_S = 120
 log = logging.getLogger(__name__)
@@ -36,16 +37,11 @@ def run_id_for(run_dir: Path) -> str:
     return f"{re.sub(r'[^A-Za-z0-9_.-]', '-', Path(run_dir).name)[:32]}-{digest}"
 
 
-def sync_spec(cfg: Config, run_dir: Path) -> SyncSpec:
-    s = cfg.sync
-    return SyncSpec(
-        transport=s.transport,
-        run_id=run_id_for(run_dir),
-        root=s.dir or str(Path(run_dir) / "sync"),
-        delta=s.delta,
-        keyframe_every=s.keyframe_every,
-        keep=s.keep,
-    )
+def sync_config(cfg: Config, run_dir: Path) -> SyncConfig:
+    """The run's weight sync: the `sync:` section's knobs, plus the run's identity and the disk root's default."""
+    knobs = component_kwargs(cfg.sync, SyncConfig)
+    knobs["dir"] = knobs["dir"] or str(Path(run_dir) / "sync")
+    return SyncConfig(**knobs, run_id=run_id_for(run_dir))
 
 
 class Cluster:
@@ -59,7 +55,7 @@ class Cluster:
         self._train_results = ThreadPoolExecutor(1, thread_name_prefix="rlloop-train-wait")  # waits on train steps
         self.pool = EnginePool(cfg, [])
         self.trainers: list = []
-        sync, threads = sync_spec(cfg, run_dir), cfg.cluster.cpus_per_actor
+        sync, threads = sync_config(cfg, run_dir), cfg.cluster.cpus_per_actor
         self.sync_run_id = sync.run_id
         if cfg.sync.transport == "shm":
             from weight_sync.shm import remove_stale_segments

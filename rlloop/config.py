@@ -5,9 +5,10 @@ and range here, and rlloop/config_checks.py the combinations across sections. An
 naming the key path and what is allowed; `rlloop.run` turns it into exit code 2.
 
 One source of truth per knob: each component owns its typed config (`rollout.EngineConfig`, `trainer.TrainerConfig`,
-`trainer.LossConfig`), and the YAML sections `rollout:`, `train:` and `grpo:` are made from those fields (`knobs_of`),
-so a knob is declared, defaulted and range-checked once, in its component. `Config.engine_config()` and
-`Config.trainer_config()` are the only places that build those configs; the workers receive the built dataclasses.
+`trainer.LossConfig`, `weight_sync.SyncConfig`), and the YAML sections `rollout:`, `train:`, `grpo:` and `sync:` are
+made from those fields (`knobs_of`), so a knob is declared, defaulted and range-checked once, in its component.
+`Config.engine_config()` and `Config.trainer_config()` are the only places that build those configs but the sync's,
+which `rlloop.cluster.sync_config` builds (it needs the run directory); the workers receive the built dataclasses.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from rollout.buckets import default_prefill_buckets
 from rollout.types import DType
 from trainer import LossConfig, TrainerConfig
 from trainer.config import resolve_parallel
+from weight_sync import SyncConfig
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -225,12 +227,9 @@ TrainSection = knobs_of(
 )
 
 
-class SyncSection(Section):
-    transport: Literal["shm", "disk", "ray"] = "shm"
-    delta: bool = True
-    keyframe_every: PositiveInt = 10
-    keep: PositiveInt = 2  # versions the disk and Ray transports retain
-    dir: PathStr | None = None  # disk transport root; default <run dir>/sync
+# The weight-sync knobs come from weight_sync.SyncConfig; the run's id is the run directory's (rlloop.cluster).
+class SyncSection(knobs_of(SyncConfig, wired=("run_id",))):
+    dir: PathStr | None = None  # disk transport root, `~` expanded and never empty; default <run dir>/sync
 
 
 class ClusterSection(Section):

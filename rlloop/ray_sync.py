@@ -25,7 +25,16 @@ import numpy as np
 import ray
 
 from rlloop.ray_session import NAMESPACE
-from weight_sync import Manifest, Message, Receiver, Sender, decode_payload, encode_payload_into, payload_nbytes
+from weight_sync import (
+    Manifest,
+    Message,
+    Receiver,
+    Sender,
+    SyncConfig,
+    decode_payload,
+    encode_payload_into,
+    payload_nbytes,
+)
 
 
 @ray.remote(num_cpus=0)
@@ -122,11 +131,18 @@ class RayReceiver(Receiver):
         ray.get(self.mailbox.request_keyframe.remote())
 
 
-def make_ray_sender(*, run_id: str, delta: bool = False, keyframe_every: int = 10, keep: int = 2) -> RaySender:
-    """Same semantics as weight_sync.make_sender; needs `ray.init()` first."""
-    return RaySender(run_id, delta=delta, keyframe_every=keyframe_every, keep=keep)
+def _check(cfg: SyncConfig) -> None:
+    if cfg.transport != "ray":
+        raise ValueError(f"sync transport {cfg.transport!r} is built by weight_sync.make_sender / make_receiver")
 
 
-def make_ray_receiver(*, run_id: str, delta: bool = False) -> RayReceiver:
-    """Same semantics as weight_sync.make_receiver; needs `ray.init()` first."""
-    return RayReceiver(run_id, delta=delta)
+def make_ray_sender(cfg: SyncConfig) -> RaySender:
+    """Same semantics as weight_sync.make_sender, for `cfg.transport == "ray"`; needs `ray.init()` first."""
+    _check(cfg)
+    return RaySender(cfg.run_id, delta=cfg.delta, keyframe_every=cfg.keyframe_every, keep=cfg.keep)
+
+
+def make_ray_receiver(cfg: SyncConfig) -> RayReceiver:
+    """Same semantics as weight_sync.make_receiver, for `cfg.transport == "ray"`; needs `ray.init()` first."""
+    _check(cfg)
+    return RayReceiver(cfg.run_id, delta=cfg.delta)

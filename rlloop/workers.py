@@ -13,11 +13,11 @@ import dataclasses
 import gc
 import os
 import time
-from dataclasses import dataclass
 
 from rlloop.profiling import jax_trace, torch_trace
 from rollout import EngineConfig
 from trainer import TrainerConfig
+from weight_sync import SyncConfig, make_receiver, make_sender
 
 CPU_AFFINITY_ENV = "RLLOOP_CPUS"  # set by the Cluster on CPU hosts: the cores this actor's "chip" is made of
 # How often a generation with in-flight updates looks for new weights: at most every IN_FLIGHT_POLL_S, and no more
@@ -72,43 +72,22 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-@dataclass(frozen=True)
-class SyncSpec:
-    """How one run's weights travel from trainer rank 0 to the engine: the sync section plus the run's identity."""
+def sync_sender(sync: SyncConfig):
+    """Trainer rank 0's end of `sync.transport`: the Ray object store's is rlloop's (weight_sync stays Ray-free)."""
+    if sync.transport == "ray":
+        from rlloop.ray_sync import make_ray_sender
 
-    transport: str  # shm | disk | ray
-    run_id: str  # names the shm segments / disk subdirectory / Ray mailbox of this run
-    root: str  # disk transport root
-    delta: bool
-    keyframe_every: int
-    keep: int
+        return make_ray_sender(sync)
+    return make_sender(sync)
 
-    def sender(self):
-        if self.transport == "ray":
-            from rlloop.ray_sync import make_ray_sender
 
-            return make_ray_sender(
-                run_id=self.run_id, delta=self.delta, keyframe_every=self.keyframe_every, keep=self.keep
-            )
-        from weight_sync import make_sender
+def sync_receiver(sync: SyncConfig):
+    """An engine's end of `sync.transport`."""
+    if sync.transport == "ray":
+        from rlloop.ray_sync import make_ray_receiver
 
-        return make_sender(
-            self.transport,
-            run_id=self.run_id,
-            root=self.root,
-            delta=self.delta,
-            keyframe_every=self.keyframe_every,
-            keep=self.keep,
-        )
-
-    def receiver(self):
-        if self.transport == "ray":
-            from rlloop.ray_sync import make_ray_receiver
-
-            return make_ray_receiver(run_id=self.run_id, delta=self.delta)
-        from weight_sync import make_receiver
-
-        return make_receiver(self.transport, run_id=self.run_id, root=self.root, delta=self.delta)
+        return make_ray_receiver(sync)
+    return make_receiver(sync)
 
 
 def use_compile_cache(path: str | None) -> None:
@@ -157,7 +136,7 @@ class RolloutWorker:
         self,
         engine: EngineConfig,
         backend: str,
-        sync: SyncSpec,
+        sync: SyncConfig,
         *,
         device: str = "cpu",
         threads: int = 1,
@@ -172,7 +151,7 @@ class RolloutWorker:
             engine = over_every_tensorcore(engine)
         self.engine = make_engine(backend, engine, device=device)
         self.trace = jax_trace if backend == "jax" else torch_trace
-        self.receiver = sync.receiver()
+        self.receiver = sync_receiver(sync)
         self.version = 0
         self._polled_at = float("-inf")  # when _poll_in_flight last looked
         self._look_s = 0.0  # the fastest look that found nothing (0: none yet)
@@ -250,7 +229,7 @@ class RolloutWorker:
 
 
 class TrainerWorker:
-    def __init__(self, trainer: TrainerConfig, rank: int, world_size: int, sync: SyncSpec, threads: int = 1):
+    def __init__(self, trainer: TrainerConfig, rank: int, world_size: int, sync: SyncConfig, threads: int = 1):
         limit_threads(threads)
         keep_freed_memory()
         self.cfg, self.rank, self.world_size, self.sync = trainer, rank, world_size, sync
@@ -279,7 +258,7 @@ class TrainerWorker:
         # through the run's own progress bar, as an actor's output reaches the driver's terminal
         transformers.utils.logging.disable_progress_bar()
         if self.rank == 0:
-            self.sender = self.sync.sender()
+            self.sender = sync_sender(self.sync)
         freeze_heap()
 
     def train_step(self, batch, profile: str | None = None) -> dict[str, float]:

@@ -93,8 +93,9 @@ def test_the_driver_loads_no_trainer_stack_and_a_jax_engine_no_torch():
     )
     assert modules_loaded_by(driver, {"torch", "ml_dtypes", "jax"}) == []
     engine = (
-        "from rlloop.config import load_config; from rlloop.workers import RolloutWorker, SyncSpec; "
-        "cfg = load_config('examples/grpo_dapo_tiny.yaml'); "
-        "RolloutWorker(cfg.engine_config(), 'jax', SyncSpec('disk', 'layering', '/nonexistent', False, 0, 2))"
+        "from rlloop.config import load_config; from rlloop.workers import RolloutWorker; "
+        "from weight_sync import SyncConfig; cfg = load_config('examples/grpo_dapo_tiny.yaml'); "
+        "sync = SyncConfig(run_id='layering', transport='disk', delta=False, dir='/nonexistent'); "
+        "RolloutWorker(cfg.engine_config(), 'jax', sync)"
     )
     assert modules_loaded_by(engine, {"torch", "jax"}) == ["jax"]

@@ -1,8 +1,9 @@
 """Weight sync from trainer to rollout: shared memory (same host), disk checkpoints (across hosts), deltas on either.
 
-    sender = make_sender("shm", run_id="exp1", delta=True)        # trainer side
-    stats = sender.push(trainer.export_weights(), version=step)   # SyncStats; stats.metrics() -> sync/* metrics
-    receiver = make_receiver("shm", run_id="exp1", delta=True)    # rollout side
+    cfg = SyncConfig(run_id="exp1", transport="shm", delta=True)  # weight_sync/config.py: every knob, once
+    sender = make_sender(cfg)                                      # trainer side
+    stats = sender.push(trainer.export_weights(), version=step)    # SyncStats; stats.metrics() -> sync/* metrics
+    receiver = make_receiver(cfg)                                  # rollout side
     got = receiver.pull()                                          # (version, {hf_name: np.ndarray}) or None
 
 `TRANSPORTS` names what make_sender / make_receiver build ("shm", "disk"). push() takes numpy arrays keyed by
@@ -30,8 +31,7 @@ The Ray object-store transport is built that way and lives in `rlloop.ray_sync` 
 
 from __future__ import annotations
 
-from pathlib import Path
-
+from weight_sync.config import SyncConfig
 from weight_sync.manifest import CorruptVersion, Manifest, TensorEntry
 from weight_sync.payload import decode_payload, encode_payload_into, payload_nbytes
 from weight_sync.protocol import Message, Receiver, Sender, SyncStats
@@ -39,6 +39,7 @@ from weight_sync.protocol import Message, Receiver, Sender, SyncStats
 TRANSPORTS = ("shm", "disk")
 
 __all__ = [
+    "SyncConfig",
     "make_sender",
     "make_receiver",
     "TRANSPORTS",
@@ -56,42 +57,34 @@ __all__ = [
 ]
 
 
-def _check(transport: str, root) -> None:
-    if transport == "ray":
+def _check(cfg: SyncConfig) -> None:
+    if cfg.transport == "ray":
         raise ValueError("sync transport 'ray' is built by rlloop.ray_sync.make_ray_sender / make_ray_receiver")
-    if transport not in TRANSPORTS:
-        raise ValueError(f"unknown sync transport {transport!r}; expected one of {', '.join(TRANSPORTS)}")
-    if transport == "disk" and root is None:
-        raise ValueError("sync transport 'disk' needs root= (a directory, shared between hosts)")
+    if cfg.transport not in TRANSPORTS:
+        raise ValueError(f"unknown sync transport {cfg.transport!r}; expected one of {', '.join(TRANSPORTS)}")
+    if cfg.transport == "disk" and cfg.dir is None:
+        raise ValueError("sync transport 'disk' needs dir= (the root directory, shared between hosts)")
 
 
-def make_sender(
-    transport: str,
-    *,
-    run_id: str,
-    root: str | Path | None = None,
-    delta: bool = False,
-    keyframe_every: int = 10,
-    keep: int = 2,
-) -> Sender:
-    """A sender for `transport` ("shm" | "disk"). `keep` is how many versions the disk transport retains."""
-    _check(transport, root)
-    if transport == "shm":
+def make_sender(cfg: SyncConfig) -> Sender:
+    """A sender for `cfg.transport` ("shm" | "disk")."""
+    _check(cfg)
+    if cfg.transport == "shm":
         from weight_sync.shm import ShmSender
 
-        return ShmSender(run_id, delta=delta, keyframe_every=keyframe_every)
+        return ShmSender(cfg.run_id, delta=cfg.delta, keyframe_every=cfg.keyframe_every)
     from weight_sync.disk import DiskSender
 
-    return DiskSender(root, run_id, keep=keep, delta=delta, keyframe_every=keyframe_every)
+    return DiskSender(cfg.dir, cfg.run_id, keep=cfg.keep, delta=cfg.delta, keyframe_every=cfg.keyframe_every)
 
 
-def make_receiver(transport: str, *, run_id: str, root: str | Path | None = None, delta: bool = False) -> Receiver:
-    """A receiver for `transport`; `delta=True` keeps an owned copy of the weights so deltas can be applied."""
-    _check(transport, root)
-    if transport == "shm":
+def make_receiver(cfg: SyncConfig) -> Receiver:
+    """A receiver for `cfg.transport`; with `cfg.delta` it keeps an owned copy of the weights to apply deltas to."""
+    _check(cfg)
+    if cfg.transport == "shm":
         from weight_sync.shm import ShmReceiver
 
-        return ShmReceiver(run_id, delta=delta)
+        return ShmReceiver(cfg.run_id, delta=cfg.delta)
     from weight_sync.disk import DiskReceiver
 
-    return DiskReceiver(root, run_id, delta=delta)
+    return DiskReceiver(cfg.dir, cfg.run_id, delta=cfg.delta)

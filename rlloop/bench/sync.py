@@ -34,7 +34,7 @@ import numpy as np
 
 from rlloop.bench import positive_int
 from rlloop.bench.machine import machine
-from weight_sync import make_receiver, make_sender
+from weight_sync import SyncConfig, make_receiver, make_sender
 from weight_sync.checksum import byte_view, copy_with_checksums
 
 
@@ -67,11 +67,12 @@ def bench_full_sync(state: dict[str, np.ndarray], reps: int, root: str) -> dict[
     the copy destination and the page cache have been touched once, as in a long run."""
     copy_dst = {n: np.empty_like(a) for n, a in state.items()}
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
-    shm_tx, shm_rx = make_sender("shm", run_id=run_id), make_receiver("shm", run_id=run_id)
-    shm_rx_unverified = make_receiver("shm", run_id=run_id)
+    cfg = SyncConfig(run_id=run_id, transport="shm", delta=False)
+    shm_tx, shm_rx = make_sender(cfg), make_receiver(cfg)
+    shm_rx_unverified = make_receiver(cfg)
     shm_rx_unverified.verify = False  # trusts the seqlock and the manifest checksum, skips the data checksums
-    disk_tx = make_sender("disk", run_id=run_id, root=root, keep=1)
-    disk_rx = make_receiver("disk", run_id=run_id, root=root)
+    disk_tx = make_sender(SyncConfig(run_id=run_id, transport="disk", delta=False, dir=root, keep=1))
+    disk_rx = make_receiver(SyncConfig(run_id=run_id, transport="disk", delta=False, dir=root))
     copy_jobs = [(byte_view(copy_dst[n]), byte_view(a), False) for n, a in state.items()]
     best = {
         k: float("inf")
@@ -161,8 +162,8 @@ def bench_delta(steps: int, root: str) -> dict:
     trainer = Trainer(TrainerConfig(model_path=model_dir, dtype="bfloat16", lr=1e-6))
     rng = np.random.default_rng(0)
     run_id = f"bench-delta-{uuid.uuid4().hex[:8]}"
-    sender = make_sender("shm", run_id=run_id, delta=True, keyframe_every=steps + 1)
-    receiver = make_receiver("shm", run_id=run_id, delta=True)
+    sender = make_sender(SyncConfig(run_id=run_id, transport="shm", delta=True, keyframe_every=steps + 1))
+    receiver = make_receiver(SyncConfig(run_id=run_id, transport="shm", delta=True))
     delta_bytes = full_bytes = 0
     changed, encode_s, apply_s, exact = [], [], [], True
     try:

@@ -90,9 +90,9 @@ def test_rollout_only_never_reads_the_weights_a_killed_run_left_in_shared_memory
 KILLED_WRITER = """
 import time
 import numpy as np
-from weight_sync import make_sender
+from weight_sync import SyncConfig, make_sender
 
-sender = make_sender("shm", run_id="{run_id}")
+sender = make_sender(SyncConfig(run_id="{run_id}", transport="shm", delta=False))
 for version in (1, 2):
     sender.push({{"model.embed_tokens.weight": np.ones((99, 64), np.float32)}}, version)
 print("pushed", flush=True)

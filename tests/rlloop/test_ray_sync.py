@@ -9,7 +9,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from rlloop.ray_sync import get_mailbox, make_ray_receiver, make_ray_sender  # noqa: E402
-from weight_sync import Sender, encode_payload_into, payload_nbytes  # noqa: E402
+from weight_sync import Sender, SyncConfig, encode_payload_into, payload_nbytes  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("ray")  # starts Ray: one at a time (tests/conftest.py)
 
@@ -42,8 +42,8 @@ def _same_bits(got, want):
 
 def test_ray_round_trip_with_deltas_bit_exact(ray_cluster, run_id):
     rng = np.random.default_rng(0)
-    sender = make_ray_sender(run_id=run_id, delta=True, keyframe_every=3)
-    receiver = make_ray_receiver(run_id=run_id, delta=True)
+    sender = make_ray_sender(SyncConfig(run_id=run_id, transport="ray", delta=True, keyframe_every=3))
+    receiver = make_ray_receiver(SyncConfig(run_id=run_id, transport="ray", delta=True))
     assert receiver.pull() is None
     w = _weights(rng)
     for v in range(5):
@@ -61,7 +61,7 @@ def test_ray_round_trip_with_deltas_bit_exact(ray_cluster, run_id):
 def _pull_in_another_process(run_id):
     import os
 
-    receiver = make_ray_receiver(run_id=run_id)
+    receiver = make_ray_receiver(SyncConfig(run_id=run_id, transport="ray", delta=False))
     version, got = receiver.pull()
     return os.getpid(), version, {n: (a.dtype.str, a.tobytes()) for n, a in got.items()}
 
@@ -71,7 +71,8 @@ def test_ray_receiver_in_another_process(ray_cluster, run_id):
 
     rng = np.random.default_rng(1)
     w = _weights(rng)
-    sender = make_ray_sender(run_id=run_id)  # held: the mailbox actor lives as long as its creator's handle
+    # held: the mailbox actor lives as long as its creator's handle
+    sender = make_ray_sender(SyncConfig(run_id=run_id, transport="ray", delta=False))
     sender.push(w, 7)
     pid, version, got = ray.get(_pull_in_another_process.remote(run_id))
     assert pid != os.getpid() and version == 7
@@ -80,8 +81,8 @@ def test_ray_receiver_in_another_process(ray_cluster, run_id):
 
 def test_ray_keyframe_request_reaches_sender(ray_cluster, run_id):
     rng = np.random.default_rng(2)
-    sender = make_ray_sender(run_id=run_id, delta=True, keyframe_every=100, keep=1)
-    receiver = make_ray_receiver(run_id=run_id, delta=True)
+    sender = make_ray_sender(SyncConfig(run_id=run_id, transport="ray", delta=True, keyframe_every=100, keep=1))
+    receiver = make_ray_receiver(SyncConfig(run_id=run_id, transport="ray", delta=True))
     w = _weights(rng)
     sender.push(w, 0)
     receiver.pull()
@@ -97,8 +98,8 @@ def test_ray_keyframe_request_reaches_sender(ray_cluster, run_id):
 
 def test_ray_corrupt_payload_is_refused_and_previous_kept(ray_cluster, run_id):
     rng = np.random.default_rng(3)
-    sender = make_ray_sender(run_id=run_id)
-    receiver = make_ray_receiver(run_id=run_id)
+    sender = make_ray_sender(SyncConfig(run_id=run_id, transport="ray", delta=False))
+    receiver = make_ray_receiver(SyncConfig(run_id=run_id, transport="ray", delta=False))
     w0 = _weights(rng)
     sender.push(w0, 0)
     assert receiver.pull()[0] == 0
@@ -116,17 +117,18 @@ def test_ray_corrupt_payload_is_refused_and_previous_kept(ray_cluster, run_id):
 
 def test_ray_bad_arguments(ray_cluster):
     with pytest.raises(ValueError, match="keep"):
-        make_ray_sender(run_id="x", keep=0)
+        make_ray_sender(SyncConfig(run_id="x", transport="ray", delta=False, keep=0))
     with pytest.raises(ValueError, match="run_id"):
-        make_ray_receiver(run_id="")
+        make_ray_receiver(SyncConfig(run_id="", transport="ray", delta=False))
 
 
 def test_ray_restarted_sender_starts_a_new_epoch(ray_cluster, run_id):
-    first = make_ray_sender(run_id=run_id, delta=True)
-    receiver = make_ray_receiver(run_id=run_id, delta=True)
+    first = make_ray_sender(SyncConfig(run_id=run_id, transport="ray", delta=True))
+    receiver = make_ray_receiver(SyncConfig(run_id=run_id, transport="ray", delta=True))
     first.push({"w": np.full(10, 57, np.int32)}, 57)
     assert receiver.pull()[0] == 57
-    resumed = make_ray_sender(run_id=run_id, delta=True)  # e.g. a resumed run, numbering from its checkpoint
+    # e.g. a resumed run, numbering from its checkpoint
+    resumed = make_ray_sender(SyncConfig(run_id=run_id, transport="ray", delta=True))
     resumed.push({"w": np.full(10, 40, np.int32)}, 40)
     version, got = receiver.pull()
     assert version == 40 and (got["w"] == 40).all()
@@ -134,8 +136,8 @@ def test_ray_restarted_sender_starts_a_new_epoch(ray_cluster, run_id):
 
 def test_ray_pull_of_at_most_a_version_applies_its_delta_though_a_newer_one_is_out(ray_cluster, run_id):
     rng = np.random.default_rng(0)
-    sender = make_ray_sender(run_id=run_id, delta=True, keyframe_every=10)
-    receiver = make_ray_receiver(run_id=run_id, delta=True)
+    sender = make_ray_sender(SyncConfig(run_id=run_id, transport="ray", delta=True, keyframe_every=10))
+    receiver = make_ray_receiver(SyncConfig(run_id=run_id, transport="ray", delta=True))
     states = [_weights(rng)]
     states += [_step(states[-1], rng) for _ in range(2)]
     sender.push(states[0], 0)
@@ -150,8 +152,8 @@ def test_ray_pull_of_at_most_a_version_applies_its_delta_though_a_newer_one_is_o
 def test_ray_pull_of_at_most_an_unpublished_version_loads_the_newest_below_it(ray_cluster, run_id):
     """Versions have gaps (a step whose update was skipped pushes nothing): at_most may name one never published."""
     rng = np.random.default_rng(0)
-    sender = make_ray_sender(run_id=run_id, delta=True)
-    receiver = make_ray_receiver(run_id=run_id, delta=True)
+    sender = make_ray_sender(SyncConfig(run_id=run_id, transport="ray", delta=True))
+    receiver = make_ray_receiver(SyncConfig(run_id=run_id, transport="ray", delta=True))
     states = [_weights(rng)]
     states.append(_step(states[0], rng))
     sender.push(states[0], 3)

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import rlloop.workers
-from rlloop.workers import RolloutWorker, SyncSpec, TrainerWorker
+from rlloop.workers import RolloutWorker, TrainerWorker
 from rollout import EngineConfig, SamplingParams
 from rollout.weights import load_safetensors_dir
 from trainer import TrainBatch, TrainerConfig
+from weight_sync import SyncConfig, make_sender
 
 # 64 MiB blocks malloc'd, written and freed eight times, as a training step's activations are: the pages faulted in by
 # the last four (16,384 pages each when they are fresh). Plain malloc, not torch tensors: torch asks for 64-byte
@@ -76,7 +77,7 @@ def test_a_rank_publishes_after_a_step_only_when_the_step_changed_the_weights(ti
     good weights."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what the worker sets (limit_threads); restored after the test
     threads = torch.get_num_threads()
-    sync = SyncSpec("disk", "run", str(tmp_path), delta=False, keyframe_every=1, keep=2)
+    sync = SyncConfig(run_id="run", transport="disk", dir=str(tmp_path), delta=False, keyframe_every=1, keep=2)
     worker = TrainerWorker(TrainerConfig(tiny_qwen3_dir, lr=1e-3), 0, 1, sync)
     try:
         worker.setup()
@@ -101,8 +102,10 @@ def test_an_in_flight_generation_starts_on_the_version_pushed_just_before_it(tin
     monkeypatch.setattr(rlloop.workers, "IN_FLIGHT_POLL_S", 3600.0)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     threads = torch.get_num_threads()
-    sync = SyncSpec("shm", f"test-workers-{os.getpid()}", str(tmp_path), delta=False, keyframe_every=1, keep=2)
-    sender = sync.sender()
+    sync = SyncConfig(
+        run_id=f"test-workers-{os.getpid()}", transport="shm", dir=str(tmp_path), delta=False, keyframe_every=1, keep=2
+    )
+    sender = make_sender(sync)
     engine = EngineConfig(
         str(tiny_qwen3_dir),
         max_batch=4,
@@ -163,7 +166,7 @@ def test_a_version_refused_by_two_engines_counts_twice(tmp_path):
     from contextlib import closing
     from pathlib import Path
 
-    from rlloop.cluster import Cluster, sync_spec
+    from rlloop.cluster import Cluster, sync_config
     from rlloop.config import load_config
 
     tiny = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml"
@@ -172,8 +175,8 @@ def test_a_version_refused_by_two_engines_counts_twice(tmp_path):
     with closing(Cluster(cfg, tmp_path)) as cluster:
         cluster.warmup()
         cluster.push_weights(1)
-        spec = sync_spec(cfg, tmp_path)
-        weights = Path(spec.root) / spec.run_id / "v000000000001" / "weights.safetensors"
+        sync = sync_config(cfg, tmp_path)
+        weights = Path(sync.dir) / sync.run_id / "v000000000001" / "weights.safetensors"
         flipped = bytearray(weights.read_bytes())
         flipped[-5] ^= 0x55
         weights.write_bytes(bytes(flipped))

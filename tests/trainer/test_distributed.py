@@ -15,7 +15,7 @@ from tests.trainer.conftest import random_batch
 from tests.trainer.test_shared_prompts import grpo_batch
 from tests.trainer.test_skip_zero_advantage import with_zero_advantages
 from trainer import LossConfig, Trainer, TrainerConfig, shard_batch
-from weight_sync import make_receiver, make_sender
+from weight_sync import SyncConfig, make_receiver, make_sender
 
 # name, samples, minibatches, aggregation, kl_coef. Odd sample counts give the ranks unequal shares, which is where
 # a per-rank normalisation would go wrong. bnpo is absent on purpose: it normalises by each rank's own tokens
@@ -213,7 +213,8 @@ def test_fsdp_checkpoint_round_trips_bit_exactly(two_rank_results, tiny_qwen3_di
 def test_fsdp_export_goes_through_weight_sync_bit_exactly(two_rank_results, tmp_path):
     exported, _ = rank_results(two_rank_results, "fsdp", CASES[0][0])
     run_id = f"fsdp-export-{os.getpid()}"
-    with make_sender("shm", run_id=run_id) as sender, make_receiver("shm", run_id=run_id) as receiver:
+    cfg = SyncConfig(run_id=run_id, transport="shm", delta=False)
+    with make_sender(cfg) as sender, make_receiver(cfg) as receiver:
         sender.push(exported, version=1)
         version, arrays = receiver.pull()
     assert version == 1 and arrays.keys() == exported.keys()

@@ -9,6 +9,7 @@ import pytest
 from weight_sync import (
     CorruptVersion,
     Sender,
+    SyncConfig,
     decode_payload,
     encode_payload_into,
     make_receiver,
@@ -63,7 +64,8 @@ def test_every_byte_of_a_payload_is_covered():
 
 def test_shm_refuses_flipped_keyframes_and_keeps_previous(run_id):
     rng = np.random.default_rng(1)
-    sender, receiver = make_sender("shm", run_id=run_id), make_receiver("shm", run_id=run_id)
+    cfg = SyncConfig(run_id=run_id, transport="shm", delta=False)
+    sender, receiver = make_sender(cfg), make_receiver(cfg)
     with sender, receiver:
         sender.push(_weights(0), 0)
         assert receiver.pull()[0] == 0
@@ -81,8 +83,8 @@ def test_shm_refuses_flipped_keyframes_and_keeps_previous(run_id):
 def test_shm_delta_flip_is_refused_then_recovered_by_keyframe(run_id):
     """A delta receiver that refuses a version asks for a keyframe at once, and the next push brings it."""
     rng = np.random.default_rng(2)
-    sender = make_sender("shm", run_id=run_id, delta=True, keyframe_every=1_000_000)
-    receiver = make_receiver("shm", run_id=run_id, delta=True)
+    sender = make_sender(SyncConfig(run_id=run_id, transport="shm", delta=True, keyframe_every=1_000_000))
+    receiver = make_receiver(SyncConfig(run_id=run_id, transport="shm", delta=True))
     with sender, receiver:
         w = _weights(0)
         w["big"] = np.zeros(4096, np.float32)  # makes the delta worth sending
@@ -109,8 +111,8 @@ def test_shm_delta_flip_is_refused_then_recovered_by_keyframe(run_id):
 @pytest.mark.parametrize("target", ["manifest.json", "weights.safetensors"])
 def test_disk_refuses_any_flipped_byte(target, run_id, tmp_path):
     rng = np.random.default_rng(3)
-    sender = make_sender("disk", run_id=run_id, root=tmp_path, keep=1_000_000)
-    receiver = make_receiver("disk", run_id=run_id, root=tmp_path)
+    sender = make_sender(SyncConfig(run_id=run_id, transport="disk", delta=False, dir=tmp_path, keep=1_000_000))
+    receiver = make_receiver(SyncConfig(run_id=run_id, transport="disk", delta=False, dir=tmp_path))
     sender.push(_weights(0), 0)
     assert receiver.pull()[0] == 0
     size = (tmp_path / run_id / "v000000000000" / target).stat().st_size
@@ -161,8 +163,8 @@ def test_well_framed_but_inconsistent_manifest_is_refused(field, value):
 def test_a_delta_on_itself_is_refused_not_followed_forever(run_id, tmp_path):
     """A crafted or corrupt manifest whose base is its own version: walking its chain of bases would never end."""
     w = {**_weights(0), "big": np.zeros(4096, np.float32)}  # makes the delta worth sending
-    sender = make_sender("disk", run_id=run_id, root=tmp_path, delta=True)
-    receiver = make_receiver("disk", run_id=run_id, root=tmp_path, delta=True)
+    sender = make_sender(SyncConfig(run_id=run_id, transport="disk", dir=tmp_path, delta=True))
+    receiver = make_receiver(SyncConfig(run_id=run_id, transport="disk", dir=tmp_path, delta=True))
     sender.push(w, 0)
     assert receiver.pull()[0] == 0
     w["big"][0] = 1

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from weight_sync import make_receiver, make_sender
+from weight_sync import SyncConfig, make_receiver, make_sender
 from weight_sync.shm import SHM_DIR, _map, remove_stale_segments, segment_path
 
 # The writer process. In "midpush" mode it publishes version 1, then writes half of version 2 and stops there (the
@@ -68,7 +68,7 @@ def _segments(run_id: str) -> list[str]:
 def test_sigkill_mid_push_never_shows_partial_version_and_next_start_cleans_up(run_id):
     proc = _start_writer(run_id, "midpush")
     try:
-        receiver = make_receiver("shm", run_id=run_id)
+        receiver = make_receiver(SyncConfig(run_id=run_id, transport="shm", delta=False))
         version, got = receiver.pull()
         assert version == 1 and (got["w"] == 1.0).all()
         assert receiver._read(2) is None  # the half-written buffer is not offered even when asked for by name
@@ -76,17 +76,18 @@ def test_sigkill_mid_push_never_shows_partial_version_and_next_start_cleans_up(r
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
-    fresh = make_receiver("shm", run_id=run_id)
+    fresh = make_receiver(SyncConfig(run_id=run_id, transport="shm", delta=False))
     version, got = fresh.pull()
     assert version == 1 and (got["w"] == 1.0).all(), "after the kill readers still get the last whole version"
     assert receiver.pull() is None
     assert _segments(run_id) == [f"rlloop_{run_id}_buf0", f"rlloop_{run_id}_buf1", f"rlloop_{run_id}_ctl"]
 
     # The next start finds the dead writer's segments and replaces them.
-    with make_sender("shm", run_id=run_id) as sender:
+    with make_sender(SyncConfig(run_id=run_id, transport="shm", delta=False)) as sender:
         assert fresh.pull() is None  # new, empty run: nothing published yet
         sender.push({"w": np.full(8, 3.0, np.float32)}, 1)
-        for r in (fresh, make_receiver("shm", run_id=run_id)):  # a restarted writer's version 1 is new again
+        # a restarted writer's version 1 is new again
+        for r in (fresh, make_receiver(SyncConfig(run_id=run_id, transport="shm", delta=False))):
             version, got = r.pull()
             assert version == 1 and (got["w"] == 3.0).all()
     assert _segments(run_id) == []
@@ -119,7 +120,7 @@ def test_a_forked_child_that_is_terminated_leaves_its_parents_segments(run_id):
     proc = _start_writer(run_id, "fork")
     try:
         assert _segments(run_id) == [f"rlloop_{run_id}_buf0", f"rlloop_{run_id}_ctl"]
-        with make_receiver("shm", run_id=run_id) as receiver:
+        with make_receiver(SyncConfig(run_id=run_id, transport="shm", delta=False)) as receiver:
             version, got = receiver.pull()
             assert version == 1 and (got["w"] == 1.0).all()
     finally:
@@ -136,9 +137,9 @@ def test_normal_exit_without_close_removes_segments(run_id):
 
 
 def test_close_keeps_views_held_by_the_reader_valid(run_id):
-    sender = make_sender("shm", run_id=run_id)
+    sender = make_sender(SyncConfig(run_id=run_id, transport="shm", delta=False))
     sender.push({"w": np.arange(10, dtype=np.float32)}, 0)
-    _, got = make_receiver("shm", run_id=run_id).pull()
+    _, got = make_receiver(SyncConfig(run_id=run_id, transport="shm", delta=False)).pull()
     sender.close()
     sender.close()  # idempotent
     assert _segments(run_id) == [] and got["w"].tolist() == list(range(10))
@@ -170,7 +171,7 @@ def test_concurrent_reader_never_sees_a_torn_version(run_id):
     """A reader process pulls as fast as it can while the writer rewrites both buffers as fast as it can, until the
     reader has read `want` versions mid-write-stream (however the two are scheduled)."""
     want = 100
-    with make_sender("shm", run_id=run_id) as sender:
+    with make_sender(SyncConfig(run_id=run_id, transport="shm", delta=False)) as sender:
         sender.push({"w": np.zeros(1 << 17, np.float32), "v": np.zeros(1 << 16, np.int32)}, 0)
         proc = subprocess.Popen(
             [sys.executable, "-c", READER, run_id, str(want)],
@@ -214,7 +215,8 @@ def test_a_delta_overwritten_while_applied_is_a_torn_read_not_a_corrupt_version(
                 writer()
             return super()._apply(msg, state)
 
-    with make_sender("shm", run_id=run_id, delta=True) as sender, OverwrittenWhileApplying(run_id, delta=True) as rx:
+    cfg = SyncConfig(run_id=run_id, transport="shm", delta=True)
+    with make_sender(cfg) as sender, OverwrittenWhileApplying(run_id, delta=True) as rx:
         sender.push(versions[0], 0)
         assert rx.pull()[0] == 0
         sender.push(versions[1], 1)
@@ -229,7 +231,8 @@ def test_a_delta_overwritten_while_applied_is_a_torn_read_not_a_corrupt_version(
 def test_push_that_fails_midway_is_never_shown_and_the_next_push_works(run_id, monkeypatch):
     import weight_sync.shm as shm
 
-    sender, receiver = make_sender("shm", run_id=run_id), make_receiver("shm", run_id=run_id)
+    cfg = SyncConfig(run_id=run_id, transport="shm", delta=False)
+    sender, receiver = make_sender(cfg), make_receiver(cfg)
     with sender, receiver:
         sender.push({"w": np.full(1000, 1.0, np.float32)}, 1)
         real_write = shm.encode_payload_into
@@ -254,7 +257,8 @@ def test_push_that_fails_midway_is_never_shown_and_the_next_push_works(run_id, m
 def test_a_push_refused_for_lack_of_shared_memory_leaves_the_sender_usable(run_id, monkeypatch):
     import types
 
-    sender, receiver = make_sender("shm", run_id=run_id), make_receiver("shm", run_id=run_id)
+    cfg = SyncConfig(run_id=run_id, transport="shm", delta=False)
+    sender, receiver = make_sender(cfg), make_receiver(cfg)
     with sender, receiver:
         sender.push({"w": np.full(1000, 1.0, np.float32)}, 1)
         sender.push({"w": np.full(1000, 2.0, np.float32)}, 2)  # both buffers mapped
@@ -284,7 +288,7 @@ def test_a_sender_dropped_without_close_removes_its_segments_and_lock(run_id):
     outlive the process, nor its lock and mappings stay open."""
     import gc
 
-    sender = make_sender("shm", run_id=run_id)
+    sender = make_sender(SyncConfig(run_id=run_id, transport="shm", delta=False))
     sender.push({"w": np.ones(4, np.float32)}, 0)
     assert len(_segments(run_id)) == 2 and _open_files(run_id)
     del sender
@@ -305,14 +309,14 @@ def test_a_sweep_spares_a_writer_that_replaced_the_dead_one_meanwhile(run_id, mo
     def flock_after_a_new_writer_started(fd, op):
         if op & fcntl.LOCK_NB and os.readlink(f"/proc/self/fd/{fd}") == ctl:
             monkeypatch.undo()  # once: from here on (the new writer's sweep too) the real flock
-            new.append(make_sender("shm", run_id=run_id))
+            new.append(make_sender(SyncConfig(run_id=run_id, transport="shm", delta=False)))
             new[0].push({"w": np.full(8, 5.0, np.float32)}, 5)
         return real_flock(fd, op)
 
     monkeypatch.setattr(fcntl, "flock", flock_after_a_new_writer_started)
     try:
         assert run_id not in remove_stale_segments() and len(new) == 1
-        with make_receiver("shm", run_id=run_id) as receiver:
+        with make_receiver(SyncConfig(run_id=run_id, transport="shm", delta=False)) as receiver:
             version, got = receiver.pull()
             assert version == 5 and (got["w"] == 5.0).all()
     finally:

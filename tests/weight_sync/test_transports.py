@@ -7,7 +7,7 @@ import torch
 from wsync_values import special_tensor
 
 from trainer.parallel import to_numpy
-from weight_sync import TRANSPORTS, make_receiver, make_sender
+from weight_sync import TRANSPORTS, SyncConfig, make_receiver, make_sender
 from weight_sync.manifest import check_named_arrays
 
 ALL_DTYPES = [
@@ -26,9 +26,9 @@ ALL_DTYPES = [
 
 def _pair(transport, run_id, tmp_path, **kw):
     keep = kw.pop("keep", 2)
-    sender = make_sender(transport, run_id=run_id, root=tmp_path, keep=keep, **kw)
-    receiver = make_receiver(transport, run_id=run_id, root=tmp_path, delta=kw.get("delta", False))
-    return sender, receiver
+    kw.setdefault("delta", False)
+    cfg = SyncConfig(run_id=run_id, transport=transport, dir=tmp_path, keep=keep, **kw)
+    return make_sender(cfg), make_receiver(cfg)  # a receiver reads only run_id, transport, dir and delta
 
 
 def _state(rng):
@@ -315,26 +315,26 @@ def test_disk_refuses_a_tensor_named_like_the_safetensors_metadata(run_id, tmp_p
 def test_factory_errors(run_id, tmp_path):
     assert TRANSPORTS == ("shm", "disk")  # what make_sender builds; "ray" is rlloop.ray_sync's
     with pytest.raises(ValueError, match="'zmq'"):
-        make_sender("zmq", run_id=run_id)
+        make_sender(SyncConfig(run_id=run_id, transport="zmq", delta=False))
     with pytest.raises(ValueError, match="root"):
-        make_sender("disk", run_id=run_id)
+        make_sender(SyncConfig(run_id=run_id, transport="disk", delta=False))
     for make in (make_sender, make_receiver):
         with pytest.raises(ValueError, match="rlloop.ray_sync.make_ray_sender / make_ray_receiver"):
-            make("ray", run_id=run_id)
+            make(SyncConfig(run_id=run_id, transport="ray", delta=False))
     with pytest.raises(ValueError, match="run_id"):
-        make_sender("shm", run_id="../etc")
+        make_sender(SyncConfig(run_id="../etc", transport="shm", delta=False))
     with pytest.raises(ValueError, match="keyframe_every"):
-        make_sender("shm", run_id=run_id, keyframe_every=0)
-    first = make_sender("shm", run_id=run_id)
+        make_sender(SyncConfig(run_id=run_id, transport="shm", delta=False, keyframe_every=0))
+    first = make_sender(SyncConfig(run_id=run_id, transport="shm", delta=False))
     with first, pytest.raises(ValueError, match="live shm sender"):
-        make_sender("shm", run_id=run_id)
+        make_sender(SyncConfig(run_id=run_id, transport="shm", delta=False))
 
 
 DISK_READER = r"""
 import hashlib, sys
-from weight_sync import make_receiver
+from weight_sync import SyncConfig, make_receiver
 
-version, arrays = make_receiver("disk", run_id=sys.argv[2], root=sys.argv[1], delta=True).pull()
+version, arrays = make_receiver(SyncConfig(run_id=sys.argv[2], transport="disk", dir=sys.argv[1], delta=True)).pull()
 print(version)
 for name in sorted(arrays):
     print(name, arrays[name].dtype.name, hashlib.sha256(arrays[name].tobytes()).hexdigest())
@@ -350,7 +350,7 @@ def test_disk_version_readable_by_another_process(run_id, tmp_path):
 
     rng = np.random.default_rng(5)
     state = _state(rng)
-    sender = make_sender("disk", run_id=run_id, root=tmp_path)
+    sender = make_sender(SyncConfig(run_id=run_id, transport="disk", dir=tmp_path, delta=False))
     sender.push(state, 11)
     out = subprocess.run(
         [sys.executable, "-c", DISK_READER, str(tmp_path), run_id],
@@ -372,7 +372,7 @@ def test_restarted_sender_starts_a_new_epoch(transport, run_id, tmp_path):
     sender.push({"w": np.full(100, 57, np.int32)}, 57)
     assert receiver.pull()[0] == 57
     sender.close()
-    resumed = make_sender(transport, run_id=run_id, root=tmp_path, delta=True)
+    resumed = make_sender(SyncConfig(run_id=run_id, transport=transport, dir=tmp_path, delta=True))
     with resumed, receiver:
         resumed.push({"w": np.full(100, 40, np.int32)}, 40)
         version, got = receiver.pull()
@@ -439,7 +439,7 @@ def test_a_late_receiver_gets_a_forced_keyframe(transport, run_id, tmp_path):
         w = w.copy()
         w[3] = -3
         assert not sender.push({"w": w}, 1).keyframe
-        late = make_receiver(transport, run_id=run_id, root=tmp_path, delta=True)
+        late = make_receiver(SyncConfig(run_id=run_id, transport=transport, dir=tmp_path, delta=True))
         with late:
             sender.force_keyframe()
             w = w.copy()
@@ -461,13 +461,13 @@ def test_weights_are_readable_by_their_owner_only(run_id, tmp_path):
     from weight_sync.shm import segment_path
 
     weights = {"w": np.arange(8, dtype=np.float32)}
-    with make_sender("shm", run_id=run_id) as sender:
+    with make_sender(SyncConfig(run_id=run_id, transport="shm", delta=False)) as sender:
         sender.push(weights, version=1)
         for part in ("ctl", "buf0"):
             assert stat.S_IMODE(os.stat(segment_path(run_id, part)).st_mode) == 0o600, part
     old = os.umask(0o000)
     try:
-        with make_sender("disk", run_id=run_id, root=tmp_path) as sender:
+        with make_sender(SyncConfig(run_id=run_id, transport="disk", dir=tmp_path, delta=False)) as sender:
             sender.push(weights, version=1)
     finally:
         os.umask(old)
