@@ -15,6 +15,7 @@ import os
 import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -35,6 +36,12 @@ def run_id_for(run_dir: Path) -> str:
     """Stable across resumes of one run directory, distinct between runs: it names shared-memory segments."""
     digest = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:8]
     return f"{re.sub(r'[^A-Za-z0-9_.-]', '-', Path(run_dir).name)[:32]}-{digest}"
+
+
+@dataclass
+class TrainedStep:
+    metrics: dict[str, float]
+    published: bool  # rank 0 published the step's weights (not when the step changed none, or was not asked to)
 
 
 def sync_config(cfg: Config, run_dir: Path) -> SyncConfig:
@@ -252,11 +259,11 @@ class Cluster:
         """`n` completions per prompt from the engines, and their merged stats (`EnginePool.generate`)."""
         return self.pool.generate(prompts, n, sampling, in_flight_updates, profile)
 
-    def start_train_step(self, batch, publish: int | None = None, profile: str | None = None) -> Future[dict]:
+    def start_train_step(self, batch, publish: int | None = None, profile: str | None = None) -> Future[TrainedStep]:
         """Queue one train step on every rank, behind any step still running there; with `publish`, rank 0 then
-        publishes the new weights as that version (if the step changed them: `perf/push_s` in the metrics), queued
-        behind the step so that it costs no round trip of its own; with `profile` (a directory), rank r traces its
-        step into `profile`/trainer_rank{r}. Returns the step's metrics as a future, done as soon as the ranks are."""
+        publishes the new weights as that version if the step changed them, queued behind the step so that it costs
+        no round trip of its own; with `profile` (a directory), rank r traces its step into `profile`/trainer_rank{r}.
+        Returns the step's metrics and whether it published as a future, done as soon as the ranks are."""
         from trainer import shard_batch
 
         world = len(self.trainers)
@@ -278,17 +285,18 @@ class Cluster:
         results = self._submit_in_order(self.trainers, calls, start=not self._stepped)
         self._stepped = True
 
-        def metrics() -> dict[str, float]:
-            done = results()  # each call's result is equal on all ranks
-            return done[0][0] | (done[1][0] if publish is not None else {}) | freed
+        def trained() -> TrainedStep:
+            done = results()  # each call's result is equal on all ranks (push_weights: rank 0's is the push's)
+            pushed = done[1][0] if publish is not None else None
+            return TrainedStep(done[0][0] | (pushed or {}) | freed, published=pushed is not None)
 
-        return self._train_results.submit(metrics)
+        return self._train_results.submit(trained)
 
     def push_weights(self, version: int) -> dict[str, float]:
         """Rank 0 publishes `version` (the other ranks join the export's gather under fsdp); the engines take it at
         their next pull."""
         pushed = self._call_all(self.trainers, "push_weights", [(version,)] * len(self.trainers))
-        return pushed[0] if pushed else {}
+        return (pushed[0] if pushed else None) or {}
 
     def sync_metrics(self) -> dict[str, float]:
         """The engines' receiver metrics as they last reported them (fully_async: as they loaded weights mid-

@@ -243,15 +243,16 @@ def start_training(cfg: Config, cluster: Cluster, step: int, samples, trained: C
     training = cluster.start_train_step(
         samples.to_train_batch(), publish=step if cluster.engines else None, profile=profile_dir(cfg, step)
     )
-    training.add_done_callback(lambda done: done.exception() or trained(step, "perf/push_s" in done.result()))
+    training.add_done_callback(lambda done: done.exception() or trained(step, done.result().published))
 
     def wait(queued: float) -> dict[str, float]:
         t0 = time.perf_counter()
-        metrics = training.result()
+        result = training.result()
+        metrics = result.metrics
         blocked = queued + time.perf_counter() - t0
         push_s = min(metrics.get("perf/push_s", 0.0), blocked)  # as far as the driver waited for it
         t1 = time.perf_counter()
-        if "perf/push_s" in metrics and cfg.loop.mode == "sync":
+        if result.published and cfg.loop.mode == "sync":
             metrics |= cluster.pull_weights()
         return metrics | {"perf/train_s": blocked - push_s, "perf/sync_s": push_s + time.perf_counter() - t1}
 

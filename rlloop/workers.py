@@ -275,16 +275,16 @@ class TrainerWorker:
         state = self.trainer.state_nbytes()["total"]  # rank 0's share: what train.parallel=fsdp divides
         return {**metrics, "perf/train_busy_s": time.perf_counter() - t0, "train/state_bytes_per_rank": state}
 
-    def push_weights(self, version: int, if_updated: bool = False) -> dict[str, float]:
-        """Rank 0 publishes `version`. Called on every rank: under fsdp the export is a gather all ranks join. With
-        `if_updated`, only when the last train step changed the weights (every rank skips alike: the step's metrics
-        are reduced over ranks)."""
+    def push_weights(self, version: int, if_updated: bool = False) -> dict[str, float] | None:
+        """Rank 0 publishes `version` and returns the push's metrics; None where nothing was published. Called on
+        every rank: under fsdp the export is a gather all ranks join. With `if_updated`, only when the last train step
+        changed the weights (every rank skips alike: the step's metrics are reduced over ranks)."""
         if if_updated and not self.updated:
-            return {}
+            return None
         t0 = time.perf_counter()
         weights = self.trainer.export_weights()
-        if self.sender is None:
-            return {}
+        if self.sender is None:  # not rank 0
+            return None
         stats = self.sender.push(weights, version)
         return {**stats.metrics(), "perf/push_s": time.perf_counter() - t0}
 

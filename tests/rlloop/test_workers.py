@@ -72,7 +72,7 @@ def test_freezing_the_heap_collects_garbage_first_and_takes_the_live_objects_out
 
 
 def test_a_rank_publishes_after_a_step_only_when_the_step_changed_the_weights(tiny_qwen3_dir, tmp_path, monkeypatch):
-    """The loop queues `push_weights(version, if_updated=True)` behind each train step (rlloop.cluster.train_step):
+    """The loop queues `push_weights(version, if_updated=True)` behind each train step (Cluster.start_train_step):
     after a step that raised or was skipped as non-finite it must publish nothing, so that the engines keep the last
     good weights."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what the worker sets (limit_threads); restored after the test
@@ -86,11 +86,11 @@ def test_a_rank_publishes_after_a_step_only_when_the_step_changed_the_weights(ti
         assert worker.push_weights(1, if_updated=True)["sync/version"] == 1
         with pytest.raises(ValueError, match="advantages"):  # a bad batch: the step raises before touching anything
             worker.train_step(TrainBatch(batch.prompts, batch.responses, batch.advantages[:3]))
-        assert worker.push_weights(2, if_updated=True) == {} and worker.sender.version == 1
+        assert worker.push_weights(2, if_updated=True) is None and worker.sender.version == 1
         with torch.no_grad():  # one poisoned weight: every gradient from here on is NaN, and the step is skipped
             worker.trainer.model.get_decoder().norm.weight[0] = float("nan")
         assert worker.train_step(batch)["train/skipped_steps"] == 1
-        assert worker.push_weights(3, if_updated=True) == {} and worker.sender.version == 1
+        assert worker.push_weights(3, if_updated=True) is None and worker.sender.version == 1
     finally:
         torch.set_num_threads(threads)  # the worker set one thread for this process
 
