@@ -16,6 +16,7 @@ only; what they cost in FLOPs and bytes is rollout.cost's arithmetic.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import jax
@@ -44,6 +45,21 @@ from rollout.weights import (
 __all__ = ["EngineConfig", "JaxEngine", "DecodeState", "MAX_STOP_IDS"]
 
 _FINISH_REASON = {STOPPED: "stop", LENGTH: "length"}
+
+
+@dataclass
+class GenerateTally:
+    """What one generate() ran, for its stats (`JaxEngine.stats`)."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prefill_lens: list[int] = field(default_factory=list)  # tokens of each prefill (a prompt's all but its last)
+    prefill_padded: int = 0  # prefill positions run, padding included
+    decode_rows: int = 0  # decode rows run, padding included
+    decode_emitted: int = 0  # of those, rows that emitted a token
+    copy_rows: int = 0  # prompt caches copied to a group's other slots
+    dispatches: int = 0
+    bytes: float = 0.0  # read and written, by rollout.cost's count
 
 
 class JaxEngine:
@@ -229,17 +245,7 @@ class JaxEngine:
         out_lp = np.zeros((slots, max_new), np.float32)
         start_version = np.zeros(slots, np.int64)  # weight version each slot's sample started with
         done: list[Completion] = []
-        st = dict(
-            prefill_s=0.0,
-            decode_s=0.0,
-            prefill_lens=[],  # tokens of each prefill (a prompt's all but its last)
-            prefill_padded=0,
-            decode_rows=0,
-            decode_emitted=0,
-            copy_rows=0,
-            dispatches=0,
-            bytes=0.0,
-        )
+        st = GenerateTally()
 
         while sched.has_work():
             if between_dispatches is not None:
@@ -252,18 +258,18 @@ class JaxEngine:
                 for src, dst in adm.copies:  # a copied prompt KV is as old as its source's: the version it started on
                     start_version[dst] = start_version[src]
                 jax.block_until_ready(self.cache)
-                st["prefill_s"] += time.perf_counter() - t0
+                st.prefill_s += time.perf_counter() - t0
             b = pick_bucket(self.decode_buckets, sched.extent())
             t0 = time.perf_counter()
             new, toks, logps, emitted = self._decode_dispatch(state, b)
             tok, pos, n_gen, finish, toks, logps, emitted = jax.device_get(
                 (new.tok, new.pos, new.n_gen, new.finish, toks, logps, emitted)
             )
-            st["decode_s"] += time.perf_counter() - t0
-            st["dispatches"] += 1
-            st["decode_rows"] += emitted.size
-            st["decode_emitted"] += int(emitted.sum())
-            st["bytes"] += self._dispatch_bytes(state, b)
+            st.decode_s += time.perf_counter() - t0
+            st.dispatches += 1
+            st.decode_rows += emitted.size
+            st.decode_emitted += int(emitted.sum())
+            st.bytes += self._dispatch_bytes(state, b)
 
             # scatter this dispatch's tokens into the per-slot output buffers (vectorised: no per-token Python)
             step_idx = state.n_gen[None, :b] + np.cumsum(emitted, axis=0) - 1
@@ -308,51 +314,53 @@ class JaxEngine:
             self.page_len,
         )
 
-    def _admit(self, adm: Admission, state: DecodeState, max_new: int, st: dict) -> None:
+    def _admit(self, adm: Admission, state: DecodeState, max_new: int, st: GenerateTally) -> None:
         """Prefill each new prompt once (all but its last token), fan its KV out, and arm the slots for decode."""
-        st["prefill_lens"] += [len(p) - 1 for _, p in adm.prefill]
+        st.prefill_lens += [len(p) - 1 for _, p in adm.prefill]
         for batch in pack_prefills([(s, p[:-1]) for s, p in adm.prefill], self.prefill_buckets, self.cfg.max_batch):
             self._run_prefill(batch)
-            st["prefill_padded"] += batch.tokens.size
-            st["bytes"] += cost.prefill_bytes(
+            st.prefill_padded += batch.tokens.size
+            st.bytes += cost.prefill_bytes(
                 self.model_cfg, self._itemsize, batch.tokens.size, self._cache_dtype.itemsize
             )
         if adm.copies:
             rows = self._run_copies(adm.copies)
-            st["copy_rows"] += rows
-            st["bytes"] += cost.copy_bytes(self.model_cfg, self._cache_dtype.itemsize, rows, self._copy_len)
+            st.copy_rows += rows
+            st.bytes += cost.copy_bytes(self.model_cfg, self._cache_dtype.itemsize, rows, self._copy_len)
         for slot, req in zip(adm.slots, adm.requests):
             # The last prompt token is fed to the first decode step, which samples the first new token.
             state.arm(slot, req.prompt[-1], len(req.prompt) - 1, max_new, req.request_id)
 
-    def _record_stats(self, st: dict, done: list[Completion], prompts, t_start: float, compiles_before: int) -> None:
+    def _record_stats(
+        self, st: GenerateTally, done: list[Completion], prompts, t_start: float, compiles_before: int
+    ) -> None:
         gen = sum(len(c.token_ids) for c in done)
         flops = cost.generate_flops(
-            self.model_cfg, st["prefill_lens"], ((len(prompts[c.prompt_index]), len(c.token_ids)) for c in done)
+            self.model_cfg, st.prefill_lens, ((len(prompts[c.prompt_index]), len(c.token_ids)) for c in done)
         )
-        prefill_tokens = sum(st["prefill_lens"])
-        busy = st["prefill_s"] + st["decode_s"]
+        prefill_tokens = sum(st.prefill_lens)
+        busy = st.prefill_s + st.decode_s
         wall = time.perf_counter() - t_start
-        padded = st["prefill_padded"] + st["decode_rows"]
+        padded = st.prefill_padded + st.decode_rows
         self._stats = dict(
             compiles=float(compile_count() - compiles_before),
             total_compiles=float(compile_count()),
-            pad_frac=(padded - prefill_tokens - st["decode_emitted"]) / max(padded, 1),
+            pad_frac=(padded - prefill_tokens - st.decode_emitted) / max(padded, 1),
             padded_slots=float(padded),  # prefill positions and decode rows run, padding included
-            pad_slots=float(padded - prefill_tokens - st["decode_emitted"]),
-            prefill_s=st["prefill_s"],
-            decode_s=st["decode_s"],
+            pad_slots=float(padded - prefill_tokens - st.decode_emitted),
+            prefill_s=st.prefill_s,
+            decode_s=st.decode_s,
             wall_s=wall,
             tok_s=gen / max(wall, 1e-9),
             gen_tokens=float(gen),
             prompt_tokens=float(sum(len(prompts[c.prompt_index]) for c in done)),
             prefill_tokens=float(prefill_tokens),
-            dispatches=float(st["dispatches"]),
-            copy_rows=float(st["copy_rows"]),
+            dispatches=float(st.dispatches),
+            copy_rows=float(st.copy_rows),
             flops=flops,
-            bytes=st["bytes"],
+            bytes=st.bytes,
             flop_s=flops / max(busy, 1e-9),
-            bytes_s=st["bytes"] / max(busy, 1e-9),
+            bytes_s=st.bytes / max(busy, 1e-9),
             weight_version=float(self.weight_version),
         )
 
