@@ -1,5 +1,5 @@
-"""Run checkpoints: `<run dir>/checkpoints/step_NNNNNN/` holding the trainer's state (`trainer/`: HF model, optimizer,
-RNG, fsdp shards) and the loop's (`state.json`: step, data position).
+"""Run checkpoints: `<run dir>/checkpoints/step_NNNNNN/` holding the trainer's state (`trainer/`: HF model with the
+run's tokenizer, optimizer, RNG, fsdp shards) and the loop's (`state.json`: step, data position).
 
 A checkpoint is written under a temporary name and renamed, with `manifest.json` (every file's size and xxh3) and
 then `state.json` last (it holds the xxh3 of the manifest and of its own content), so a crash or a full disk mid-save

@@ -34,7 +34,7 @@ from rlloop.config_errors import ConfigError, describe
 from rlloop.config_files import read_config
 from rollout import EngineConfig
 from rollout.buckets import default_prefill_buckets
-from rollout.types import DType
+from rollout.types import GREEDY_BELOW, DType
 from trainer import LossConfig, TrainerConfig
 from trainer.config import resolve_parallel
 from weight_sync import SyncConfig
@@ -190,7 +190,8 @@ class RolloutSection(
     prompts_per_step: PositiveInt = 32
     group_size: int = 8  # >= 2 (_group_size)
     max_response_len: PositiveInt = 8192
-    temperature: Annotated[float, Field(gt=0)] = 1.0
+    # The trainer scores samples at this temperature; below GREEDY_BELOW the engine samples greedily (as vLLM does)
+    temperature: Annotated[float, Field(ge=GREEDY_BELOW)] = 1.0
     top_p: Prob = 1.0
     top_k: int = -1  # -1 (or 0, as in HF): off; else sample from the k most likely tokens (_top_k)
     ignore_eos: bool = False  # benchmarks: every response runs to max_response_len

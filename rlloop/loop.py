@@ -183,7 +183,7 @@ def run_recipe(
                 metrics["perf/rollout_wait_s"] = clock.waited
             if evaluating and cfg.run.evals_at(step):
                 t0 = time.perf_counter()
-                # Meanwhile fully_async's producer starts no chunk, and async's next step has loaded its older weights
+                # fully_async's producer starts no chunk meanwhile; async's step + 1 (older weights) is done first
                 with batches.paused():
                     if cfg.loop.mode != "sync":  # the engines finish the generation under way: that wait is not eval
                         cluster.pull_weights()

@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     earlier = checkpoint_marks(cfg.run_dir)  # an earlier run's, which this one replaces at its first save
     try:
         run_dir = train(cfg, resume=args.resume, inputs=inputs)
-    # Data errors here: other data than the checkpoint's, a row the tokenizer cannot encode, lost replays
+    # Data errors here: other data than the checkpoint's, lost replays
     except (errors.ClusterError, errors.CheckpointError, errors.DataError, NonFiniteTraining, errors.RewardError) as e:
         advice = f"\n{go_on(args, cfg.run_dir, earlier)}" if isinstance(e, errors.ActorDied) else ""
         print(f"{error_label(e)} error: {e}{advice}", file=sys.stderr)

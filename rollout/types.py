@@ -50,7 +50,7 @@ class SamplingParams:
     def __post_init__(self):
         # One clear error per bad field, so a typo in a config fails before any compile or model load.
         if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+            raise ValueError(f"temperature must be >= 0 (below GREEDY_BELOW means greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:

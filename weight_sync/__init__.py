@@ -12,7 +12,7 @@ never imports torch, and a torch tensor is refused with a ValueError naming it.
 
 Arrays returned by pull() are zero-copy views (read-only for disk and Ray): load them onto the device before the
 sender pushes two more versions (shm reuses its two buffers, and copies a version that the very next push
-overwrites, e.g. one pulled with `at_most`; disk prunes beyond `keep`). A receiver made with delta=True keeps its
+overwrites, e.g. one pulled with `at_most`; disk prunes beyond `keep`). A receiver whose config has `delta` keeps its
 own copy of the current weights, which deltas are applied to (copy-on-write, never in place), and returns that copy:
 treat pulled arrays as read-only (a scribbled-on base is caught by the checksum of the next reconstruction, refused,
 and repaired by a keyframe).
