@@ -1,10 +1,11 @@
 """The rollout engine and the trainer ranks, placed on chips as Ray actors, or run in this process.
 
-This is the only place that knows about Ray actors and placement groups, with rlloop/engine_pool.py (the engines' calls
-and restarts): the loop calls `Cluster` methods and gets plain results back. A local Ray starts when neither
-`cluster.address` nor `RAY_ADDRESS` names one (and is stopped at the end: rlloop/ray_session.py, held by the loop across
-its clusters, or by a `Cluster` that started it); inside `ray job submit` the job's cluster is used. Actors are thin
-`ray.remote` wrappers around `rlloop.workers`; with `cluster.use_ray: false` the same workers run in the driver.
+The loop reaches the actors only through it: it calls `Cluster` methods and gets plain results back. Behind it,
+rlloop/engine_pool.py makes the engines' calls and restarts them, rlloop/placement.py plans the placement group and
+rlloop/ray_sync.py is the object-store weight transport. A local Ray starts when neither `cluster.address` nor
+`RAY_ADDRESS` names one (and is stopped at the end: by the loop's rlloop/ray_session.py across its clusters, or by a
+`Cluster` that started it); inside `ray job submit` the job's cluster is used. Actors are thin `ray.remote` wrappers
+around `rlloop.workers`; with `cluster.use_ray: false` the same workers run in the driver.
 """
 
 from __future__ import annotations

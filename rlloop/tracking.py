@@ -284,8 +284,8 @@ def make_report(cfg: Config, rows: list[dict]) -> str:
         steps, values = _series(rows, key)
         lines.append(f"- {key}: " + ", ".join(f"step {s}: {v:.3f}" for s, v in zip(steps, values)))
     timed = ["perf/step_s", "perf/rollout_s", "perf/train_s", "perf/sync_s", "perf/rollout_tok_per_s"]
-    if cfg.run.debug != "off":  # one role: nothing is synced, and the other's times are not there
-        timed = [key for key in timed if key != "perf/sync_s" and _series(rows, key)[1]]
+    if cfg.run.debug != "off":  # one role: nothing is synced (the other's times are not there, and are left out below)
+        timed.remove("perf/sync_s")
     timing = {key: _mean(values) for key in timed if (values := _series(rows, key)[1])}
     if timing:
         lines.append("- mean per step: " + ", ".join(f"{k.split('/')[1]} {v:.3g}" for k, v in timing.items()))

@@ -182,13 +182,13 @@ class RolloutWorker:
         now = time.perf_counter()
         if now - self._polled_at >= max(IN_FLIGHT_POLL_S, self._look_s / POLL_SHARE):
             self._polled_at = now
-            if not self._pull_in_flight():
+            if not self._load_newest():
                 # what a look that finds nothing costs this transport: the fastest one, so that a look that stalled
                 # once does not space out all the others
                 took = time.perf_counter() - now
                 self._look_s = took if self._look_s == 0.0 else min(self._look_s, took)
 
-    def _pull_in_flight(self, at_most: int | None = None) -> bool:
+    def _load_newest(self, at_most: int | None = None) -> bool:
         """Load the newest verified version (at most `at_most`) if there is one (True); a refused (corrupt) version
         keeps the old weights."""
         got = self.receiver.pull(at_most)
@@ -218,7 +218,7 @@ class RolloutWorker:
     def pull_weights(self, at_most: int | None = None) -> dict[str, float]:
         """Load the newest verified version (at most `at_most`), if any, and report the receiver's sync metrics."""
         t0 = time.perf_counter()
-        self._pull_in_flight(at_most)
+        self._load_newest(at_most)
         return self._sync_metrics() | {"perf/pull_s": time.perf_counter() - t0}
 
     def _sync_metrics(self) -> dict[str, float]:

@@ -46,7 +46,7 @@ def flipped_loss_sign(monkeypatch):
 def stale_weight_sync(monkeypatch):
     import rlloop.workers
 
-    monkeypatch.setattr(rlloop.workers.RolloutWorker, "_pull_in_flight", lambda self, at_most=None: None)
+    monkeypatch.setattr(rlloop.workers.RolloutWorker, "_load_newest", lambda self, at_most=None: None)
 
 
 def zero_advantages(monkeypatch):
