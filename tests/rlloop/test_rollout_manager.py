@@ -64,19 +64,21 @@ def test_groups_rewards_and_advantages(setup, std_scale):
     assert metrics["rollout/raw_reward"] == pytest.approx(float(samples.raw_rewards.mean()))
 
 
+# 12 prompts a step in pairs, dynamic sampling over up to 4 rounds
+DYNAMIC_PAIRS = [
+    "rollout.prompts_per_step=12",
+    "rollout.group_size=2",
+    "grpo.dynamic_sampling=true",
+    "grpo.max_sampling_rounds=4",
+]
+
+
 def test_dynamic_sampling_trains_exactly_prompts_per_step_groups_when_it_has_more(setup):
     """Pairs under a reward that fails on about half the responses: the first round keeps some groups, the next
     over-samples by the fraction kept and ends with more than a step takes; the step trains on exactly
     rollout.prompts_per_step of them."""
     cfg, (samples, metrics) = run_collect(
-        setup,
-        [
-            "rollout.prompts_per_step=12",
-            "rollout.group_size=2",
-            "grpo.dynamic_sampling=true",
-            "grpo.max_sampling_rounds=4",
-            "reward.fn=tests.rlloop.reward_fns:fails_on_odd_length",
-        ],
+        setup, [*DYNAMIC_PAIRS, "reward.fn=tests.rlloop.reward_fns:fails_on_odd_length"]
     )
     assert len(samples.prompts) == metrics["rollout/groups_kept"] == 12
     assert len(samples.completions) == 12 * cfg.rollout.group_size
@@ -84,15 +86,7 @@ def test_dynamic_sampling_trains_exactly_prompts_per_step_groups_when_it_has_mor
 
 def test_dynamic_sampling_keeps_only_informative_groups(setup):
     # pairs: with the warm start's ~0.15 accuracy about 3 groups in 4 agree on their reward and carry no signal
-    cfg, (samples, metrics) = run_collect(
-        setup,
-        [
-            "rollout.prompts_per_step=12",
-            "rollout.group_size=2",
-            "grpo.dynamic_sampling=true",
-            "grpo.max_sampling_rounds=4",
-        ],
-    )
+    cfg, (samples, metrics) = run_collect(setup, DYNAMIC_PAIRS)
     groups = samples.raw_rewards.reshape(-1, cfg.rollout.group_size)
     assert len(groups) == metrics["rollout/groups_kept"] <= 12
     assert all(g.std() > 0 for g in groups)
