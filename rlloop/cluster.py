@@ -48,7 +48,8 @@ class TrainedStep:
 def sync_config(cfg: Config, run_dir: Path) -> SyncConfig:
     """The run's weight sync: the `sync:` section's knobs, plus the run's identity and the disk root's default."""
     knobs = component_kwargs(cfg.sync, SyncConfig)
-    knobs["dir"] = knobs["dir"] or str(Path(run_dir) / "sync")
+    # absolute: the actors' working directory need not be the driver's
+    knobs["dir"] = str(Path(knobs["dir"] or Path(run_dir) / "sync").absolute())
     return SyncConfig(**knobs, run_id=run_id_for(run_dir))
 
 

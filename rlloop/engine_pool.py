@@ -61,6 +61,8 @@ class EnginePool:
         self._versions = [0] * n  # the weight version each engine holds, as its last pull said
         self._receiver_counts: dict[int, dict[str, float]] = {}  # RECEIVER_COUNTS: each engine's last pulled
         self._sync_reports: dict[int, dict[str, float]] = {}  # each engine's receiver metrics, as it last said
+        # fully_async's producer thread notes reports and restarts engines while the loop's thread reads the metrics
+        self._sync_lock = threading.Lock()
         self._retired_counts = dict.fromkeys(RECEIVER_COUNTS, 0.0)  # those of engines rebuilt (new ones count from 0)
 
     def generate(
@@ -129,22 +131,24 @@ class EnginePool:
 
     def _note_sync(self, reports: dict[int, dict[str, float]]) -> None:
         """Engines' receiver metrics, from a pull or a generation that loaded weights as it went (fully_async)."""
-        for e, m in reports.items():
-            self._sync_reports[e] = {key: v for key, v in m.items() if key.startswith("sync/")}
-            self._receiver_counts[e] = {key: m[key] for key in RECEIVER_COUNTS if key in m}
-            self._versions[e] = int(m["sync/rollout_version"])
+        with self._sync_lock:
+            for e, m in reports.items():
+                self._sync_reports[e] = {key: v for key, v in m.items() if key.startswith("sync/")}
+                self._receiver_counts[e] = {key: m[key] for key in RECEIVER_COUNTS if key in m}
+                self._versions[e] = int(m["sync/rollout_version"])
 
     def sync_metrics(self) -> dict[str, float]:
         """The receivers' metrics as last reported: engine 0's (the last pull's read and apply seconds, its version),
         the counts over every engine there has been, and with several engines each one's version."""
-        if not self._sync_reports:
-            return {}
-        out = dict(self._sync_reports[min(self._sync_reports)])
-        for key in RECEIVER_COUNTS:
-            out[key] = sum(c.get(key, 0.0) for c in self._receiver_counts.values()) + self._retired_counts[key]
-        if len(self.engines) > 1:
-            out |= {f"rollout/engine_{e}/version": float(v) for e, v in enumerate(self._versions)}
-        return out
+        with self._sync_lock:
+            if not self._sync_reports:
+                return {}
+            out = dict(self._sync_reports[min(self._sync_reports)])
+            for key in RECEIVER_COUNTS:
+                out[key] = sum(c.get(key, 0.0) for c in self._receiver_counts.values()) + self._retired_counts[key]
+            if len(self.engines) > 1:
+                out |= {f"rollout/engine_{e}/version": float(v) for e, v in enumerate(self._versions)}
+            return out
 
     @property
     def restarts(self) -> int:
@@ -205,9 +209,9 @@ class EnginePool:
                 self._count.done += 1
                 done = self._count.done
             log.warning("rollout engine %d %s; restarting it (%d/%d)", e, why, done, most)
-            for key, n in self._receiver_counts.pop(e, {}).items():
-                self._retired_counts[key] += n
-            self._sync_reports.pop(e, None)
+            with self._sync_lock:  # its report stays until the new engine's first (its version is reloaded below)
+                for key, n in self._receiver_counts.pop(e, {}).items():
+                    self._retired_counts[key] += n
             opts, kwargs = self._specs[e]
             engine = ray.remote(RolloutWorker).options(**opts).remote(**kwargs)
             try:

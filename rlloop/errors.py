@@ -25,6 +25,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written (the previous one is intact) or no intact one is left to resume from."""
 
 
+class RunDirInUse(RuntimeError):
+    """Another run holds the run directory."""
+
+
 class DataError(ValueError):
     """Bad or unusable data; the message names the source and the problem."""
 

@@ -8,8 +8,10 @@ decoder itself in `rollout/`), the loss in `trainer/`, the transports in `weight
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import os
 import time
 from contextlib import ExitStack, closing, contextmanager
 from pathlib import Path
@@ -22,7 +24,7 @@ from rlloop.cluster import Cluster
 from rlloop.config import Config, to_yaml
 from rlloop.data import Inputs, load_inputs
 from rlloop.engine_pool import RestartCount
-from rlloop.errors import CheckpointError, TrainerDied
+from rlloop.errors import CheckpointError, RunDirInUse, TrainerDied
 from rlloop.profiling import profile_dir
 from rlloop.ray_session import ray_session
 from rlloop.rollout_manager import RolloutManager
@@ -49,6 +51,33 @@ def train(cfg: Config, resume: bool = False, inputs: Inputs | None = None) -> Pa
     A trainer rank that dies costs a rebuild of the cluster from the run's last checkpoint (from the start before
     its first), with the same data order, up to `run.max_restarts` times (engines heal in place)."""
     inputs = inputs or load_inputs(cfg)
+    with run_dir_held(cfg.run_dir):
+        return _train(cfg, resume, inputs)
+
+
+@contextmanager
+def run_dir_held(run_dir: Path):
+    """The run directory for this process alone while it runs: a second run started into it (a --debug run, the same
+    command in another terminal) replaced the first one's metrics, report and checkpoints as both went on. An flock,
+    so a killed run holds nothing."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / ".lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise RunDirInUse(
+                f"run.dir: {run_dir} is in use by another run (pid {f.read().strip() or '?'}): let it finish, or "
+                "give this one another run.dir or run.name"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        yield
+
+
+def _train(cfg: Config, resume: bool, inputs: Inputs) -> Path:
     # A fresh run in a directory that holds an earlier run's checkpoints leaves them until its first save; a rebuild
     # before then starts over, not from the earlier run's step.
     inherited = frozenset() if resume else checkpoint_marks(cfg.run_dir)

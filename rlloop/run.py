@@ -4,8 +4,8 @@ The same command runs locally and as a Ray job (`ray job submit --working-dir . 
 codes: 0 done; 1 an actor died, the cluster cannot host the plan, training stayed non-finite for train.max_bad_steps
 steps, the reward function's workers cannot start, a checkpoint cannot be written or resumed, or the data no longer
 fits the checkpoint being resumed; 2 bad config, model or data, found before anything starts (the message names the
-key); 130 interrupted (Ctrl-C) and 143 terminated (SIGTERM), both after cleaning up:
-continue with --resume.
+key), or a run directory another run holds; 130 interrupted (Ctrl-C) and 143 terminated (SIGTERM), both after
+cleaning up: continue with --resume.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def error_label(e: Exception) -> str:
 
     labels = {
         ConfigError: "config",
+        errors.RunDirInUse: "config",
         errors.ModelError: "model",
         errors.DataError: "data",
         errors.RewardError: "reward",
@@ -264,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_dir = train(cfg, resume=args.resume, inputs=inputs)
     # Data errors here: other data than the checkpoint's, lost replays
+    except errors.RunDirInUse as e:  # nothing was started or written
+        print(f"{error_label(e)} error: {e}", file=sys.stderr)
+        return 2
     except (errors.ClusterError, errors.CheckpointError, errors.DataError, NonFiniteTraining, errors.RewardError) as e:
         advice = f"\n{go_on(args, cfg.run_dir, earlier)}" if isinstance(e, errors.ActorDied) else ""
         print(f"{error_label(e)} error: {e}{advice}", file=sys.stderr)

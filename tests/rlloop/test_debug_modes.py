@@ -2,6 +2,7 @@
 (no engine: train on saved rollouts), and a replayed step reproducing the original step's numbers exactly."""
 
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, load_state, save_checkpoint
 from rlloop.cluster import run_id_for
 from rlloop.errors import DataError
+from rlloop.loop import run_dir_held
 from rlloop.run import Terminated, go_on, main, parse_args, run_command, stopped_by
 from rlloop.schedules import ReplayRollout
 from rlloop.tracking import rollouts_file
@@ -98,6 +100,18 @@ for version in (1, 2):
 print("pushed", flush=True)
 time.sleep(600)
 """
+
+
+def test_a_run_dir_another_run_holds_is_refused(tmp_path, capsys):
+    """A second run started into a running one's directory (a --debug run, the command typed again) replaced its
+    metrics, report and checkpoints as both went on; it is refused before it starts, and the holder's files stay."""
+    run_dir = tmp_path / "run"
+    with run_dir_held(run_dir):
+        (run_dir / "metrics.jsonl").write_text("the running run's\n")
+        assert main([TINY, f"run.dir={run_dir}", "cluster.use_ray=false", "--debug", "rollout-only"]) == 2
+        err = capsys.readouterr().err
+        assert f"config error: run.dir: {run_dir} is in use by another run (pid {os.getpid()})" in err
+        assert (run_dir / "metrics.jsonl").read_text() == "the running run's\n"
 
 
 def test_the_resume_command_printed_on_ctrl_c_keeps_the_debug_mode():
