@@ -58,23 +58,22 @@ def train(cfg: Config, resume: bool = False, inputs: Inputs | None = None) -> Pa
 @contextmanager
 def run_dir_held(run_dir: Path):
     """The run directory for this process alone while it runs: a second run started into it (a --debug run, the same
-    command in another terminal) replaced the first one's metrics, report and checkpoints as both went on. An flock,
-    so a killed run holds nothing."""
+    command in another terminal) replaced the first one's metrics, report and checkpoints as both went on. An flock
+    on the directory itself: nothing is written into it (a refused start leaves the run as it was), and a killed run
+    holds nothing."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / ".lock", "a+") as f:
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            f.seek(0)
             raise RunDirInUse(
-                f"run.dir: {run_dir} is in use by another run (pid {f.read().strip() or '?'}): let it finish, or "
-                "give this one another run.dir or run.name"
+                f"run.dir: {run_dir} is in use by another run: let it finish, or give this one another run.dir or "
+                "run.name"
             ) from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
         yield
+    finally:
+        os.close(fd)
 
 
 def _train(cfg: Config, resume: bool, inputs: Inputs) -> Path:

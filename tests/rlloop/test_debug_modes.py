@@ -2,7 +2,6 @@
 (no engine: train on saved rollouts), and a replayed step reproducing the original step's numbers exactly."""
 
 import json
-import os
 import shlex
 import signal
 import subprocess
@@ -110,7 +109,7 @@ def test_a_run_dir_another_run_holds_is_refused(tmp_path, capsys):
         (run_dir / "metrics.jsonl").write_text("the running run's\n")
         assert main([TINY, f"run.dir={run_dir}", "cluster.use_ray=false", "--debug", "rollout-only"]) == 2
         err = capsys.readouterr().err
-        assert f"config error: run.dir: {run_dir} is in use by another run (pid {os.getpid()})" in err
+        assert f"config error: run.dir: {run_dir} is in use by another run" in err
         assert (run_dir / "metrics.jsonl").read_text() == "the running run's\n"
 
 
