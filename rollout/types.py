@@ -84,7 +84,8 @@ def check_requests(prompts: list[list[int]], n: int, sampling: SamplingParams, m
                 f"prompt {i} ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
                 f"exceeds max_seq_len {max_seq_len}"
             )
-        if bad := [t for t in prompt if not 0 <= t < vocab_size]:
+        if min(prompt) < 0 or max(prompt) >= vocab_size:  # C-speed on every call; the list only for the message
+            bad = [t for t in prompt if not 0 <= t < vocab_size]
             raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
 
 
