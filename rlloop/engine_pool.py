@@ -59,7 +59,6 @@ class EnginePool:
         self._restarting = [threading.Lock() for _ in range(n)]
         self._count, self._counting = count or RestartCount(), threading.Lock()
         self._versions = [0] * n  # the weight version each engine holds, as its last pull said
-        self._receiver_counts: dict[int, dict[str, float]] = {}  # RECEIVER_COUNTS: each engine's last pulled
         self._sync_reports: dict[int, dict[str, float]] = {}  # each engine's receiver metrics, as it last said
         # fully_async's producer thread notes reports and restarts engines while the loop's thread reads the metrics
         self._sync_lock = threading.Lock()
@@ -134,7 +133,6 @@ class EnginePool:
         with self._sync_lock:
             for e, m in reports.items():
                 self._sync_reports[e] = {key: v for key, v in m.items() if key.startswith("sync/")}
-                self._receiver_counts[e] = {key: m[key] for key in RECEIVER_COUNTS if key in m}
                 self._versions[e] = int(m["sync/rollout_version"])
 
     def sync_metrics(self) -> dict[str, float]:
@@ -145,7 +143,7 @@ class EnginePool:
                 return {}
             out = dict(self._sync_reports[min(self._sync_reports)])
             for key in RECEIVER_COUNTS:
-                out[key] = sum(c.get(key, 0.0) for c in self._receiver_counts.values()) + self._retired_counts[key]
+                out[key] = sum(r.get(key, 0.0) for r in self._sync_reports.values()) + self._retired_counts[key]
             if len(self.engines) > 1:
                 out |= {f"rollout/engine_{e}/version": float(v) for e, v in enumerate(self._versions)}
             return out
@@ -209,9 +207,9 @@ class EnginePool:
                 self._count.done += 1
                 done = self._count.done
             log.warning("rollout engine %d %s; restarting it (%d/%d)", e, why, done, most)
-            with self._sync_lock:  # its report stays until the new engine's first (its version is reloaded below)
-                for key, n in self._receiver_counts.pop(e, {}).items():
-                    self._retired_counts[key] += n
+            with self._sync_lock:  # its counts retire; the rest of its report stays until the new engine's first
+                for key in RECEIVER_COUNTS:
+                    self._retired_counts[key] += self._sync_reports.get(e, {}).pop(key, 0.0)
             opts, kwargs = self._specs[e]
             engine = ray.remote(RolloutWorker).options(**opts).remote(**kwargs)
             try:

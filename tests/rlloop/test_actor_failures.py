@@ -10,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -18,8 +19,10 @@ from rlloop.cluster import Cluster  # noqa: E402
 from rlloop.config import load_config  # noqa: E402
 from rlloop.engine_pool import RestartCount  # noqa: E402
 from rlloop.errors import ActorDied, ClusterError, TrainerDied  # noqa: E402
+from rlloop.ray_sync import get_mailbox  # noqa: E402
 from rollout import SamplingParams  # noqa: E402
 from trainer import TrainBatch  # noqa: E402
+from weight_sync import Sender, encode_payload_into, payload_nbytes  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("ray")  # starts Ray: one at a time (tests/conftest.py)
 
@@ -48,6 +51,30 @@ def test_the_runs_mailbox_outlives_an_engine_that_dies(ray_cluster, tmp_path):
         out, _ = cluster.generate([PROMPT], 2, SHORT)  # on the rebuilt engine
         assert cluster.restarts == 1 and len(out) == 2
         assert cluster.sync_weights(version=1)["sync/rollout_version"] == 1
+    finally:
+        cluster.close()
+
+
+def test_an_engines_refused_versions_still_count_after_it_is_rebuilt(ray_cluster, tmp_path):
+    """sync/refused counts over every engine the run has had: a rebuilt engine's receiver counts from 0, so the dead
+    one's refusals are kept apart and added (they had vanished at the new engine's first pull)."""
+    cfg = load_config(TINY, ["sync.transport=ray", "sync.delta=false", "run.max_restarts=1", f"run.dir={tmp_path}"])
+    cluster = Cluster(cfg, cfg.run_dir)
+    try:
+        cluster.warmup()
+        manifest, blobs = Sender()._encode({"w": np.arange(64, dtype=np.float32)}, 1)[:2]
+        payload = np.empty(payload_nbytes(manifest), np.uint8)
+        encode_payload_into(payload, manifest, blobs)
+        payload[-1] ^= 0x10  # a flipped byte in the tensor data, posted as version 1
+        ray.get(get_mailbox(cluster.sync_run_id).post.remote(1, [ray.put(payload)]))
+        assert cluster.pull_weights()["sync/refused"] == 1
+        kill_engine(cluster.engines[0])
+        out, _ = cluster.generate([PROMPT], 2, SHORT)  # on the rebuilt engine
+        assert cluster.restarts == 1
+        batch = TrainBatch([PROMPT] * 2, [c.token_ids for c in out], [1.0, -1.0])
+        cluster.start_train_step(batch, publish=2).result()
+        metrics = cluster.pull_weights()  # the new engine's first report: it has refused nothing itself
+        assert metrics["sync/refused"] == 1 and metrics["sync/rollout_version"] == 2
     finally:
         cluster.close()
 
