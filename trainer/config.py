@@ -58,6 +58,8 @@ class LossConfig:
 
     clip_eps_low: Annotated[float, Field(ge=0)] = 0.2
     clip_eps_high: Annotated[float, Field(ge=0)] = 0.28  # clip-higher (DAPO): ε_high > ε_low lets rare tokens rise
+    # Dual-clip (verl's clip_ratio_c, slime's eps_clip_c): with A < 0 a token's loss is at most −A·c; None: off
+    clip_ratio_c: Annotated[float, Field(gt=1)] | None = None
     loss_agg: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
     kl_coef: Annotated[float, Field(ge=0)] = 0.0  # β; 0 skips the reference model entirely
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"

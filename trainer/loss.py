@@ -4,7 +4,8 @@ Pure torch functions on padded [batch, response_len] tensors. Names and numbers 
 (docs/design.md §4):
   ratio    s = exp(logπθ − logπold) per token, or with `importance_level="sequence"` (GSPO) exp of the masked mean of
            logπθ − logπold over each sequence, broadcast to its tokens;
-  ℓ_pg     = −min(s·A, clip(s, 1−ε_low, 1+ε_high)·A), times the TIS weight min(exp(logπold − logπrollout), C);
+  ℓ_pg     = −min(s·A, clip(s, 1−ε_low, 1+ε_high)·A), with dual-clip at most −c·A where A < 0, times the TIS weight
+           min(exp(logπold − logπrollout), C);
   ℓ        = ℓ_pg + β·k(logπθ, logπref) − entropy_coef·H;
   loss     = aggregation of ℓ over the tokens:
              grpo    Σ_seq (Σ_tok ℓ / tokens_in_seq) / sequences
@@ -88,7 +89,8 @@ def policy_loss(
 
     Returns (loss, metrics). `pg_loss` and `kl_loss` in metrics use the same aggregation and normalisers as the loss
     (so they add up over micro-batches like the loss does); `kl_loss` is the unscaled k (β not applied);
-    `pg_clipfrac`, `ppo_kl`, `entropy` and `logprob_abs_diff` are token means over this call's mask.
+    `pg_clipfrac`, `ppo_kl`, `entropy`, `logprob_abs_diff` and, with dual-clip, `pg_clipfrac_lower` (tokens whose
+    loss it capped) are token means over this call's mask.
     """
     mask = mask.to(logp.dtype)
     if advantages.dim() == 1:
@@ -103,8 +105,14 @@ def policy_loss(
     ratio = torch.exp(log_ratio)
     clipped_ratio = torch.clamp(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
     pg_per_token = -torch.min(ratio * advantages, clipped_ratio * advantages)
-
     metrics: dict[str, torch.Tensor] = {}
+    if cfg.clip_ratio_c is not None:
+        # Dual-clip PPO: with A < 0 the surrogate above grows with s without bound; cap it at −c·A (no gradient there).
+        bound = -advantages * cfg.clip_ratio_c
+        lower = (advantages < 0) & (pg_per_token > bound)
+        pg_per_token = torch.where(lower, bound, pg_per_token)
+        metrics["pg_clipfrac_lower"] = masked_mean(lower.to(logp.dtype), mask).detach()
+
     if rollout_logp is not None:
         rollout_gap = old_logp - rollout_logp
         metrics["logprob_abs_diff"] = masked_mean(rollout_gap.abs(), mask).detach()

@@ -41,7 +41,7 @@ from trainer.policy_model import load_policy_model
 
 # Summed over micro-batches and ranks (they are aggregated losses); every other loss metric is a token mean.
 ADDITIVE_METRICS = ("loss", "pg_loss", "kl_loss")
-TOKEN_MEAN_METRICS = ("pg_clipfrac", "ppo_kl", "entropy", "logprob_abs_diff")
+TOKEN_MEAN_METRICS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "logprob_abs_diff")
 COUNTS = ("tokens", "micro_batches", "skipped_samples")  # tokens trained; samples skipped for a zero advantage
 
 
@@ -289,6 +289,8 @@ class Trainer:
         out.update({f"train/{k}": totals[k] for k in COUNTS})
         if batch.rollout_logprobs is None:  # no engine log-probs to compare with: no gap to report (not a gap of 0)
             out.pop("train/logprob_abs_diff", None)
+        if self.cfg.loss.clip_ratio_c is None:
+            out.pop("train/pg_clipfrac_lower", None)
         return out
 
     @torch.no_grad()

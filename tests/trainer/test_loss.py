@@ -46,6 +46,26 @@ def test_clipping_both_sides(ratio, adv, expected, grad_flows):
     assert m["ppo_kl"].item() == pytest.approx(-LN(ratio), abs=1e-12)
 
 
+@pytest.mark.parametrize(
+    "ratio, adv, expected, grad_flows",
+    [
+        (5.0, -1.0, +3.0, False),  # A < 0 and s far above 1: the loss stops at −c·A, no gradient
+        (2.0, -1.0, +2.0, True),  # A < 0, s below c: the plain surrogate, gradient flows
+        (5.0, +1.0, -1.28, False),  # A > 0: only the ordinary clip
+    ],
+)
+def test_dual_clip_bounds_negative_advantages(ratio, adv, expected, grad_flows):
+    cfg = LossConfig(clip_eps_low=0.2, clip_eps_high=0.28, clip_ratio_c=3.0, loss_agg="bnpo", tis_cap=None)
+    logp = t([[LN(ratio)]]).requires_grad_()
+    loss, m = policy_loss(logp, t([[0.0]]), t([adv]), t([[1.0]]), cfg)
+    assert loss.item() == pytest.approx(expected, abs=1e-12)
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(-adv * ratio if grad_flows else 0.0, abs=1e-12)
+    assert m["pg_clipfrac_lower"].item() == (1.0 if (adv < 0 and not grad_flows) else 0.0)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        LossConfig(clip_ratio_c=1.0)
+
+
 def test_aggregations_on_hand_numbers():
     # Ratio 1 everywhere, so ℓ = −A per token. Sequence 0 has 2 tokens with A=1, sequence 1 has 1 token with A=−3.
     logp = t([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
@@ -151,6 +171,8 @@ def reference_loss(logp, old, adv, lengths, cfg, ref=None, rollout=None, ent=Non
             clipped = min(max(s, 1 - cfg.clip_eps_low), 1 + cfg.clip_eps_high)
             unclipped_active = s * A <= clipped * A
             pg = -min(s * A, clipped * A)
+            if cfg.clip_ratio_c is not None and A < 0 and pg > -A * cfg.clip_ratio_c:  # dual-clip (verl's form)
+                pg, unclipped_active = -A * cfg.clip_ratio_c, False
             w = 1.0 if rollout is None or cfg.tis_cap is None else min(math.exp(old[b][k] - rollout[b][k]), cfg.tis_cap)
             loss = pg * w
             if cfg.importance_level == "sequence":
@@ -201,18 +223,21 @@ def reference_loss(logp, old, adv, lengths, cfg, ref=None, rollout=None, ent=Non
 
 
 CASES = list(
-    itertools.product(["grpo", "bnpo", "dr_grpo", "dapo"], ["k1", "k2", "k3"], ["token", "sequence"], [None, 2.0])
+    itertools.product(
+        ["grpo", "bnpo", "dr_grpo", "dapo"], ["k1", "k2", "k3"], ["token", "sequence"], [None, 2.0], [None, 1.4]
+    )
 )
 
 
-@pytest.mark.parametrize("agg, est, level, cap", CASES)
-def test_random_batches_match_reference_and_analytic_gradient(agg, est, level, cap):
-    rng = np.random.default_rng(CASES.index((agg, est, level, cap)))
+@pytest.mark.parametrize("agg, est, level, cap, dual", CASES)
+def test_random_batches_match_reference_and_analytic_gradient(agg, est, level, cap, dual):
+    rng = np.random.default_rng(CASES.index((agg, est, level, cap, dual)) // 2)  # the same batch with and without
     B, T = 4, 6
     lengths = [6, 3, 1, 5]
     mask = np.array([[1.0] * n + [0.0] * (T - n) for n in lengths])
     old = rng.normal(-2.0, 0.5, (B, T))
     logp = old + rng.normal(0.0, 0.3, (B, T))  # ratios spread over both clip boundaries
+    logp[3, 0] = old[3, 0] + 0.7  # s ≈ 2 with A < 0: past the dual clip's bound
     ref = old + rng.normal(0.0, 0.2, (B, T))
     rollout = old + rng.normal(0.0, 0.8, (B, T))  # some TIS weights above the cap
     ent = rng.uniform(0.5, 3.0, (B, T))
@@ -225,6 +250,7 @@ def test_random_batches_match_reference_and_analytic_gradient(agg, est, level, c
         tis_cap=cap,
         clip_eps_low=0.2,
         clip_eps_high=0.28,
+        clip_ratio_c=dual,
         entropy_coef=0.01,
     )
     want_loss, want_grad = reference_loss(
@@ -261,6 +287,9 @@ def test_random_batches_match_reference_and_analytic_gradient(agg, est, level, c
     assert m["ppo_kl"].item() == pytest.approx(((old - logp) * mask).sum() / n)
     assert m["logprob_abs_diff"].item() == pytest.approx((np.abs(old - rollout) * mask).sum() / n)
     assert m["entropy"].item() == pytest.approx((ent * mask).sum() / n)
+    if dual is not None and level == "token":  # the dual clip acts on this batch's tokens of A < 0 with s > 1.4
+        capped = (np.exp(logp - old) > dual) & (np.array(adv)[:, None] < 0) & (mask == 1)
+        assert capped.any() and m["pg_clipfrac_lower"].item() == pytest.approx(capped.sum() / n)
 
 
 def test_micro_batch_losses_sum_to_the_batch_loss():

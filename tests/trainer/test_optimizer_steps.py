@@ -8,7 +8,7 @@ clipping changes the weights, micro-batching splits the step), so that none of t
 import numpy as np
 import torch
 
-from trainer import TrainBatch, Trainer, TrainerConfig
+from trainer import LossConfig, TrainBatch, Trainer, TrainerConfig
 
 
 def grads_of(trainer: Trainer, batch: TrainBatch) -> torch.Tensor:
@@ -51,6 +51,17 @@ def test_every_minibatch_trains_against_the_pre_step_policy(tiny_qwen3_dir, make
     assert abs(metrics["train/loss"] - (m1["train/loss"] + m2["train/loss"]) / 2) <= 1e-6
     for name, weight in ref.export_weights().items():
         np.testing.assert_allclose(trainer.export_weights()[name], weight, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_dual_clip_reports_the_tokens_it_capped_over_the_step(tiny_qwen3_dir, make_batch):
+    """`train/pg_clipfrac_lower` comes with grpo.clip_ratio_c only, and acts (like the clip) in the second minibatch,
+    whose ratio departs from 1."""
+    batch = make_batch(8, seed=3)
+    cfg = dict(lr=1e-2, max_grad_norm=1e9, minibatches=2)
+    plain = Trainer(TrainerConfig(tiny_qwen3_dir, **cfg)).train_step(batch)
+    dual = Trainer(TrainerConfig(tiny_qwen3_dir, loss=LossConfig(clip_ratio_c=1.05), **cfg)).train_step(batch)
+    assert "train/pg_clipfrac_lower" not in plain
+    assert 0 < dual["train/pg_clipfrac_lower"] < 1 and dual["train/loss"] != plain["train/loss"]
 
 
 def test_gradients_are_clipped_to_max_grad_norm_before_adamw(tiny_qwen3_dir, make_batch):
