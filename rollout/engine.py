@@ -202,14 +202,19 @@ class JaxEngine:
         else:
             # The old weights go before the new ones arrive, as vLLM and slime update in place: two copies at once
             # are ~8 GB a chip more than the memory plan gives a 4B model. (A dispatch still running holds its own.)
-            self.params = None
+            # Until the new ones are in, there are none: a failed transfer (out of device memory) must not leave
+            # the old version's number on no weights.
+            self.weight_version, self.params = None, None
             self.params = jax.device_put(host, self._shardings)
         self.weight_version = int(version)
 
     # -- generation -------------------------------------------------------------------------------------------------
     def _validate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> np.ndarray:
         if self.weight_version is None:
-            raise ValueError(f"no weights loaded: {self.model_dir!r} has no safetensors; call load_weights() first")
+            raise ValueError(
+                f"no weights loaded: {self.model_dir!r} has no safetensors, or the last load_weights() failed; "
+                "call load_weights()"
+            )
         check_requests(prompts, n, sampling, self.cfg.max_seq_len, self.model_cfg.vocab_size)
         limit = self.prefill_buckets[-1]
         for i, p in enumerate(prompts):

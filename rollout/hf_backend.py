@@ -19,7 +19,7 @@ import transformers
 
 from rollout.engine_config import EngineConfig
 from rollout.model_config import eos_token_ids
-from rollout.types import Completion, RolloutEngine, SamplingParams, check_requests, mix_seed
+from rollout.types import Completion, RolloutEngine, SamplingParams, check_float_array, check_requests, mix_seed
 
 
 def numpy_to_torch(array: np.ndarray) -> torch.Tensor:
@@ -181,6 +181,7 @@ class HFEngine(RolloutEngine):
             raise ValueError(f"missing weight {missing[0]!r} ({len(missing)} missing in all)")
         tensors = {}
         for name, array in named_arrays.items():
+            check_float_array(name, array)
             tensor = numpy_to_torch(array)
             if tuple(tensor.shape) != tuple(state[name].shape):
                 raise ValueError(

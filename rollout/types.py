@@ -139,3 +139,12 @@ class RolloutEngine(Protocol):
     def load_weights(self, named_arrays: Mapping[str, np.ndarray], version: int) -> None: ...
 
     def stats(self) -> dict[str, float]: ...
+
+
+def check_float_array(name: str, arr) -> None:
+    """Refuse weight `name` unless it is a numpy array of real floats (bf16 included): an int, bool or complex array
+    would otherwise be cast into weights without a word."""
+    if isinstance(arr, np.ndarray) and (np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16"):
+        return
+    what = f"dtype {arr.dtype}" if isinstance(arr, np.ndarray) else f"a {type(arr).__name__}"
+    raise ValueError(f"weight {name!r} is {what}, expected a floating-point numpy array")

@@ -21,7 +21,7 @@ import ml_dtypes  # noqa: F401  (registers "bfloat16" with numpy, so np.dtype("b
 import numpy as np
 
 from rollout.model_config import ModelConfig
-from rollout.types import DTYPES
+from rollout.types import DTYPES, check_float_array
 from rollout.weight_table import LAYER_PARAMS, TOP_PARAMS, Param
 
 # Names a checkpoint may carry that the decoder does not need.
@@ -95,7 +95,8 @@ def params_from_named_arrays(
     """Validate HF-named arrays against `cfg` and build the decoder's Weights (host numpy arrays in `dtype`; with
     `head_copy`, a tied model's LM head copy too: `copies_tied_head`).
 
-    Raises ValueError naming the first missing, misshapen or unknown tensor; nothing is built until all are valid.
+    Raises ValueError naming the first missing, misshapen, non-float or unknown tensor; nothing is built until all
+    are valid.
     """
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
@@ -105,6 +106,7 @@ def params_from_named_arrays(
         raise ValueError(f"missing weight {missing[0]!r} ({len(missing)} missing in all)")
     for name, arr in named.items():
         if name in shapes:
+            check_float_array(name, arr)
             if tuple(arr.shape) != shapes[name]:
                 raise ValueError(f"weight {name!r} has shape {tuple(arr.shape)}, expected {shapes[name]}")
         elif name == "lm_head.weight" and cfg.tie_word_embeddings:

@@ -144,6 +144,15 @@ def test_load_weights_swaps_model_without_compiling(tmp_path, engine, hf, tiny_q
     bad["model.norm.weight"] = np.zeros(3, np.float32)
     with pytest.raises(ValueError, match="model.norm.weight"):
         engine.load_weights(bad, version=6)
+    # as does a tensor that is not floats, which would otherwise be cast into weights (or a list, not an array)
+    norm = load_safetensors_dir(str(other_dir))["model.norm.weight"]
+    for wrong, what in (
+        (norm.astype(np.int32), "dtype int32"),
+        (norm.astype(bool), "dtype bool"),
+        (norm.tolist(), "a list"),
+    ):
+        with pytest.raises(ValueError, match=f"'model.norm.weight' is {what}, expected a floating-point"):
+            engine.load_weights(load_safetensors_dir(str(other_dir)) | {"model.norm.weight": wrong}, version=6)
     # so does an untied trainer's head pushed to this tied model: the engine would compute logits from the embedding
     embed = load_safetensors_dir(str(other_dir))["model.embed_tokens.weight"]
     for head in (embed + 1, embed[:-1]):
@@ -154,6 +163,27 @@ def test_load_weights_swaps_model_without_compiling(tmp_path, engine, hf, tiny_q
     assert compile_count() == before
     engine.load_weights(load_safetensors_dir(str(tiny_qwen3_dir)), version=0)  # restore for other tests
     assert engine.generate([prompt], 1, sp)[0].token_ids == _hf_greedy(hf, prompt, 10)
+
+
+def test_a_failed_transfer_leaves_no_weights_rather_than_the_old_versions_number(tiny_qwen3_dir, monkeypatch):
+    """The old weights go before the new ones arrive (two copies would not fit a chip's plan). When the transfer then
+    fails (out of device memory), the engine holds no weights: a generation must say so, not fail inside the model
+    or carry the old version on samples of none."""
+    eng = small_engine(tiny_qwen3_dir)
+    named = load_safetensors_dir(str(tiny_qwen3_dir))
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while trying to allocate")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(jax, "device_put", out_of_memory)
+        with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+            eng.load_weights(named, version=4)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"no weights loaded: .*the last load_weights\(\) failed"):
+        eng.generate([[5, 6, 7]], 1, sp)
+    eng.load_weights(named, version=4)
+    assert eng.generate([[5, 6, 7]], 1, sp)[0].weight_version == 4
 
 
 def test_weights_loaded_between_dispatches_apply_in_flight(tmp_path, tiny_qwen3_dir, hf):

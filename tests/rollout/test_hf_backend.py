@@ -150,6 +150,12 @@ def test_load_weights_takes_what_the_jax_engine_takes(model_dir, other_model_dir
     engine.load_weights(arrays, version=3)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
     assert all(c.weight_version == 3 for c in engine.generate(PROMPTS, 1, greedy))
+    # and refuses what it refuses: a tensor that is not floats would be cast into the weights
+    norm = arrays["model.norm.weight"]
+    for wrong, what in ((norm.astype(np.int64), "dtype int64"), (norm.tolist(), "a list")):
+        with pytest.raises(ValueError, match=f"'model.norm.weight' is {what}, expected a floating-point"):
+            engine.load_weights(arrays | {"model.norm.weight": wrong}, version=4)
+    assert engine.stats()["weight_version"] == 3
 
 
 def test_load_weights_bf16_is_bit_exact(model_dir):
