@@ -36,6 +36,7 @@ from rlloop.bench.machine import machine
 from rlloop.bench.rollout import make_prompts, save_random_qwen3
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml"
+LONG_CACHE_SHARE = 0.6  # of JAX's pool limit, for engine_long's cache: the rest for weights and XLA's scratch
 PARTS = ("engine", "engine_long", "trainer", "tiny", "nccl")
 QWEN3_0_6B = dict(
     vocab_size=151936,
@@ -57,9 +58,28 @@ QUICK = dict(
 )
 
 
-def bench_engine(path: Path, args, cache_len: int | None = None, decode_attention: str = "auto") -> dict:
+def long_rows(path: Path, args) -> int:
+    """engine_long's rows: the part's prompts x n, fewer where their cache would take more than LONG_CACHE_SHARE of
+    the device's memory (JAX's pool limit). 256 rows of a 2,048-position bf16 cache of the 0.6B shape are 60 GB:
+    they fit an H200 (141 GB), not beside the pool's other buffers on an 80-GB H100."""
+    import jax
+
+    from rollout.cost import kv_bytes_per_token
+    from rollout.model_config import ModelConfig
+
+    rows = args.prompts * args.n
+    limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+    if not limit:  # CPU: no pool limit to size against
+        return rows
+    per_row = args.long_cache * kv_bytes_per_token(ModelConfig.from_dir(str(path)), 2)
+    fits = int(LONG_CACHE_SHARE * limit // per_row) // args.n * args.n  # whole groups
+    return max(args.n, min(rows, fits))
+
+
+def bench_engine(path: Path, args, cache_len: int | None = None, decode_attention: str = "auto", prompts=None) -> dict:
     """The engine part, or with `cache_len` one run of engine_long: responses that fill the cache, timed once (its
-    warmup ran every program already, and a second pass would double the part's minutes)."""
+    warmup ran every program already, and a second pass would double the part's minutes). `prompts`: how many (the
+    part's --prompts by default)."""
     from rlloop.bench.peaks import measure_peaks
     from rollout.engine import JaxEngine
     from rollout.engine_config import EngineConfig
@@ -67,10 +87,11 @@ def bench_engine(path: Path, args, cache_len: int | None = None, decode_attentio
     from rollout.types import SamplingParams
 
     vocab = ModelConfig.from_dir(str(path)).vocab_size
-    prompts = make_prompts(args.prompts, vocab, args.prompt_len // 2, args.prompt_len, seed=0)
+    count = prompts or args.prompts
+    prompts = make_prompts(count, vocab, args.prompt_len // 2, args.prompt_len, seed=0)
     new_tokens = cache_len - args.prompt_len if cache_len else args.new_tokens
     sampling = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=(), seed=0, ignore_eos=True)
-    rows, seq_len = args.prompts * args.n, args.prompt_len + new_tokens
+    rows, seq_len = count * args.n, args.prompt_len + new_tokens
     # One bucket each (the prompts packed into one prefill size, every row decoding to the end), not the default
     # ladders: warmup compiles 3 programs of a 28-layer model instead of 18, minutes of a short lease.
     engine = JaxEngine(
@@ -98,6 +119,7 @@ def bench_engine(path: Path, args, cache_len: int | None = None, decode_attentio
     tokens = sum(len(c.token_ids) for c in out)
     return {
         "device_kind": peaks["device_kind"],
+        "rows": rows,
         "cache_len": engine.cfg.max_seq_len,
         "reads_whole_cache": engine.whole_cache,
         "cache_page_len": engine.page_len,
@@ -113,7 +135,8 @@ def bench_engine(path: Path, args, cache_len: int | None = None, decode_attentio
 
 def bench_engine_long(path: Path, args) -> dict:
     """engine_long: the same long generation with the cache read chunk by chunk and whole, and which was faster."""
-    runs = {mode: bench_engine(path, args, args.long_cache, mode) for mode in ("chunked", "whole")}
+    prompts = long_rows(path, args) // args.n
+    runs = {mode: bench_engine(path, args, args.long_cache, mode, prompts) for mode in ("chunked", "whole")}
     return {**runs, "whole_over_chunked": runs["whole"]["tok_s"] / runs["chunked"]["tok_s"]}
 
 
@@ -145,6 +168,8 @@ def bench_trainer(path: Path, args) -> dict:
     from rollout.model_config import ModelConfig
     from trainer import TrainBatch, Trainer, TrainerConfig
 
+    if not args.quick and not torch.cuda.is_available():  # ~98k tokens a step on a CPU would take the whole lease
+        raise RuntimeError(f"torch {torch.__version__} finds no CUDA GPU: the trainer part needs one (or --quick)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = TrainerConfig(str(path), dtype="bfloat16", device=device, lr=1e-6, gradient_checkpointing=True)
     trainer = Trainer(cfg)
@@ -170,7 +195,7 @@ def bench_trainer(path: Path, args) -> dict:
     # attention), and the backward twice that.
     mc = ModelConfig.from_dir(str(path))
     flops = 3.0 * generate_flops(mc, [args.prompt_len - 1] * rows, [(args.prompt_len, args.new_tokens)] * rows)
-    return {
+    out = {
         "device": device,
         "step_s": seconds,
         "tok_s": tokens / seconds,
@@ -178,6 +203,10 @@ def bench_trainer(path: Path, args) -> dict:
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None,
         "loss": metrics["train/loss"],
     }
+    del trainer
+    if device == "cuda":  # torch's cache back to the device, for the parts after this one
+        torch.cuda.empty_cache()
+    return out
 
 
 def bench_tiny(args, workdir: Path) -> dict:
@@ -266,7 +295,14 @@ def main(argv: list[str]) -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     # The engine and the trainer parts share this process's GPU: JAX must not reserve 75% of it up front.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    report: dict = {"bench": "device", **machine(), "quick": args.quick}
+    import jax
+
+    if not args.quick and jax.default_backend() == "cpu":  # jaxlib without its CUDA/TPU plugin falls back, warning
+        raise SystemExit(
+            f"bench device: JAX {jax.__version__} finds no accelerator (backend cpu); install the device's jaxlib "
+            "(rlloop/bench/device_requirements.txt), or run with --quick on a CPU"
+        )
+    report: dict = {"bench": "device", **machine(), "quick": args.quick, "jax_backend": jax.default_backend()}
     with tempfile.TemporaryDirectory(prefix="rlloop_bench_device_") as tmp:
         workdir = Path(tmp)
         path = save_random_qwen3(workdir / "model", **(QUICK if args.quick else QWEN3_0_6B))
