@@ -93,10 +93,12 @@ def _train(cfg: Config, resume: bool, inputs: Inputs) -> Path:
     if resumed.get("data"):
         inputs.data.load_state_dict(resumed["data"])
     if (written := resumed.get("train_parallel", cfg.train_parallel)) != cfg.train_parallel:
+        # One rank trains the plain model whatever train.parallel says: an fsdp checkpoint needs 2 or more
+        fix = "cluster.train_chips >= 2" if cfg.cluster.train_chips == 1 else f"train.parallel={written}"
         raise CheckpointError(
             f"{ckpt} was trained with train.parallel={written}, and this run's trainer is {cfg.train_parallel} "
             f"(train.parallel={cfg.train.parallel} over cluster.train_chips={cfg.cluster.train_chips}): its optimizer "
-            f"state does not load across the two; resume with train.parallel={written}"
+            f"state does not load across the two; resume with {fix}"
         )
     if resume and ckpt:
         warn_of_changes(cfg)

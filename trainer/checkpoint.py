@@ -75,9 +75,11 @@ def load(trainer: Trainer, path) -> None:
     state = torch.load(state_path, weights_only=True)
     written_by = state.get("parallel", "ddp")
     if written_by != trainer.parallel:
+        # one rank trains the plain model whatever train.parallel says (resolve_parallel)
+        fix = "resume it on 2 or more ranks" if trainer.world_size == 1 else f"set train.parallel={written_by}"
         raise ValueError(
             f"checkpoint {path!r} was written with train.parallel={written_by}; this trainer runs "
-            f"train.parallel={trainer.parallel} (set train.parallel={written_by} to resume it)"
+            f"train.parallel={trainer.parallel} over {trainer.world_size} rank(s) ({fix} to resume it)"
         )
     configured = [{k: v for k, v in group.items() if k != "params"} for group in trainer.optimizer.param_groups]
     if trainer.parallel == "fsdp":

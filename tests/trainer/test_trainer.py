@@ -208,7 +208,7 @@ def test_load_refuses_state_that_would_run_code_or_was_written_by_another_parall
 
     torch.save({**state, "parallel": "fsdp"}, state_path)  # what a checkpoint of two fsdp ranks records
     with pytest.raises(
-        ValueError, match=r"written with train.parallel=fsdp; .* \(set train.parallel=fsdp to resume it\)"
+        ValueError, match=r"written with train.parallel=fsdp; .* over 1 rank\(s\) \(resume it on 2 or more ranks"
     ):
         trainer.load(tmp_path / "ckpt")
 
