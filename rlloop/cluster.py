@@ -269,7 +269,8 @@ class Cluster:
         from trainer import shard_batch
 
         world = len(self.trainers)
-        shards = [(shard_batch(batch, r, world), rank_trace(profile, r)) for r in range(world)]
+        minibatches = self.cfg.train.minibatches
+        shards = [(shard_batch(batch, r, world, minibatches), rank_trace(profile, r)) for r in range(world)]
         freed = {}
         if self.cfg.cluster.colocate:  # the trainer's turn on the shared chips: the engines make room first
             slept = self.pool.call("sleep")

@@ -25,6 +25,9 @@ class TrainBatch:
     responses: list[list[int]]  # response token ids per sample
     advantages: list[float]  # one per sample
     rollout_logprobs: list[list[float]] | None = None  # per response token, from the rollout engine (None: no TIS)
+    # A rank's share (shard_batch): how many of its samples each optimizer step takes, in order. None: the trainer
+    # splits the batch into train.minibatches near-equal parts itself.
+    minibatch_sizes: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -74,12 +77,27 @@ def validate_batch(batch: TrainBatch, vocab_size: int) -> None:
                 )
 
 
-def shard_batch(batch: TrainBatch, rank: int, world_size: int) -> TrainBatch:
-    """This rank's share: samples rank, rank + world_size, ... (strided, so that when the sample count divides by
-    world_size × minibatches, every minibatch across ranks holds the same samples as the single-rank minibatch)."""
+def shard_batch(batch: TrainBatch, rank: int, world_size: int, minibatches: int) -> TrainBatch:
+    """This rank's share of `batch` trained as `minibatches` optimizer steps: each step's minibatch is the one a
+    single rank takes (`split_minibatches` of the whole batch), dealt out strided (its samples rank, rank +
+    world_size, ...), and the share records how many of its samples each step takes. So every optimizer step trains
+    the same samples on any number of ranks, also when the count does not divide (a short batch of dynamic
+    sampling). Each rank needs a sample in every step: a batch of fewer than world_size × minibatches samples takes
+    fewer steps."""
     if len(batch) < world_size:
         raise ValueError(f"TrainBatch has {len(batch)} samples, fewer than world_size={world_size}")
-    return batch.select(list(range(rank, len(batch), world_size)))
+    parts = [idx[rank::world_size] for idx in split_minibatches(len(batch), min(minibatches, len(batch) // world_size))]
+    share = batch.select([i for part in parts for i in part])
+    share.minibatch_sizes = [len(part) for part in parts]
+    return share
+
+
+def contiguous_parts(sizes: list[int], n: int) -> list[list[int]]:
+    """Index ranges of `sizes` samples each, in order, over a batch of `n` (TrainBatch.minibatch_sizes)."""
+    if sum(sizes) != n or min(sizes, default=0) < 1:
+        raise ValueError(f"TrainBatch.minibatch_sizes {sizes} must be positive and add up to its {n} samples")
+    ends = list(itertools.accumulate(sizes))
+    return [list(range(end - size, end)) for size, end in zip(sizes, ends)]
 
 
 def split_minibatches(n: int, minibatches: int) -> list[list[int]]:

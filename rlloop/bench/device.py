@@ -253,7 +253,7 @@ def _nccl_rank(rank: int, path: str, init_file: str, out_dir: str) -> None:
             rng.normal(size=8).tolist(),
         )
         trainer = Trainer(TrainerConfig(path, dtype="bfloat16", device="cuda", parallel="fsdp"), rank, 2)
-        metrics = trainer.train_step(shard_batch(batch, rank, 2))
+        metrics = trainer.train_step(shard_batch(batch, rank, 2, minibatches=1))
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(metrics))
     finally:
         torch.distributed.destroy_process_group()

@@ -14,7 +14,8 @@ import transformers
 from tests.trainer.conftest import random_batch
 from tests.trainer.test_shared_prompts import grpo_batch
 from tests.trainer.test_skip_zero_advantage import with_zero_advantages
-from trainer import LossConfig, Trainer, TrainerConfig, shard_batch
+from trainer import LossConfig, TrainBatch, Trainer, TrainerConfig, shard_batch
+from trainer.batching import split_minibatches
 from weight_sync import SyncConfig, make_receiver, make_sender
 
 # name, samples, minibatches, aggregation, kl_coef. Odd sample counts give the ranks unequal shares, which is where
@@ -22,6 +23,7 @@ from weight_sync import SyncConfig, make_receiver, make_sender
 # (TRL/DDP semantics), so it is not meant to equal the single-rank loss.
 CASES = [
     ("dapo_2minibatches", 8, 2, "dapo", 0.0),
+    ("dapo_3minibatches_uneven", 8, 3, "dapo", 0.0),  # steps of 3, 3, 2 samples: 2+1, 2+1, 1+1 over the ranks
     ("grpo_2minibatches", 8, 2, "grpo", 0.0),
     ("dr_grpo_uneven", 7, 1, "dr_grpo", 0.0),
     ("grpo_uneven_kl", 7, 1, "grpo", 0.05),
@@ -55,21 +57,21 @@ def train_on_rank(rank, world_size, model_dir, init_file, out_dir):
         for parallel in MODES:
             for name, n, minibatches, agg, kl_coef in [*CASES, BNPO]:
                 trainer = Trainer(make_config(model_dir, minibatches, agg, kl_coef, parallel), rank, world_size)
-                metrics = trainer.train_step(shard_batch(random_batch(n, seed=n), rank, world_size))
+                metrics = trainer.train_step(shard_batch(random_batch(n, seed=n), rank, world_size, minibatches))
                 metrics["state_bytes"] = trainer.state_nbytes()["total"]
                 np.savez(f"{out_dir}/{parallel}_{name}_rank{rank}.npz", **trainer.export_weights())
                 with open(f"{out_dir}/{parallel}_{name}_rank{rank}.json", "w") as f:
                     json.dump(metrics, f)
         # Shared-prompt rows under FSDP: GRPO groups split across the ranks.
         shared = Trainer(make_config(model_dir, 1, "dapo", 0.0, "fsdp", share_prompts=True), rank, world_size)
-        metrics = shared.train_step(shard_batch(grpo_batch(3), rank, world_size))
+        metrics = shared.train_step(shard_batch(grpo_batch(3), rank, world_size, 1))
         np.savez(f"{out_dir}/fsdp_shared_prompts_rank{rank}.npz", **shared.export_weights())
         with open(f"{out_dir}/fsdp_shared_prompts_rank{rank}.json", "w") as f:
             json.dump(metrics, f)
         # Rank 1's share all zero advantages (shards are strided): it trains no micro-batch of its own.
         for parallel in MODES:
             idle = Trainer(make_config(model_dir, 1, "dapo", 0.0, parallel), rank, world_size)
-            metrics = idle.train_step(shard_batch(odd_samples_zeroed(), rank, world_size))
+            metrics = idle.train_step(shard_batch(odd_samples_zeroed(), rank, world_size, 1))
             np.savez(f"{out_dir}/{parallel}_rank1_skips_all_rank{rank}.npz", **idle.export_weights())
             with open(f"{out_dir}/{parallel}_rank1_skips_all_rank{rank}.json", "w") as f:
                 json.dump(metrics, f)
@@ -78,12 +80,12 @@ def train_on_rank(rank, world_size, model_dir, init_file, out_dir):
         resumed = Trainer(make_config(model_dir, 1, "bnpo", 0.0, "fsdp"), rank, world_size)
         resumed.load(f"{out_dir}/checkpoint")
         np.savez(f"{out_dir}/fsdp_resumed_rank{rank}.npz", **resumed.export_weights())
-        batch = shard_batch(random_batch(6, seed=1), rank, world_size)
+        batch = shard_batch(random_batch(6, seed=1), rank, world_size, 1)
         same = trainer.train_step(batch) == resumed.train_step(batch)
         with open(f"{out_dir}/fsdp_resumed_step_rank{rank}.json", "w") as f:
             json.dump(same, f)
         # Rank 1 gets a malformed share: both ranks must raise instead of rank 0 waiting in a collective forever.
-        batch = shard_batch(random_batch(8, seed=8), rank, world_size)
+        batch = shard_batch(random_batch(8, seed=8), rank, world_size, 1)
         if rank == 1:
             batch.advantages.pop()
         try:
@@ -133,6 +135,24 @@ METRICS = (
     "train/logprob_abs_diff",
     "train/tokens",
 )
+
+
+@pytest.mark.parametrize("samples, world, minibatches", [(8, 2, 3), (7, 2, 2), (10, 3, 2), (12, 2, 3), (5, 2, 3)])
+def test_each_optimizer_step_trains_the_samples_of_one_ranks_step_whatever_the_ranks(samples, world, minibatches):
+    """Dealt rank by rank, a batch that does not divide by ranks x minibatches changed which samples each step
+    trained (8 samples, 2 ranks, 3 steps: 4 + 2 + 2 instead of one rank's 3 + 3 + 2). Step k of every rank together
+    must be one rank's step k; with fewer samples than ranks x minibatches, every rank takes the same fewer steps."""
+    batch = TrainBatch([[i + 1] for i in range(samples)], [[1]] * samples, [0.0] * samples)
+    shares = [shard_batch(batch, r, world, minibatches) for r in range(world)]
+    steps = {len(share.minibatch_sizes) for share in shares}
+    assert steps == {min(minibatches, samples // world)}
+    single = split_minibatches(samples, steps.pop())
+    for k, want in enumerate(single):
+        got = []
+        for share in shares:
+            start = sum(share.minibatch_sizes[:k])
+            got += [p[0] - 1 for p in share.prompts[start : start + share.minibatch_sizes[k]]]
+        assert sorted(got) == want
 
 
 @pytest.mark.parametrize("parallel", MODES)
