@@ -23,13 +23,19 @@ from typing import Callable
 from rlloop.config import Config, component_kwargs
 from rlloop.engine_pool import EnginePool, RestartCount
 from rlloop.errors import ActorDied, ClusterError, TrainerDied
-from rlloop.placement import actor_env, actor_options, check_cluster_fits, check_one_node_fits, plan_placement
+from rlloop.placement import (
+    actor_env,
+    actor_options,
+    check_cluster_fits,
+    check_one_node_fits,
+    plan_placement,
+    plan_settings,
+)
 from rlloop.profiling import rank_trace
 from rlloop.ray_session import local_ray, start_ray
 from rlloop.workers import RolloutWorker, TrainerWorker, freeze_heap
 from weight_sync import SyncConfig
 
-PLACEMENT_TIMEOUT_S = 120
 log = logging.getLogger(__name__)
 
 
@@ -124,13 +130,16 @@ class Cluster:
             check_cluster_fits(plan, cfg.cluster)
         if cfg.sync.transport == "shm":
             check_one_node_fits(plan)
-        self.pg = placement_group(plan.bundles, strategy=plan.strategy, name=f"rlloop-{cfg.run.name}")
+        # Named by the run directory, not run.name: runs of one name (seeds, each in its own run.dir) share a cluster
+        self.pg = placement_group(plan.bundles, strategy=plan.strategy, name=f"rlloop-{self.sync_run_id}")
+        waited = cfg.cluster.placement_timeout_s
         try:
-            ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+            ray.get(self.pg.ready(), timeout=waited)
         except ray.exceptions.GetTimeoutError:
             raise ClusterError(
-                f"the Ray cluster cannot host the plan within {PLACEMENT_TIMEOUT_S}s; it has "
-                f"{ray.cluster_resources()}, the plan needs\n{plan.describe()}"
+                f"the Ray cluster could not host the placement plan within cluster.placement_timeout_s={waited:g}; "
+                f"it has {ray.cluster_resources()}. {plan_settings(cfg.cluster)}, or give it more time (an "
+                f"autoscaler adding nodes).\n{plan.describe()}"
             ) from None
 
         if cfg.sync.transport == "ray":

@@ -255,6 +255,9 @@ class ClusterSection(Section):
     # first train step (optimizer state; train.compile's compile). Kept apart so that a short actor_timeout_s (a hang
     # noticed fast) does not take a slow start for a hang.
     actor_start_timeout_s: TimeoutS | None = 3600.0
+    # How long the run's placement group may wait for a Ray cluster it joined (cluster.address, a Ray job) to have
+    # the resources: an autoscaler adding TPU or GPU nodes takes minutes. A local Ray is checked at once instead.
+    placement_timeout_s: TimeoutS = 600.0
     # Extra Ray resources each engine / trainer-rank bundle asks for: node labels that pin the roles to nodes, e.g.
     # {node_a: 0.01} with `ray start --resources='{"node_a": 1}'` on that node.
     rollout_resources: dict[str, Annotated[float, Field(gt=0)]] = {}

@@ -241,14 +241,21 @@ def check_cluster_fits(plan, cluster) -> None:
 
     if short := plan.shortfall(ray.cluster_resources()):
         lacking = ", ".join(f"{key} {need:g} (it has {got:g})" for key, (need, got) in short.items())
-        share = "" if cluster.device == "tpu" or cluster.colocate else " (cluster.colocate=true shares the chips)"
         raise ClusterError(
-            f"the local Ray cannot hold the placement plan: it needs {lacking}. The plan comes from "
-            f"cluster.device={cluster.device}, cluster.rollout_chips={cluster.rollout_chips}, "
-            f"cluster.train_chips={cluster.train_chips}, cluster.rollout_engines={cluster.rollout_engines}, "
-            f"cluster.cpus_per_actor={cluster.cpus_per_actor} and cluster.colocate={str(cluster.colocate).lower()}; "
-            f"lower them{share}, or give cluster.address a Ray cluster that has them.\n{plan.describe()}"
+            f"the local Ray cannot hold the placement plan: it needs {lacking}. {plan_settings(cluster)}, or give "
+            f"cluster.address a Ray cluster that has them.\n{plan.describe()}"
         )
+
+
+def plan_settings(cluster) -> str:
+    """The settings a placement plan comes from, to name in an error about it."""
+    share = "" if cluster.device == "tpu" or cluster.colocate else " (cluster.colocate=true shares the chips)"
+    return (
+        f"The plan comes from cluster.device={cluster.device}, cluster.rollout_chips={cluster.rollout_chips}, "
+        f"cluster.train_chips={cluster.train_chips}, cluster.rollout_engines={cluster.rollout_engines}, "
+        f"cluster.cpus_per_actor={cluster.cpus_per_actor} and cluster.colocate={str(cluster.colocate).lower()}; "
+        f"lower them{share}"
+    )
 
 
 def check_one_node_fits(plan) -> None:

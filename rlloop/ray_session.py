@@ -59,7 +59,7 @@ def reap_orphaned_agents(timeout: float = 5.0) -> int:
 
 def ray_address(cfg: Config) -> str | None:
     """The Ray cluster to connect to: `cluster.address`, else $RAY_ADDRESS (a Ray job's); None starts a local one."""
-    return cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    return cfg.cluster.address or os.environ.get("RAY_ADDRESS") or None  # an empty RAY_ADDRESS is none
 
 
 def local_ray(cfg: Config) -> bool:
@@ -86,8 +86,12 @@ def start_ray(cfg: Config) -> bool:
     logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(_no_token_notice)
     on_sigterm = signal.getsignal(signal.SIGTERM)
     try:
-        ray.init(
-            address=address, namespace=NAMESPACE, include_dashboard=False, log_to_driver=True, configure_logging=False
+        ray.init(  # "local": a Ray of its own, even where a `ray start` head runs on this host (ray.init would join it)
+            address=address or "local",
+            namespace=NAMESPACE,
+            include_dashboard=False,
+            log_to_driver=True,
+            configure_logging=False,
         )
     except BaseException:  # Ctrl-C midway: a local Ray half started must not outlive the driver
         if address is None and ray.is_initialized():

@@ -101,11 +101,15 @@ def debug_overrides(args: argparse.Namespace) -> list[str]:
     return out + ([f"run.replay={os.path.abspath(args.replay)}"] if args.replay else [])
 
 
-def ray_job_working_dir() -> str | None:
-    """Where this process runs when it is a `ray job submit --working-dir` entrypoint (Ray's unpacked copy, this
-    directory), else None."""
-    job = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
-    return os.getcwd() if job.get("runtime_env", {}).get("working_dir") else None
+def ray_job_cwd() -> str | None:
+    """When this process is a `ray job submit` entrypoint: what its working directory is, which a relative path
+    would be under (not the submitter's); else None."""
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:
+        return None
+    job = json.loads(os.environ["RAY_JOB_CONFIG_JSON_ENV_VAR"] or "{}")
+    if job.get("runtime_env", {}).get("working_dir"):
+        return f"Ray's temporary copy of its working_dir ({os.getcwd()}), which Ray deletes"
+    return f"the working directory of the Ray head that runs it ({os.getcwd()}), not the submitter's"
 
 
 def can_make_dirs_in(directory: Path) -> bool:
@@ -166,13 +170,15 @@ def check_references(cfg: Config) -> None:
     check_makeable("run.dir", cfg.run_dir)
     if cfg.sync.transport == "disk" and cfg.sync.dir is not None:  # else <run dir>/sync
         check_makeable("sync.dir", Path(cfg.sync.dir))
-    if not cfg.run_dir.is_absolute() and (temp_copy := ray_job_working_dir()):
-        raise ConfigError(
-            f"run.dir {cfg.run.dir!r} is relative, and this Ray job runs in Ray's temporary copy of its working_dir "
-            f"({temp_copy}), which Ray deletes: checkpoints written there are lost, and --resume would start over. "
-            f"Give an absolute path on storage that lasts (and that every node sees, on several nodes), e.g. "
-            f"run.dir=/mnt/runs/{{name}}"
-        )
+    relative = {"run.dir": cfg.run.dir, "sync.dir": cfg.sync.dir if cfg.sync.transport == "disk" else None}
+    for key, path in relative.items():
+        if path is not None and not Path(path).is_absolute() and (cwd := ray_job_cwd()):
+            raise ConfigError(
+                f"{key} {path!r} is relative, and this Ray job runs in {cwd}: what is written there is lost or "
+                f"misplaced (checkpoints, and a --resume would start over). Give an absolute path on storage that "
+                f"lasts (and that every node sees, on several nodes), e.g. {key}=/mnt/runs/{{name}}"
+                + ("/sync" if key == "sync.dir" else "")
+            )
     check_wandb(cfg)
     from rlloop.memory import plan_memory
 

@@ -114,7 +114,9 @@ def test_the_real_recipe_runs_two_steps_on_local_files(local_files, tmp_path):
     )
     assert cfg.model.dtype == "bfloat16" and cfg.train.gradient_checkpointing and cfg.sync.delta
     assert (cfg.cluster.rollout_chips, cfg.cluster.train_chips, cfg.rollout.backend) == (2, 2, "jax")
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False)  # 1 engine + 2 ranks on 2 real cores
+    ray.init(
+        address="local", num_cpus=4, include_dashboard=False, configure_logging=False
+    )  # 1 engine + 2 ranks on 2 real cores
     try:
         train(cfg)
     finally:

@@ -280,7 +280,9 @@ def test_two_trainer_ranks_over_gloo_match_one(tmp_path):
         "run.steps=2",
         "rollout.prompts_per_step=4",
     ]
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False)  # 1 rollout + 2 ranks on 2 real cores
+    ray.init(
+        address="local", num_cpus=4, include_dashboard=False, configure_logging=False
+    )  # 1 rollout + 2 ranks on 2 real cores
     try:
         train(
             load_config(TINY, common + ["cluster.train_chips=2", "sync.transport=ray", f"run.dir={tmp_path / 'two'}"])

@@ -189,19 +189,26 @@ def test_a_run_dir_with_another_field_than_name_is_refused(run_dir, capsys):
     assert "run.dir: may hold {name} and no other {field}" in capsys.readouterr().err
 
 
-def test_a_ray_job_with_a_relative_run_dir_is_refused(capsys, tmp_path, monkeypatch):
+def test_a_ray_job_with_a_relative_run_dir_or_sync_dir_is_refused(capsys, tmp_path, monkeypatch):
     """`ray job submit --working-dir` runs the entrypoint in Ray's temporary copy of that directory: a relative
-    run.dir would put the checkpoints where Ray deletes them."""
-    job = {"runtime_env": {"working_dir": "gcs://_ray_pkg_0123456789abcdef.zip"}}
-    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(job))
+    run.dir (or disk sync.dir) would put the checkpoints (the weight versions) where Ray deletes them. Without a
+    working_dir it runs in the Ray head's working directory: relative paths land there, not in the submitter's."""
     monkeypatch.chdir(tmp_path)
-    assert main([TINY, "run.dir=runs/{name}", "--dry-run"]) == 2
-    err = capsys.readouterr().err
-    assert "run.dir 'runs/{name}' is relative, and this Ray job runs in Ray's temporary copy" in err
-    assert str(tmp_path) in err and not (tmp_path / "runs").exists()
-    assert main([TINY, f"run.dir={tmp_path / 'runs' / '{name}'}", "--dry-run"]) == 0
-    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR")  # not a job (or one without a working_dir): relative is fine
-    assert main([TINY, "run.dir=runs/{name}", "--dry-run"]) == 0
+    absolute = f"run.dir={tmp_path / 'runs' / '{name}'}"
+    for job, where in (
+        ({"runtime_env": {"working_dir": "gcs://_ray_pkg_0123456789abcdef.zip"}}, "Ray's temporary copy"),
+        ({"runtime_env": {}}, "the working directory of the Ray head"),
+    ):
+        monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(job))
+        assert main([TINY, "run.dir=runs/{name}", "--dry-run"]) == 2
+        err = capsys.readouterr().err
+        assert f"run.dir 'runs/{{name}}' is relative, and this Ray job runs in {where}" in err
+        assert str(tmp_path) in err and not (tmp_path / "runs").exists()
+        assert main([TINY, absolute, "sync.transport=disk", "sync.dir=weights", "--dry-run"]) == 2
+        assert f"sync.dir 'weights' is relative, and this Ray job runs in {where}" in capsys.readouterr().err
+        assert main([TINY, absolute, "--dry-run"]) == 0
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR")  # not a job: relative to where the command is typed
+    assert main([TINY, "run.dir=runs/{name}", "sync.transport=disk", "sync.dir=weights", "--dry-run"]) == 0
 
 
 def test_wandb_online_without_an_api_key_is_refused_before_anything_starts(tmp_path):

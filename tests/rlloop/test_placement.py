@@ -24,7 +24,9 @@ def visible_chips() -> str:
 
 @pytest.fixture(scope="module")
 def fake_tpu_host():
-    ray.init(num_cpus=4, num_gpus=2, resources={"TPU": 4}, include_dashboard=False, configure_logging=False)
+    ray.init(
+        address="local", num_cpus=4, num_gpus=2, resources={"TPU": 4}, include_dashboard=False, configure_logging=False
+    )
     yield
     ray.shutdown()
 
@@ -106,6 +108,38 @@ def test_a_local_ray_refuses_a_plan_it_cannot_hold_at_once(fake_tpu_host, tmp_pa
     with pytest.raises(ClusterError, match=short) as refused:
         Cluster(cfg, tmp_path)
     assert "colocate=true" not in str(refused.value)  # which TPUs refuse: no advice to take it
+
+
+def test_a_joined_cluster_waits_placement_timeout_s_then_names_the_settings(fake_tpu_host, tmp_path):
+    """A Ray cluster this process joined (cluster.address, a Ray job) may still grow: the plan waits for it
+    cluster.placement_timeout_s (a fixed two minutes before, too short for a TPU node pool, long on a static
+    cluster), and then says which settings make the plan."""
+    from rlloop.cluster import Cluster
+    from rlloop.errors import ClusterError
+
+    tiny = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml"
+    overrides = ["cluster.device=tpu", "cluster.rollout_chips=4", "cluster.address=auto"]
+    cfg = load_config(tiny, [*overrides, "cluster.placement_timeout_s=2"])
+    waited = r"within cluster\.placement_timeout_s=2; .*cluster\.rollout_chips=4, cluster\.train_chips=1"
+    with pytest.raises(ClusterError, match=waited):
+        Cluster(cfg, tmp_path)
+
+
+def test_two_runs_of_one_name_share_a_cluster(fake_tpu_host, tmp_path):
+    """Seeds of one recipe, each in its own run.dir, on one Ray cluster: the second failed to start, its placement
+    group named after run.name, which the first already held."""
+    from rlloop.cluster import Cluster
+
+    tiny = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml"
+    clusters = []
+    try:
+        for seed in (1, 2):
+            cfg = load_config(tiny, [f"run.seed={seed}", f"run.dir={tmp_path / str(seed)}", "rollout.backend=hf"])
+            clusters.append(Cluster(cfg, cfg.run_dir))
+        assert len({c.pg.id for c in clusters}) == 2
+    finally:
+        for c in clusters:
+            c.close()
 
 
 @ray.remote
