@@ -229,6 +229,7 @@ class RewardScorer:
         self.cfg = cfg
         self.errors = 0  # raised, returned a non-number, or killed its worker
         self.timeouts = 0
+        self.last_failure = ""  # what the latest failed sample did
         self._pool: ProcessPoolExecutor | None = None
         self._failed_starts = 0  # pools in a row whose workers died as they started
         self._sample_s: float | None = None  # seconds per sample of the last round trip, chunk size follows it
@@ -270,8 +271,14 @@ class RewardScorer:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
+    @property
+    def failures(self) -> int:
+        """Samples given the failure reward so far (rollout/reward_failures)."""
+        return self.errors + self.timeouts
+
     def _fail(self, why: str) -> float:
         self.errors += 1
+        self.last_failure = why
         if self.errors == 1:  # once per scorer: the counter (rollout/reward_failures) tracks the rest
             log.warning("reward.fn %s %s; such samples get reward.failure_reward", self.cfg.fn, why)
         return self.cfg.failure_reward
@@ -368,6 +375,7 @@ class RewardScorer:
                         jobs.extend([i] for i in job)
                         continue
                     self.timeouts += 1
+                    self.last_failure = f"ran past reward.timeout_s={self.cfg.timeout_s}"
                     if self.timeouts == 1:
                         log.warning(
                             "reward.fn %s ran past reward.timeout_s=%s; its worker is killed",

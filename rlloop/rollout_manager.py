@@ -24,6 +24,7 @@ from rlloop.advantages import group_advantages, overlong_penalty, zero_std_group
 from rlloop.config import Config
 from rlloop.data import Prompt, PromptData
 from rlloop.engine_shares import engine_metrics
+from rlloop.errors import RewardError
 from rlloop.model import stop_token_ids
 from rlloop.profiling import profile_dir
 from rlloop.rewards import RewardScorer
@@ -132,7 +133,15 @@ class RolloutManager:
         with self._scoring:  # the async loop modes score from two threads (the rollout thread and eval)
             texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
             answers = [prompts[c.prompt_index].answer for c in completions]
+            failed = self.scorer.failures
             rewards = np.asarray(self.scorer.score(texts, answers), np.float32)
+            failed = self.scorer.failures - failed
+        if failed == len(texts) > 1:
+            # Nothing but failure rewards: every group's advantages are 0, and the run would go on learning nothing
+            raise RewardError(
+                f"reward.fn {self.cfg.reward.fn} failed on every one of the {failed} samples of a generation (the "
+                f"last {self.scorer.last_failure}); fix the function, or try it on one response and answer by hand"
+            )
         return Generation(completions, texts, rewards, stats)
 
     def groups(
@@ -237,7 +246,7 @@ class RolloutManager:
         """Running totals the loop logs every step."""
         return {
             "data/dropped_prompts": self.data.dropped,
-            "rollout/reward_failures": self.scorer.errors + self.scorer.timeouts,
+            "rollout/reward_failures": self.scorer.failures,
             "rollout/engine_restarts": self.cluster.restarts,
         }
 

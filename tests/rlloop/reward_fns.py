@@ -21,6 +21,10 @@ def fails_on_odd_length(response: str, answer: str) -> float:
     return exact(response, answer)
 
 
+def always_raises(response: str, answer: str) -> float:
+    raise KeyError("answer")  # e.g. a field the function expects and the data does not have
+
+
 def raises(response: str, answer: str) -> float:
     if "boom" in response:
         raise RuntimeError("reward function failed")

@@ -84,6 +84,19 @@ def test_dynamic_sampling_trains_exactly_prompts_per_step_groups_when_it_has_mor
     assert len(samples.completions) == 12 * cfg.rollout.group_size
 
 
+def test_a_reward_that_fails_on_every_sample_ends_the_run(setup):
+    """Every sample given reward.failure_reward: every advantage is 0, and the run went on, learning nothing, to a
+    job that succeeded. A generation whose samples all failed is a RewardError naming the function and the failure;
+    one that fails on some (the dynamic-sampling test above) goes on."""
+    from rlloop.errors import RewardError
+
+    fn = "tests.rlloop.reward_fns:always_raises"
+    with pytest.raises(
+        RewardError, match=rf"reward.fn {fn} failed on every one of the 48 samples .*KeyError: 'answer'"
+    ):
+        run_collect(setup, ["rollout.prompts_per_step=6", f"reward.fn={fn}"])
+
+
 def test_dynamic_sampling_keeps_only_informative_groups(setup):
     # pairs: with the warm start's ~0.15 accuracy about 3 groups in 4 agree on their reward and carry no signal
     cfg, (samples, metrics) = run_collect(setup, DYNAMIC_PAIRS)
