@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 from transformers import AutoTokenizer
 
-from rlloop.config import DataSection
-from rlloop.data import PromptData
+from rlloop.config import DataSection, load_config
+from rlloop.data import PromptData, load_datasets
 from rlloop.errors import DataError
 from rlloop.tiny import ASSETS, make_rows
 
@@ -223,3 +223,28 @@ def test_bad_sources(tmp_path, tok):
 def test_hub_id_goes_through_the_hub_loader_and_fails_clearly_offline(tok):
     with pytest.raises(DataError, match="could not load from the Hugging Face hub"):
         PromptData(DataSection(path="BytedTsinghua-SIA/DAPO-Math-17k"), tok)
+
+
+def test_a_prompts_cursor_draws_that_prompt_again(tok):
+    """What a checkpoint stores for a prompt not yet trained: loaded, it draws that prompt next."""
+    cfg = load_config(TINY, [])
+    data, _ = load_datasets(cfg, tok)
+    for p in data.next_batch(5):
+        again, _ = load_datasets(cfg, tok)
+        again.load_state_dict(p.cursor)
+        assert again.next_batch(1)[0].index == p.index
+
+
+def test_the_dropped_count_survives_a_resume(tmp_path, tok):
+    """data/dropped_prompts goes on from the checkpoint's count after a resume, not from 0."""
+    path = tmp_path / "mixed.jsonl"
+    data = rows(20, long_every=2)  # every other prompt far past max_prompt_len
+    path.write_text("".join(json.dumps(r) + "\n" for r in data))
+    section = DataSection(path=str(path), max_prompt_len=100, on_long_prompt="drop")
+    trained = PromptData(section, tok, seed=1)
+    trained.next_batch(5)
+    assert trained.dropped > 0
+    resumed = PromptData(section, tok, seed=1)
+    resumed.load_state_dict(json.loads(json.dumps(trained.state_dict())))
+    assert resumed.dropped == trained.dropped
+    assert [p.index for p in resumed.next_batch(3)] == [p.index for p in trained.next_batch(3)]

@@ -11,8 +11,9 @@ from transformers import AutoTokenizer
 from rlloop.cluster import Cluster
 from rlloop.config import load_config
 from rlloop.data import Prompt, load_datasets
-from rlloop.rollout_manager import RolloutManager, RolloutTally, distinct, sampling_seed, top_up
+from rlloop.rollout_manager import RolloutManager, RolloutTally, distinct, rollout_metrics, sampling_seed, top_up
 from rlloop.schedules import AsyncRollout, FullyAsyncRollout
+from rollout import Completion
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "grpo_dapo_tiny.yaml")
@@ -255,3 +256,67 @@ def test_dynamic_sampling_over_samples_by_the_kept_fraction():
     assert top_up(want=12, kept=9, drawn=12) == 4  # 3 missing / 0.75
     assert top_up(want=12, kept=1, drawn=12) == 12  # never more than a batch per round
     assert top_up(want=12, kept=0, drawn=12) == 12
+
+
+def _drawn_from(cfg, tok, cursor, n):
+    data, _ = load_datasets(cfg, tok)
+    data.load_state_dict(cursor)
+    return [p.index for p in data.next_batch(n)]
+
+
+def test_async_resumes_at_the_prompts_of_the_step_generated_ahead(setup):
+    """A checkpoint after step 1 in async, taken once step 2 (generated ahead) has drawn its prompts: the resumed run
+    draws those prompts again (step 2 trains after the checkpoint). The e2e resume tests reach this only when their
+    thread timing puts the draw before the checkpoint, which it did in none of them."""
+    cluster, tok = setup
+    cfg = load_config(
+        TINY,
+        ["rollout.backend=hf", "cluster.use_ray=false", "loop.mode=async", "rollout.prompts_per_step=2", "run.steps=4"],
+    )
+    data, _ = load_datasets(cfg, tok)
+    with closing(RolloutManager(cfg, cluster, tok, data)) as rollout:
+        schedule = AsyncRollout(rollout)
+        try:
+            schedule.next(1)  # starts step 2 in the rollout thread (step 0's weights: no wait)
+            ahead = schedule.pending[2].result()  # step 2 has drawn its prompts, not trained on them
+            cursor = schedule.resume_state()
+        finally:
+            schedule.close()
+    assert _drawn_from(cfg, tok, cursor, 2) == [p.index for p in ahead.samples.prompts]
+
+
+def test_fully_async_resumes_at_the_oldest_buffered_prompt(setup):
+    """fully_async's checkpoint with groups buffered and not trained: the resumed run draws the oldest of them first."""
+    cluster, tok = setup
+    cfg = load_config(
+        TINY,
+        [
+            "rollout.backend=hf",
+            "cluster.use_ray=false",
+            "loop.mode=fully_async",
+            "rollout.prompts_per_step=2",
+            "loop.max_staleness=8",
+        ],
+    )
+    data, _ = load_datasets(cfg, tok)
+    with closing(RolloutManager(cfg, cluster, tok, data)) as rollout:
+        source = FullyAsyncRollout(rollout, cfg.loop)
+        try:
+            source.next(1)
+            with source.cond:  # the producer buffers the next chunk
+                assert source.cond.wait_for(lambda: len(source.buffer) == source.want, timeout=120)
+                buffered = [g.prompt.index for g in source.buffer]
+            cursor = source.resume_state()
+        finally:
+            source.close()
+    assert _drawn_from(cfg, tok, cursor, 2) == buffered
+
+
+def test_a_batch_of_mixed_versions_reports_its_oldest():
+    """rollout/weight_version is the oldest version a step's samples started on (fully_async mixes them in a batch),
+    and staleness is counted per sample."""
+    done = [Completion(0, j, [5, 6], [-1.0, -1.0], "stop", v, v + 1) for j, v in enumerate([3, 1, 2])]
+    m = rollout_metrics(done, lambda v: 4 - v)
+    assert m["rollout/weight_version"] == 1
+    assert m["rollout/staleness/max"] == 3 and m["rollout/staleness/mean"] == 2
+    assert m["rollout/versions_spanned_ratio"] == 1.0

@@ -376,3 +376,26 @@ def test_decode_attention_paged_chunked_and_whole_generate_the_same(tiny_qwen3_d
         assert paged.token_ids == chunked.token_ids == whole.token_ids == greedy[whole.prompt_index]
         for c in (paged, chunked):
             np.testing.assert_allclose(c.logprobs, whole.logprobs, atol=1e-5, rtol=0)
+
+
+def test_every_sample_of_a_prompt_at_the_length_limit_matches_its_solo_run(tiny_qwen3_dir):
+    """Samples 1.. of a prompt get sample 0's prompt KV by copy: for a prompt at the length limit too."""
+    engine = small_engine(tiny_qwen3_dir)  # prefill_buckets (16, 32): prompts of up to 32 tokens
+    longest = [3 + (7 * i) % 120 for i in range(engine.prefill_buckets[-1])]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    solo = engine.generate([longest], 1, sp)[0]
+    group = engine.generate([longest], 4, sp)  # samples 1..3 get sample 0's prompt KV by copy
+    assert [c.token_ids for c in group] == [solo.token_ids] * 4
+    assert all(c.logprobs == solo.logprobs for c in group)
+
+
+def test_prefill_tokens_are_each_prompts_all_but_last_token(tiny_qwen3_dir):
+    """In one admission wave, each prompt's prefill counts once (fan-out copies are free), all but its last token."""
+    engine = small_engine(tiny_qwen3_dir)
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(3, 128, int(rng.integers(2, 30)))] for _ in range(2)]
+    # 6 samples in 8 slots: one admission wave
+    engine.generate(prompts, 3, SamplingParams(temperature=0.0, max_new_tokens=4))
+    st = engine.stats()
+    assert st["prefill_tokens"] == sum(len(p) - 1 for p in prompts)  # once per prompt, fan-out copies are free
+    assert st["prompt_tokens"] == 3 * sum(len(p) for p in prompts)

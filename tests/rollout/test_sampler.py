@@ -208,3 +208,21 @@ def test_inverse_cdf_never_returns_a_zero_weight_token_at_the_top_edge():
     assert list(idx) == [20, 0, 41] or list(idx) == [20, 0, 40]
     assert np.all(weights[np.arange(3), idx] > 0)
     np.testing.assert_array_equal(np.asarray(_pick_sampled(weights, np.zeros(3, np.float32))), [5, 0, 40])
+
+
+def test_top_p_exactly_reached_by_the_top_token_keeps_only_it():
+    # probabilities 1/2, 1/4, 1/8, 1/8 (exact in float32): the top token alone holds top_p = 0.5, so HF's and vLLM's
+    # top-p keep only it (mass strictly ahead of the second token, 0.5, is not < 0.5)
+    logits = np.log(np.array([0.5, 0.25, 0.125, 0.125], np.float32))
+    n = 2000
+    tok, lp = sample(
+        jnp.broadcast_to(jnp.asarray(logits), (n, 4)),
+        jnp.ones(n, jnp.float32),
+        jnp.zeros(n, jnp.int32),
+        jnp.full(n, 0.5, jnp.float32),
+        jnp.zeros(n, jnp.uint32),
+        jnp.arange(n, dtype=jnp.int32),
+        jnp.zeros(n, jnp.int32),
+    )
+    assert set(np.asarray(tok).tolist()) == {0}
+    np.testing.assert_allclose(np.asarray(lp), 0.0, atol=1e-6)

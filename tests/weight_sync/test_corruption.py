@@ -1,10 +1,13 @@
 """Flipping any single byte of a version makes the receiver refuse it and keep the weights it had."""
 
+import json
+import struct
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
+import xxhash
 
 from weight_sync import (
     CorruptVersion,
@@ -16,6 +19,7 @@ from weight_sync import (
     make_sender,
     payload_nbytes,
 )
+from weight_sync.checksum import checksum
 
 
 def _flip(path: Path, pos: int, rng) -> None:
@@ -176,3 +180,21 @@ def test_a_delta_on_itself_is_refused_not_followed_forever(run_id, tmp_path):
     assert sender.push(w, 2).keyframe
     version, got = receiver.pull()
     assert version == 2 and all(got[n].tobytes() == a.tobytes() for n, a in w.items())
+
+
+def test_a_raw_entry_longer_than_its_tensor_is_refused_though_its_checksums_agree():
+    """Crafted: 8 bytes of zero padding more, checksums recomputed; reshape would raise ValueError in pull()."""
+    payload = _keyframe_payload(_weights(0))
+    magic, mlen, _, total = struct.unpack("<8sQQQ", payload[:32].tobytes())
+    doc = json.loads(payload[32 : 32 + mlen].tobytes())
+    e = next(e for e in doc["entries"] if e["name"] == "norm.weight")  # float32 (8,): 32 bytes, then zero padding
+    data_start = (32 + mlen + 63) // 64 * 64
+    e["nbytes"] = 40  # 8 padding bytes more: still inside the zero padding before the next entry
+    e["blob_xxh3"] = e["xxh3"] = checksum(payload[data_start + e["offset"] : data_start + e["offset"] + 40])
+    tampered = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode().ljust(mlen)
+    assert len(tampered) == mlen
+    payload[32 : 32 + mlen] = np.frombuffer(tampered, np.uint8)
+    header = struct.pack("<8sQQQ", magic, mlen, xxhash.xxh3_64_intdigest(tampered), total)
+    payload[:32] = np.frombuffer(header, np.uint8)
+    with pytest.raises(CorruptVersion):
+        decode_payload(payload)

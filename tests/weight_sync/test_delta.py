@@ -1,8 +1,11 @@
 """The delta codec reconstructs every tensor bit for bit, whatever the values (±0, NaN payloads, inf, denormals)."""
 
+import struct
+
 import ml_dtypes
 import numpy as np
 import pytest
+import zstandard
 from wsync_values import nan_with_payload, special_tensor
 
 from weight_sync import delta
@@ -97,3 +100,19 @@ def test_delta_against_smaller_tensor_is_refused():
     new[99] = 1
     with pytest.raises(CorruptVersion):
         delta.apply(np.zeros(50, np.float32), delta.encode(old, new))
+
+
+@pytest.mark.parametrize("past", [0, 1])  # index == size (off by one) and size + 1
+def test_a_blob_indexing_at_or_past_the_end_is_refused(past):
+    """A crafted blob (valid checksum) must be refused as corrupt, not escape pull() as an IndexError."""
+    old = np.zeros(100, np.float32)
+    idx = np.array([old.size + past], np.uint32)  # one change, gap-coded: its gap is the index itself
+    values = np.array([1.0], np.float32).view(np.uint32)
+    raw = (
+        struct.pack("<QB", 1, 4)
+        + idx.view(np.uint8).reshape(-1, 4).T.tobytes()
+        + values.view(np.uint8).reshape(-1, 4).T.tobytes()
+    )
+    blob = zstandard.ZstdCompressor(write_checksum=True).compress(raw)
+    with pytest.raises(CorruptVersion):
+        delta.apply(old, blob)
