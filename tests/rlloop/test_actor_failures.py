@@ -127,7 +127,8 @@ def test_an_engine_found_dead_by_two_threads_restarts_once_and_one_dead_with_the
 ):
     """The async modes' rollout thread generates while the loop's eval pull waits behind it on the same engine; the
     engine dies. Each thread used to restart it, the second killing the first's new engine: two or three of
-    run.max_restarts for one death. (The pull, queued behind 16 batches, waits as long as they may take.)
+    run.max_restarts for one death. (The pull, queued behind 48 batches, waits as long as they may take: ~2 s on a fast
+host, so that the kill 0.6 s in lands during the generation; 16 batches ended before it on an Intel Xeon.)
     Then engine and trainer die together (the OOM killer): the rebuilt engine's weights, from the trainer (the transport
     no longer holds its version), never come. That is the trainer's death, which the loop heals from the last
     checkpoint; it was taken for the new engine's, which was killed and restarted until run.max_restarts ended the
@@ -135,17 +136,17 @@ def test_an_engine_found_dead_by_two_threads_restarts_once_and_one_dead_with_the
     overrides = ["rollout.backend=hf", "rollout.max_batch=8", "rollout.decode_buckets=[8]", "run.max_restarts=3"]
     cfg = load_config(TINY, [*overrides, f"run.dir={tmp_path}"])
     cluster = Cluster(cfg, cfg.run_dir)
-    prompts = [[5 + i % 7, 6, 7, 8, 9] for i in range(16)]
+    prompts = [[5 + i % 7, 6, 7, 8, 9] for i in range(48)]
     long = SamplingParams(max_new_tokens=16, ignore_eos=True)
     try:
         cluster.warmup()
         with ThreadPoolExecutor(1) as rollout_thread:
             generation = rollout_thread.submit(cluster.generate, prompts, 8, long)
-            time.sleep(0.3)  # its 16 batches are queued on the engine
+            time.sleep(0.3)  # its 48 batches are queued on the engine
             threading.Timer(0.3, ray.kill, [cluster.engines[0]]).start()
             cluster.pull_weights()
             out, _ = generation.result()
-        assert len(out) == 16 * 8 and cluster.restarts == 1
+        assert len(out) == 48 * 8 and cluster.restarts == 1
 
         assert cluster.sync_weights(version=1)["sync/rollout_version"] == 1
         for version in (2, 3):  # shm holds the last two: the engine's version 1 is gone, the trainer must give it

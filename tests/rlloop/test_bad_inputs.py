@@ -540,18 +540,30 @@ def test_bad_reward_fn_exits_2_naming_it(spec, named, reward_modules, capsys, tm
 
 
 def test_reward_failures_are_counted_in_the_rollout_metrics(reward_modules, tmp_path, monkeypatch):
-    """A real (local) step whose reward function returns NaN for every sample: the step still trains, every
-    sample gets failure_reward, and rollout/reward_failures counts each one."""
+    """A real (local) step whose reward function returns NaN for the responses of odd length: the step still trains,
+    those samples get failure_reward, and rollout/reward_failures counts each one. One that fails on every sample
+    ends the run (a RewardError, exit 1): every advantage would be 0."""
     from rlloop.config import load_config
+    from rlloop.errors import RewardError
 
     monkeypatch.delitem(sys.modules, "rlloop.loop")  # this one test trains: the real loop, not the tripwire
     from rlloop.loop import train
 
-    (reward_modules / "nan_rewards.py").write_text("def score(response, answer):\n    return float('nan')\n")
+    (reward_modules / "nan_rewards.py").write_text(
+        "def score(response, answer):\n    return float('nan') if len(response) % 2 else 0.5\n\n\n"
+        "def every(response, answer):\n    return float('nan')\n"
+    )
     overrides = ["rollout.prompts_per_step=2", "reward.fn=nan_rewards:score", "run.steps=1", "run.eval_every=0"]
     overrides += ["run.save_every=0", "cluster.use_ray=false", "rollout.backend=hf", "tracking.progress=false"]
-    cfg = load_config(TINY, [*overrides, f"run.dir={tmp_path}"])
+    cfg = load_config(TINY, [*overrides, "tracking.save_rollouts=true", f"run.dir={tmp_path}"])
     train(cfg)
     (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert row["rollout/reward_failures"] == 2 * cfg.rollout.group_size
-    assert row["rollout/raw_reward"] == cfg.reward.failure_reward and "train/loss" in row
+    samples = [json.loads(line) for line in (tmp_path / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    odd = [len(s["response"]) % 2 == 1 for s in samples]
+    assert 0 < sum(odd) < len(samples) == 2 * cfg.rollout.group_size  # some of each
+    assert row["rollout/reward_failures"] == sum(odd)
+    assert [s["raw_reward"] for s in samples] == [cfg.reward.failure_reward if o else 0.5 for o in odd]
+    assert "train/loss" in row
+    every = load_config(TINY, [*overrides, "reward.fn=nan_rewards:every", f"run.dir={tmp_path / 'every'}"])
+    with pytest.raises(RewardError, match="failed on every one of the 16 samples of a generation"):
+        train(every)
