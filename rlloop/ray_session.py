@@ -59,7 +59,8 @@ def reap_orphaned_agents(timeout: float = 5.0) -> int:
 
 def ray_address(cfg: Config) -> str | None:
     """The Ray cluster to connect to: `cluster.address`, else $RAY_ADDRESS (a Ray job's); None starts a local one."""
-    return cfg.cluster.address or os.environ.get("RAY_ADDRESS") or None  # an empty RAY_ADDRESS is none
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    return None if address in ("", "local") else address  # Ray's "local" is a Ray of the run's own, as is none
 
 
 def local_ray(cfg: Config) -> bool:

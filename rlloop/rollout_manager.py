@@ -104,6 +104,7 @@ class RolloutManager:
         self.cfg, self.cluster, self.tokenizer = cfg, cluster, tokenizer
         self.data, self.eval_data = data, eval_data
         self.scorer = RewardScorer(cfg.reward)
+        self._failed_in_a_row = 0  # samples whose reward failed since the last one that scored
         self.stop_ids = stop_token_ids(tokenizer)
         self._scoring = threading.Lock()
         self.unpublished: set[int] = set()  # steps that changed no weight (trained nothing, or a non-finite step)
@@ -136,12 +137,15 @@ class RolloutManager:
             failed = self.scorer.failures
             rewards = np.asarray(self.scorer.score(texts, answers), np.float32)
             failed = self.scorer.failures - failed
-        if failed == len(texts) > 1:
-            # Nothing but failure rewards: every group's advantages are 0, and the run would go on learning nothing
-            raise RewardError(
-                f"reward.fn {self.cfg.reward.fn} failed on every one of the {failed} samples of a generation (the "
-                f"last {self.scorer.last_failure}); fix the function, or try it on one response and answer by hand"
-            )
+            # Nothing but failure rewards for a whole step's worth of samples in a row: every advantage is 0, and the
+            # run would go on learning nothing. Counted over generations (a top-up round of two prompts whose
+            # answers the function cannot read is bad data, not a broken function), from the last one that scored.
+            self._failed_in_a_row = self._failed_in_a_row + failed if failed == len(texts) else 0
+            if self._failed_in_a_row >= self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size:
+                raise RewardError(
+                    f"reward.fn {self.cfg.reward.fn} failed on each of the last {self._failed_in_a_row} samples (the "
+                    f"last {self.scorer.last_failure}); fix the function, or try it on one response and answer by hand"
+                )
         return Generation(completions, texts, rewards, stats)
 
     def groups(

@@ -18,6 +18,8 @@ import shlex
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from rlloop.config import Config, ConfigError, load_config, to_yaml
@@ -82,8 +84,14 @@ class Terminated(KeyboardInterrupt):
     received = False  # what says it was SIGTERM once `ray.get` has turned the exception into a KeyboardInterrupt
 
 
-def on_sigterm(signum, frame):
+def on_sigterm(advice: Callable[[], str], signum, frame):
+    """Say what to run next before the cleanup, not after it: `ray job stop` kills the job 3 s after its SIGTERM
+    (RAY_JOB_STOP_WAIT_TIME_S), before a cleanup waiting on actors that are still starting has ended. A second
+    SIGTERM during that cleanup is let be: raised again, it would cut the cleanup short."""
+    if Terminated.received:
+        return
     Terminated.received = True
+    print(f"\nterminated; {advice()}", file=sys.stderr, flush=True)
     raise Terminated()
 
 
@@ -109,7 +117,7 @@ def ray_job_cwd() -> str | None:
     job = json.loads(os.environ["RAY_JOB_CONFIG_JSON_ENV_VAR"] or "{}")
     if job.get("runtime_env", {}).get("working_dir"):
         return f"Ray's temporary copy of its working_dir ({os.getcwd()}), which Ray deletes"
-    return f"the working directory of the Ray head that runs it ({os.getcwd()}), not the submitter's"
+    return f"the job's working directory on the Ray head ({os.getcwd()}), not the submitter's"
 
 
 def can_make_dirs_in(directory: Path) -> bool:
@@ -265,9 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     from rlloop.loop import train
     from trainer import NonFiniteTraining
 
-    signal.signal(signal.SIGTERM, on_sigterm)
     log.info("%s: model, tokenizer and data checked; %d steps into %s", cfg.run.name, cfg.run.steps, cfg.run_dir)
     earlier = checkpoint_marks(cfg.run_dir)  # an earlier run's, which this one replaces at its first save
+    Terminated.received = False
+    before = signal.signal(signal.SIGTERM, partial(on_sigterm, lambda: go_on(args, cfg.run_dir, earlier)))
     try:
         run_dir = train(cfg, resume=args.resume, inputs=inputs)
     # Data errors here: other data than the checkpoint's, lost replays
@@ -275,14 +284,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{error_label(e)} error: {e}", file=sys.stderr)
         return 2
     except (errors.ClusterError, errors.CheckpointError, errors.DataError, NonFiniteTraining, errors.RewardError) as e:
-        advice = f"\n{go_on(args, cfg.run_dir, earlier)}" if isinstance(e, errors.ActorDied) else ""
+        advice = (
+            f"\n{go_on(args, cfg.run_dir, earlier)}" if isinstance(e, (errors.ActorDied, errors.RewardError)) else ""
+        )
         print(f"{error_label(e)} error: {e}{advice}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, SystemExit) as e:
         if (what := stopped_by(e)) is None:
             raise
-        print(f"\n{what}; {go_on(args, cfg.run_dir, earlier)}", file=sys.stderr)
+        if not (what == "terminated" and Terminated.received):  # else on_sigterm said it
+            print(f"\n{what}; {go_on(args, cfg.run_dir, earlier)}", file=sys.stderr)
         return 143 if what == "terminated" else 130
+    finally:  # the run is over: a SIGTERM now is not its to explain
+        signal.signal(signal.SIGTERM, before)
     print(f"done: {run_dir}/metrics.jsonl, curves.png, report.md")
     return 0
 

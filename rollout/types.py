@@ -147,4 +147,4 @@ def check_float_array(name: str, arr) -> None:
     if isinstance(arr, np.ndarray) and (np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16"):
         return
     what = f"dtype {arr.dtype}" if isinstance(arr, np.ndarray) else f"a {type(arr).__name__}"
-    raise ValueError(f"weight {name!r} is {what}, expected a floating-point numpy array")
+    raise ValueError(f"weight {name!r} is {what}, expected a numpy array of float16/32/64 or bfloat16")

@@ -114,7 +114,10 @@ class Trainer:
             else:
                 minibatches = contiguous_parts(sizes, len(batch))
                 if len(sizes) > self.cfg.minibatches:
-                    raise ValueError(f"TrainBatch.minibatch_sizes has {len(sizes)} steps, train.minibatches is fewer")
+                    raise ValueError(
+                        f"TrainBatch.minibatch_sizes has {len(sizes)} steps, more than train.minibatches="
+                        f"{self.cfg.minibatches}"
+                    )
                 if steps_min != -steps_max:
                     raise ValueError(f"the ranks' shares take {steps_min} to {-steps_max} optimizer steps")
             problem = None

@@ -127,12 +127,12 @@ def test_an_engine_found_dead_by_two_threads_restarts_once_and_one_dead_with_the
 ):
     """The async modes' rollout thread generates while the loop's eval pull waits behind it on the same engine; the
     engine dies. Each thread used to restart it, the second killing the first's new engine: two or three of
-    run.max_restarts for one death. (The pull, queued behind 48 batches, waits as long as they may take: ~2 s on a fast
-host, so that the kill 0.6 s in lands during the generation; 16 batches ended before it on an Intel Xeon.)
-    Then engine and trainer die together (the OOM killer): the rebuilt engine's weights, from the trainer (the transport
-    no longer holds its version), never come. That is the trainer's death, which the loop heals from the last
-    checkpoint; it was taken for the new engine's, which was killed and restarted until run.max_restarts ended the
-    run."""
+    run.max_restarts for one death. (The pull, queued behind 48 batches, waits as long as they may take: ~2 s on a
+    fast host, so that the kill 0.6 s in lands during the generation; 16 batches ended before it on an Intel Xeon.)
+    Then engine and trainer die together (the OOM killer): the rebuilt engine's weights, from the trainer (the
+    transport no longer holds its version), never come. That is the trainer's death, which the loop heals from the
+    last checkpoint; it was taken for the new engine's, which was killed and restarted until run.max_restarts ended
+    the run."""
     overrides = ["rollout.backend=hf", "rollout.max_batch=8", "rollout.decode_buckets=[8]", "run.max_restarts=3"]
     cfg = load_config(TINY, [*overrides, f"run.dir={tmp_path}"])
     cluster = Cluster(cfg, cfg.run_dir)

@@ -197,7 +197,7 @@ def test_a_ray_job_with_a_relative_run_dir_or_sync_dir_is_refused(capsys, tmp_pa
     absolute = f"run.dir={tmp_path / 'runs' / '{name}'}"
     for job, where in (
         ({"runtime_env": {"working_dir": "gcs://_ray_pkg_0123456789abcdef.zip"}}, "Ray's temporary copy"),
-        ({"runtime_env": {}}, "the working directory of the Ray head"),
+        ({"runtime_env": {}}, "the job's working directory on the Ray head"),
     ):
         monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(job))
         assert main([TINY, "run.dir=runs/{name}", "--dry-run"]) == 2
@@ -565,5 +565,5 @@ def test_reward_failures_are_counted_in_the_rollout_metrics(reward_modules, tmp_
     assert [s["raw_reward"] for s in samples] == [cfg.reward.failure_reward if o else 0.5 for o in odd]
     assert "train/loss" in row
     every = load_config(TINY, [*overrides, "reward.fn=nan_rewards:every", f"run.dir={tmp_path / 'every'}"])
-    with pytest.raises(RewardError, match="failed on every one of the 16 samples of a generation"):
+    with pytest.raises(RewardError, match="failed on each of the last 16 samples"):
         train(every)

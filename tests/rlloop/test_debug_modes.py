@@ -2,10 +2,13 @@
 (no engine: train on saved rollouts), and a replayed step reproducing the original step's numbers exactly."""
 
 import json
+import os
 import shlex
 import signal
 import subprocess
 import sys
+import time
+import types
 from pathlib import Path
 
 import pytest
@@ -130,6 +133,30 @@ def test_a_sigterm_is_told_apart_however_it_arrives(monkeypatch):
     assert stopped_by(Terminated()) == "terminated"
     monkeypatch.setattr(Terminated, "received", True)
     assert stopped_by(KeyboardInterrupt()) == "terminated"
+
+
+def test_a_sigterm_says_what_to_run_next_before_the_cleanup_once_and_only_during_the_run(monkeypatch, capsys, tmp_path):
+    """`ray job stop` kills the job 3 s after its SIGTERM: the line saying what to run next comes first, before a
+    cleanup that may not finish; a second SIGTERM during the cleanup does not cut it short; and once main() returns
+    the handler is the one it found (a SIGTERM then is not the run's to explain). The run's loop is a stand-in whose
+    cleanup prints markers: what is under test is the driver's handling, not the loop's."""
+
+    def train(cfg, resume=False, inputs=None):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # ended by the handler's Terminated
+        finally:
+            print("cleanup starts", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            print("cleanup done", file=sys.stderr, flush=True)
+
+    monkeypatch.setitem(sys.modules, "rlloop.loop", types.SimpleNamespace(train=train))
+    before = signal.getsignal(signal.SIGTERM)
+    assert main([TINY, f"run.dir={tmp_path}", "cluster.use_ray=false"]) == 143
+    err = capsys.readouterr().err
+    said = err.index("terminated; this run saved no checkpoint; start it again without --resume")
+    assert said < err.index("cleanup starts") < err.index("cleanup done") and err.count("terminated;") == 1
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_the_resume_command_is_one_a_shell_reads_back_as_it_was():

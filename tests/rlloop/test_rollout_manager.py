@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 from rlloop.cluster import Cluster
 from rlloop.config import load_config
 from rlloop.data import Prompt, load_datasets
+from rlloop.rewards import RewardScorer
 from rlloop.rollout_manager import RolloutManager, RolloutTally, distinct, rollout_metrics, sampling_seed, top_up
 from rlloop.schedules import AsyncRollout, FullyAsyncRollout
 from rollout import Completion
@@ -87,15 +88,28 @@ def test_dynamic_sampling_trains_exactly_prompts_per_step_groups_when_it_has_mor
 
 def test_a_reward_that_fails_on_every_sample_ends_the_run(setup):
     """Every sample given reward.failure_reward: every advantage is 0, and the run went on, learning nothing, to a
-    job that succeeded. A generation whose samples all failed is a RewardError naming the function and the failure;
-    one that fails on some (the dynamic-sampling test above) goes on."""
+    job that succeeded. A step's worth of failed samples in a row is a RewardError naming the function and the
+    failure; one that fails on some (the dynamic-sampling test above) goes on, and so does a small round (a top-up
+    of two prompts) whose answers the function cannot read, until the failures in a row make a step's worth."""
     from rlloop.errors import RewardError
 
     fn = "tests.rlloop.reward_fns:always_raises"
-    with pytest.raises(
-        RewardError, match=rf"reward.fn {fn} failed on every one of the 48 samples .*KeyError: 'answer'"
-    ):
+    broken = rf"reward.fn {fn} failed on each of the last 48 samples \(the last raised KeyError: 'answer'\)"
+    with pytest.raises(RewardError, match=broken):
         run_collect(setup, ["rollout.prompts_per_step=6", f"reward.fn={fn}"])
+
+    cluster, tok = setup
+    cfg = load_config(TINY, ["rollout.backend=hf", "cluster.use_ray=false", "rollout.prompts_per_step=6"])
+    data, _ = load_datasets(cfg, tok)
+    two = data.next_batch(2)
+    with closing(RolloutManager(cfg, cluster, tok, data)) as rollout:
+        rollout.cfg = load_config(TINY, ["rollout.backend=hf", "rollout.prompts_per_step=6", f"reward.fn={fn}"])
+        rollout.scorer.close()
+        rollout.scorer = RewardScorer(rollout.cfg.reward)
+        for _ in range(2):  # 16, then 32 failed samples in a row: fewer than a step's 48
+            rollout.generate(two, 8, rollout.sampling(0))
+        with pytest.raises(RewardError, match="failed on each of the last 48 samples"):
+            rollout.generate(two, 8, rollout.sampling(0))
 
 
 def test_dynamic_sampling_keeps_only_informative_groups(setup):

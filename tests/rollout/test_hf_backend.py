@@ -153,7 +153,9 @@ def test_load_weights_takes_what_the_jax_engine_takes(model_dir, other_model_dir
     # and refuses what it refuses: a tensor that is not floats would be cast into the weights
     norm = arrays["model.norm.weight"]
     for wrong, what in ((norm.astype(np.int64), "dtype int64"), (norm.tolist(), "a list")):
-        with pytest.raises(ValueError, match=f"'model.norm.weight' is {what}, expected a floating-point"):
+        with pytest.raises(
+            ValueError, match=f"'model.norm.weight' is {what}, expected a numpy array of float16/32/64 or bfloat16"
+        ):
             engine.load_weights(arrays | {"model.norm.weight": wrong}, version=4)
     assert engine.stats()["weight_version"] == 3
 

@@ -155,6 +155,25 @@ def test_each_optimizer_step_trains_the_samples_of_one_ranks_step_whatever_the_r
         assert sorted(got) == want
 
 
+def test_a_share_that_does_not_fit_the_trainer_is_refused(tiny_qwen3_dir):
+    """minibatch_sizes that do not add up to the share, or that take more optimizer steps than train.minibatches:
+    a ValueError naming them, before any step (on several ranks, on every rank at once: the rejected-share path)."""
+    trainer = Trainer(make_config(tiny_qwen3_dir, 2, "dapo", 0.0))
+    initial = {k: v.copy() for k, v in trainer.export_weights().items()}
+    batch = random_batch(6, seed=6)
+    for sizes, why in (
+        ([2, 2], "must be positive and add up to its 6 samples"),
+        ([6, 0], "must be positive"),
+        ([2, 2, 2], "has 3 steps, more than train.minibatches=2"),
+    ):
+        batch.minibatch_sizes = sizes
+        with pytest.raises(ValueError, match=why):
+            trainer.train_step(batch)
+    assert all(np.array_equal(v, initial[k]) for k, v in trainer.export_weights().items())
+    batch.minibatch_sizes = [4, 2]  # fits: two steps of 4 and 2 samples
+    assert trainer.train_step(batch)["train/minibatches"] == 2
+
+
 @pytest.mark.parametrize("parallel", MODES)
 @pytest.mark.parametrize("name, n, minibatches, agg, kl_coef", CASES)
 def test_two_ranks_equal_one_rank(two_rank_results, tiny_qwen3_dir, parallel, name, n, minibatches, agg, kl_coef):
