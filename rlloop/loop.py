@@ -12,6 +12,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import time
 from contextlib import ExitStack, closing, contextmanager
 from pathlib import Path
@@ -137,10 +138,19 @@ def warn_of_changes(cfg: Config) -> None:
     changed = [
         f"{key}: {was.get(key)} -> {now.get(key)}"
         for key in sorted(was.keys() | now.keys())
-        if was.get(key) != now.get(key)
+        if _in_job_copy(was.get(key)) != _in_job_copy(now.get(key))
     ]
     if changed:
         log.warning("--resume with settings other than the run's (%s): %s", saved, "; ".join(changed))
+
+
+# A path in Ray's unpacked copy of a job's working_dir: each job (a resumed one too) gets a copy of its own
+RAY_JOB_COPY = re.compile(r"^.*/runtime_resources/working_dir_files/_ray_pkg_[0-9a-f]+/")
+
+
+def _in_job_copy(value):
+    """`value`, a path in a Ray job's copy of its working_dir as the same path in any such copy."""
+    return RAY_JOB_COPY.sub("<working_dir>/", value) if isinstance(value, str) else value
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

@@ -113,6 +113,19 @@ def test_a_resume_on_other_data_is_refused_before_anything_starts_and_the_run_is
     warn_of_changes(cfg)
     assert f"train.lr: 0.5 -> {cfg.train.lr}" in caplog.text
 
+    # A Ray job's paths are in Ray's copy of its working_dir, a new one for the resumed job: not a change
+    copy = "/tmp/ray/session_1/runtime_resources/working_dir_files/_ray_pkg_{}/data/train.jsonl"
+    (tmp_path / "config.yaml").write_text(
+        to_yaml(load_config(TINY, [f"run.dir={tmp_path}", f"data.path={copy.format('a57c')}"]))
+    )
+    caplog.clear()
+    warn_of_changes(load_config(TINY, [f"run.dir={tmp_path}", f"data.path={copy.format('5711')}"]))
+    assert "settings other than the run's" not in caplog.text
+    warn_of_changes(
+        load_config(TINY, [f"run.dir={tmp_path}", f"data.path={copy.format('5711').replace('train', 'other')}"])
+    )
+    assert "data.path: " in caplog.text  # another file in the copy is still a change
+
 
 def test_a_prompt_the_tokenizer_cannot_encode_names_its_row(tmp_path, tok):
     """The tiny character tokenizer has no unknown token: a character it lacks is a data error, not a traceback."""
