@@ -170,7 +170,7 @@ class EvalSection(Section):
     split: str = "train"
     samples: PositiveInt = 16  # completions per prompt; the score is mean accuracy
     max_prompts: PositiveInt | None = None
-    temperature: Annotated[float, Field(ge=0)] = 1.0
+    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0
     top_p: Prob | None = None  # None: rollout.top_p
 
 
@@ -191,7 +191,7 @@ class RolloutSection(
     group_size: int = 8  # >= 2 (_group_size)
     max_response_len: PositiveInt = 8192
     # The trainer scores samples at this temperature; below GREEDY_BELOW the engine samples greedily (as vLLM does)
-    temperature: Annotated[float, Field(ge=GREEDY_BELOW)] = 1.0
+    temperature: Annotated[float, Field(ge=GREEDY_BELOW, allow_inf_nan=False)] = 1.0
     top_p: Prob = 1.0
     top_k: int = -1  # -1 (or 0, as in HF): off; else sample from the k most likely tokens (_top_k)
     ignore_eos: bool = False  # benchmarks: every response runs to max_response_len

@@ -7,6 +7,7 @@ These are the only rollout types that cross package boundaries (the RL loop buil
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Literal, Mapping, Protocol, get_args, runtime_checkable
 
@@ -32,6 +33,7 @@ def request_id(prompt_index: int, sample_index: int) -> int:
 
 # A temperature below this samples greedily (vLLM's _SAMPLING_EPS): logits / T overflows float32 long before T
 # reaches 0 (|logit| 40 at T = 1e-37), and the log-prob of the token picked came out NaN.
+INT32_MAX = 2**31 - 1
 GREEDY_BELOW = 1e-5
 
 
@@ -49,8 +51,12 @@ class SamplingParams:
 
     def __post_init__(self):
         # One clear error per bad field, so a typo in a config fails before any compile or model load.
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0 (below GREEDY_BELOW means greedy), got {self.temperature}")
+        if not 0.0 <= self.temperature < math.inf:
+            raise ValueError(
+                f"temperature must be finite and >= 0 (below GREEDY_BELOW means greedy), got {self.temperature}"
+            )
+        if self.top_k > INT32_MAX:  # the JAX engine holds it in int32
+            raise ValueError(f"top_k must be <= {INT32_MAX} (or <= 0 for off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
@@ -58,8 +64,8 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, tuple):
             # A list would make the frozen dataclass unhashable; accept it but store a tuple.
             object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}")
+        if any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {INT32_MAX}], got {self.stop_token_ids}")
 
     @property
     def greedy(self) -> bool:
@@ -73,7 +79,9 @@ class SamplingParams:
 
 def check_requests(prompts: list[list[int]], n: int, sampling: SamplingParams, max_seq_len: int, vocab_size: int):
     """What both backends refuse of a generate call, in the same words: no samples, an empty prompt, a prompt that
-    with its new tokens passes `max_seq_len`, a token id outside the vocabulary."""
+    with its new tokens passes `max_seq_len`, a token id outside the vocabulary. The JAX engine refuses two more,
+    which its compiled programs fix: a prompt above its largest prefill bucket, and more than MAX_STOP_IDS stop
+    ids (the model's EOS ids included)."""
     if n < 1:
         raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
     for i, prompt in enumerate(prompts):

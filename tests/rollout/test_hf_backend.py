@@ -209,6 +209,14 @@ def test_bad_requests_raise(engine, model_dir):
         engine.generate([[]], 1, SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
+    # values the JAX engine cannot hold (int32) or that would sample uniformly without a word: refused by name
+    for bad, field in (
+        (dict(top_k=2**31), "top_k"),
+        (dict(stop_token_ids=(2**31,)), "stop_token_ids"),
+        (dict(temperature=float("inf")), "temperature"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**bad)
     with pytest.raises(ValueError, match="tpu_magic"):
         make_engine("tpu_magic", EngineConfig(model_path=model_dir))
     built = make_engine("hf", EngineConfig(model_path=model_dir, dtype="float32", max_batch=2, max_seq_len=16))
@@ -216,3 +224,30 @@ def test_bad_requests_raise(engine, model_dir):
     assert built.max_batch == 2 and built.model.dtype == torch.float32 and built.warmup() == {}
     with pytest.raises(ValueError, match=r"prompt 0 \(10 tokens\) \+ max_new_tokens \(7\) exceeds max_seq_len 16"):
         built.generate([[1] * 10], 1, SamplingParams(max_new_tokens=7))  # as the JAX engine refuses it
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        dict(temperature=0.0, max_new_tokens=12),
+        dict(temperature=1e-6, max_new_tokens=12),  # below GREEDY_BELOW: greedy too
+        dict(temperature=0.0, max_new_tokens=12, ignore_eos=True),
+        dict(temperature=0.0, max_new_tokens=12, stop_token_ids=(5, 17, 60)),
+        dict(temperature=0.0, max_new_tokens=30, ignore_eos=True, stop_token_ids=(7,)),
+        dict(temperature=0.0, max_new_tokens=1),
+    ],
+)
+def test_both_backends_give_the_same_greedy_completions(model_dir, sampling):
+    """A user switching rollout.backend gets the same contract: the same tokens, finish reasons, stop-token handling
+    (the stop token kept, with its log-prob), versions and order, over more rows than the JAX engine's slots (its
+    fan-out copies and slot reuse) and prompts of mixed lengths."""
+    config = EngineConfig(
+        model_path=model_dir, max_batch=8, max_seq_len=64, prefill_buckets=(16, 32), decode_buckets=(4, 8)
+    )
+    prompts = [*PROMPTS, [3] * 20]
+    sp = SamplingParams(**sampling)
+    hf, jax_ = (make_engine(backend, config).generate(prompts, 2, sp) for backend in ("hf", "jax"))
+    fields = lambda c: (c.prompt_index, c.sample_index, c.token_ids, c.finish_reason, c.weight_version)  # noqa: E731
+    assert [fields(c) for c in hf] == [fields(c) for c in jax_]
+    for a, b in zip(hf, jax_):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
