@@ -51,10 +51,17 @@ class LogprobModel(torch.nn.Module):
         return response_logprobs(self.model, mb, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
 
+RECOMPILE_LIMIT = 64  # compiles of one layer's forward before dynamo gives up on it (its default: 8)
+
+
 def compile_decoder(model: torch.nn.Module, scope: str, sharded: bool) -> None:
     """`TrainerConfig.compile`: torch.compile in place, with dynamic shapes since every batch has other lengths, each
     decoder layer (`scope` "layers": the classes HF names in `_no_split_modules`) or the whole decoder ("model"; not
     when `sharded`, as FSDP's units are the layers)."""
+    # Each variant of a call a step makes (grad on or off, a mask or none, a one-row micro-batch, each twice under
+    # gradient checkpointing) is a compile of its own, and past dynamo's default limit of 8 a layer runs eagerly for
+    # every new variant, saying so only in a warning: a run with checkpointing, KL and micro-batches reached it.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     if scope == "model":
         if sharded:
             raise ValueError(
@@ -66,7 +73,10 @@ def compile_decoder(model: torch.nn.Module, scope: str, sharded: bool) -> None:
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     if not layers:
-        raise ValueError(f"train.compile: found no decoder layers ({sorted(layer_classes)}) in {type(model).__name__}")
+        raise ValueError(
+            f"train.compile=layers: found no decoder layers ({sorted(layer_classes)}, from _no_split_modules) in "
+            f"{type(model).__name__}; use train.compile=model or off"
+        )
     for layer in layers:
         layer.compile(dynamic=True)
 

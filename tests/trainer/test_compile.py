@@ -3,10 +3,18 @@ model does, to within fp32 op-order noise, and batches of new lengths compile no
 compiles once, not once per step."""
 
 import pytest
+import torch
 from torch._dynamo.utils import counters
 
 from tests.trainer.test_shared_prompts import is_split
-from trainer import TrainBatch, Trainer, TrainerConfig
+from trainer import LossConfig, TrainBatch, Trainer, TrainerConfig
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test's compiles from none: the layers' forward is one code object in a process, so the compiles of
+    earlier tests' trainers count toward its recompile limit."""
+    torch._dynamo.reset()
 
 
 def grouped(batch: TrainBatch, group: int = 4) -> TrainBatch:
@@ -50,3 +58,16 @@ def test_the_whole_decoder_is_not_compiled_under_fsdp(tiny_qwen3_dir):
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir)
     with pytest.raises(ValueError, match="train.compile=model"):
         compile_decoder(model, "model", sharded=True)
+
+
+def test_a_step_s_many_call_variants_stay_compiled(tiny_qwen3_dir, make_batch):
+    """Gradient checkpointing, micro-batches (one with no padding: no mask), KL and entropy and two minibatches make
+    more variants of a layer's call than dynamo compiles by default (8): past that it ran them eagerly, saying so only
+    in a warning. What counts is that it never gave up."""
+    loss = LossConfig(kl_coef=0.05, entropy_coef=0.01)
+    cfg = dict(lr=1e-3, gradient_checkpointing=True, micro_batch_tokens=64, minibatches=2, loss=loss)
+    trainer = Trainer(TrainerConfig(tiny_qwen3_dir, compile="layers", **cfg))
+    for s in range(3):
+        trainer.train_step(make_batch(12, seed=s, max_prompt=9 + 3 * s, max_response=12 + 4 * s))
+    gave_up = [reason.split("\n")[0] for reason in counters["unimplemented"] if "recompile limit" in reason]
+    assert not gave_up and counters["stats"]["unique_graphs"] > 0
