@@ -11,6 +11,7 @@ cleaning up: continue with --resume.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -140,10 +141,9 @@ def check_makeable(key: str, directory: Path) -> None:
 
 def check_wandb(cfg: Config) -> None:
     """tracking.mode online (or auto, which goes online where a key is configured) needs usable W&B credentials;
-    without them wandb.init failed once Ray and the actors were up. `tracking.wandb_mode` asks W&B, with no network
-    and no prompt, whether a key is configured (WANDB_API_KEY, a settings file, the ~/.netrc entry `wandb login`
-    writes). W&B's own offline or disabled mode in the environment (WANDB_MODE) makes it answer no whatever the key,
-    so then it is not asked."""
+    without them wandb.init failed once Ray and the actors were up. `tracking.wandb_api_key` reads, with no network
+    and no prompt, the key W&B would use (WANDB_API_KEY, the ~/.netrc entry `wandb login` writes). W&B's own offline
+    or disabled mode in the environment (WANDB_MODE) needs none."""
     t = cfg.tracking
     if (
         not t.wandb
@@ -151,19 +151,15 @@ def check_wandb(cfg: Config) -> None:
         or os.environ.get("WANDB_MODE") in ("offline", "dryrun", "disabled")
     ):
         return
-    try:
-        import wandb
-    except ImportError:
-        raise ConfigError("tracking.wandb: true needs the wandb package (pip install wandb)") from None
-    from rlloop.tracking import wandb_mode
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError("tracking.wandb: true needs the wandb package (pip install wandb)")
+    from rlloop.tracking import wandb_api_key, wandb_key_problem
 
     advice = "run `wandb login`, set WANDB_API_KEY, or set tracking.mode=offline (upload later with `wandb sync`)"
-    try:
-        configured = wandb_mode("auto") == "online"
-    except wandb.errors.Error as e:  # e.g. a malformed WANDB_API_KEY
-        reason = str(e).rstrip(".")
-        raise ConfigError(f"tracking.mode={t.mode}: W&B cannot use its credentials: {reason}; {advice}") from None
-    if t.mode == "online" and not configured:
+    key = wandb_api_key()
+    if key and (problem := wandb_key_problem(key)):
+        raise ConfigError(f"tracking.mode={t.mode}: W&B cannot use its credentials: {problem}; {advice}")
+    if t.mode == "online" and not key:
         raise ConfigError(f"tracking.mode=online: W&B has no API key configured; {advice}")
 
 

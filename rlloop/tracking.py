@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
+import netrc
 import numbers
+import os
+import re
 import sys
 import uuid
 from pathlib import Path
+from urllib.parse import urlparse
 
 from rlloop.config import Config
 
@@ -70,14 +74,37 @@ def rollouts_file(rollouts_dir: str | Path, step: int) -> Path:
     return Path(rollouts_dir) / f"step_{step:06d}.jsonl"
 
 
+def wandb_api_key() -> str | None:
+    """The API key W&B would use here, read where `wandb login` leaves it, asking no server: WANDB_API_KEY, else the
+    netrc entry (NETRC, else ~/.netrc) for W&B's host (WANDB_BASE_URL, else api.wandb.ai). wandb.login(verify=False)
+    asks the server since wandb 0.2x (an API request through its service): with no route to it, a run's start hung
+    for minutes."""
+    if key := os.environ.get("WANDB_API_KEY"):
+        return key
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    try:
+        entry = netrc.netrc(os.environ.get("NETRC") or None).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return None
+    return entry[2] if entry else None
+
+
+def wandb_key_problem(key: str) -> str | None:
+    """What W&B refuses in the form of an API key (its rule: after an optional `prefix-`, 40 or more letters,
+    digits and underscores), or None."""
+    secret = key.split("-", 1)[-1]
+    if not re.fullmatch(r"[\w-]+", secret):
+        return "the API key may only hold letters, digits and underscores"
+    if len(secret) < 40:
+        return f"the API key must have 40 or more characters, it has {len(secret)}"
+    return None
+
+
 def wandb_mode(setting: str) -> str:
-    """tracking.mode as W&B takes it: `auto` is online where W&B has an API key (WANDB_API_KEY, or the ~/.netrc
-    entry `wandb login` writes), offline otherwise."""
+    """tracking.mode as W&B takes it: `auto` is online where W&B has an API key (`wandb_api_key`), else offline."""
     if setting != "auto":
         return setting
-    import wandb
-
-    return "online" if wandb.login(prompt=False, verify=False) else "offline"
+    return "online" if wandb_api_key() else "offline"
 
 
 class Tracker:
