@@ -92,6 +92,20 @@ def shard_batch(batch: TrainBatch, rank: int, world_size: int, minibatches: int)
     return share
 
 
+def minibatch_indices(batch: TrainBatch, minibatches: int, fewest: int) -> list[list[int]]:
+    """Each optimizer step's samples: those a share dealt by `shard_batch` says (`minibatch_sizes`), else
+    `minibatches` near-equal parts; fewer when a rank has fewer samples than that (`fewest`, over the ranks: a short
+    batch when dynamic sampling ran out of rounds), the same number on every rank, rather than fail the run."""
+    sizes = batch.minibatch_sizes
+    if sizes is None:
+        return split_minibatches(len(batch), max(1, min(minibatches, fewest)))
+    if len(sizes) > minibatches:
+        raise ValueError(
+            f"TrainBatch.minibatch_sizes has {len(sizes)} steps, more than train.minibatches={minibatches}"
+        )
+    return contiguous_parts(sizes, len(batch))
+
+
 def contiguous_parts(sizes: list[int], n: int) -> list[list[int]]:
     """Index ranges of `sizes` samples each, in order, over a batch of `n` (TrainBatch.minibatch_sizes)."""
     if sum(sizes) != n or min(sizes, default=0) < 1:

@@ -21,15 +21,7 @@ import numpy as np
 import torch
 
 from trainer import checkpoint
-from trainer.batching import (
-    MicroBatch,
-    TrainBatch,
-    collate,
-    contiguous_parts,
-    plan_micro_batches,
-    split_minibatches,
-    validate_batch,
-)
+from trainer.batching import MicroBatch, TrainBatch, collate, minibatch_indices, plan_micro_batches, validate_batch
 from trainer.config import TrainerConfig, resolve_parallel
 from trainer.distributed import all_reduce_, all_reduce_grads_, broadcast_params_, init_distributed, resolve_device
 from trainer.errors import NonFiniteTraining
@@ -101,25 +93,14 @@ class Trainer:
 
         Returns `train/*` metrics for the whole batch over all ranks (identical on every rank).
         """
-        # A short batch (dynamic sampling ran out of rounds) may leave a rank fewer samples than `minibatches`: take
-        # fewer optimizer steps then, the same number on every rank, rather than fail the run. A share dealt by
-        # shard_batch says its steps; the ranks must agree on their number, or one would wait for the others' step.
-        sizes = batch.minibatch_sizes
-        counts = [len(batch), len(sizes or ()), -len(sizes or ())]
-        fewest, steps_min, steps_max = all_reduce_(torch.tensor(counts, device=self.reduce_device), op="min").tolist()
+        # The ranks must take as many optimizer steps as each other, or one would wait for the others' step
+        steps = len(batch.minibatch_sizes or ())
+        fewest, most_neg = all_reduce_(torch.tensor([len(batch), -steps], device=self.reduce_device), op="min").tolist()
         try:
             validate_batch(batch, self.vocab_size)
-            if sizes is None:
-                minibatches = split_minibatches(len(batch), max(1, min(self.cfg.minibatches, int(fewest))))
-            else:
-                minibatches = contiguous_parts(sizes, len(batch))
-                if len(sizes) > self.cfg.minibatches:
-                    raise ValueError(
-                        f"TrainBatch.minibatch_sizes has {len(sizes)} steps, more than train.minibatches="
-                        f"{self.cfg.minibatches}"
-                    )
-                if steps_min != -steps_max:
-                    raise ValueError(f"the ranks' shares take {steps_min} to {-steps_max} optimizer steps")
+            minibatches = minibatch_indices(batch, self.cfg.minibatches, int(fewest))
+            if -most_neg != steps:
+                raise ValueError(f"the ranks' shares take {steps} to {-most_neg} optimizer steps")
             problem = None
         except ValueError as e:
             problem = e
