@@ -77,7 +77,7 @@ def rollouts_file(rollouts_dir: str | Path, step: int) -> Path:
 def wandb_api_key() -> str | None:
     """The API key W&B would use here, read where `wandb login` leaves it, asking no server: WANDB_API_KEY, else the
     netrc entry (NETRC, else ~/.netrc) for W&B's host (WANDB_BASE_URL, else api.wandb.ai). wandb.login(verify=False)
-    asks the server since wandb 0.2x (an API request through its service): with no route to it, a run's start hung
+    asks the server in wandb 0.31 (an API request through its service): with no route to it, a run's start hung
     for minutes."""
     if key := os.environ.get("WANDB_API_KEY"):
         return key
