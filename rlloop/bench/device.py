@@ -76,10 +76,12 @@ def long_rows(path: Path, args) -> int:
     return max(args.n, min(rows, fits))
 
 
-def bench_engine(path: Path, args, cache_len: int | None = None, decode_attention: str = "auto", prompts=None) -> dict:
+def bench_engine(
+    path: Path, args, cache_len: int | None = None, decode_attention: str = "auto", n_prompts: int | None = None
+) -> dict:
     """The engine part, or with `cache_len` one run of engine_long: responses that fill the cache, timed once (its
-    warmup ran every program already, and a second pass would double the part's minutes). `prompts`: how many (the
-    part's --prompts by default)."""
+    warmup ran every program already, and a second pass would double the part's minutes). `n_prompts`: how many prompts
+    (the part's --prompts by default)."""
     from rlloop.bench.peaks import measure_peaks
     from rollout.engine import JaxEngine
     from rollout.engine_config import EngineConfig
@@ -87,7 +89,7 @@ def bench_engine(path: Path, args, cache_len: int | None = None, decode_attentio
     from rollout.types import SamplingParams
 
     vocab = ModelConfig.from_dir(str(path)).vocab_size
-    count = prompts or args.prompts
+    count = n_prompts or args.prompts
     prompts = make_prompts(count, vocab, args.prompt_len // 2, args.prompt_len, seed=0)
     new_tokens = cache_len - args.prompt_len if cache_len else args.new_tokens
     sampling = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=(), seed=0, ignore_eos=True)
@@ -135,8 +137,8 @@ def bench_engine(path: Path, args, cache_len: int | None = None, decode_attentio
 
 def bench_engine_long(path: Path, args) -> dict:
     """engine_long: the same long generation with the cache read chunk by chunk and whole, and which was faster."""
-    prompts = long_rows(path, args) // args.n
-    runs = {mode: bench_engine(path, args, args.long_cache, mode, prompts) for mode in ("chunked", "whole")}
+    n_prompts = long_rows(path, args) // args.n
+    runs = {mode: bench_engine(path, args, args.long_cache, mode, n_prompts) for mode in ("chunked", "whole")}
     return {**runs, "whole_over_chunked": runs["whole"]["tok_s"] / runs["chunked"]["tok_s"]}
 
 
