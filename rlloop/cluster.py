@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from rlloop.config import Config, component_kwargs
+from rlloop.config import TORCH_DEVICE, Config, component_kwargs
 from rlloop.engine_pool import EnginePool, RestartCount
 from rlloop.errors import ActorDied, ClusterError, TrainerDied
 from rlloop.placement import (
@@ -83,7 +83,7 @@ class Cluster:
             backend=cfg.rollout.backend,
             sync=sync,
             threads=threads,
-            device="cuda" if cfg.cluster.device == "gpu" else "cpu",
+            device=TORCH_DEVICE[cfg.cluster.device],  # the HF backend's (the JAX engine finds its own)
             compile_cache_dir=cfg.rollout.compile_cache_dir,
         )
         world = cfg.cluster.train_chips

@@ -106,6 +106,8 @@ def _colocated(cfg: Config) -> None:
 
 def _chips_per_engine(cfg: Config) -> None:
     c = cfg.cluster
+    if c.device == "tpu" and cfg.rollout.backend == "hf":  # transformers' generate has no TPU path here
+        raise ValueError("rollout.backend: hf generates on cpu or gpu; on cluster.device: tpu the engine is jax")
     if c.rollout_engines > c.rollout_chips:
         raise ValueError(
             f"cluster.rollout_engines={c.rollout_engines} is more engines than cluster.rollout_chips="

@@ -254,10 +254,11 @@ def run_recipe(
             with clock.waiting():
                 batch = batches.next(step)  # rollout + reward + advantages
             training = None
-            with clock.queueing():
-                tracker.log_samples(step, batch.samples)  # tracking.save_rollouts, W&B sample tables
-                if batch.samples is not None and cluster.trainers:  # none in --debug rollout-only
+            if batch.samples is not None and cluster.trainers:  # none in --debug rollout-only
+                with clock.queueing():
                     training = start_training(cfg, cluster, step, batch.samples, batches.trained)
+            # While the trainer runs; the driver's time here is the step's other_s, not its train_s
+            tracker.log_samples(step, batch.samples)  # tracking.save_rollouts, W&B sample tables
             if training is None:  # nothing to train on: the weights stay as they are
                 batches.trained(step, published=False)
             if pending:

@@ -86,6 +86,7 @@ BAD_OVERRIDES = [
         "sync.transport: ray moves weights",
     ),
     (["cluster.colocate=true"], "a TPU chip serves one process at a time"),
+    (["rollout.backend=hf"], "rollout.backend: hf generates on cpu or gpu"),  # the real recipe is on TPU
     (["cluster.rollout_chips=3", "cluster.train_chips=1"], "Ray gives an actor 1, 2, 4, 8 chips of a host"),
     (
         ["cluster.use_ray=false", "cluster.train_chips=1", "cluster.rollout_chips=1"],
