@@ -34,7 +34,7 @@ from rlloop.config_errors import ConfigError, describe
 from rlloop.config_files import read_config
 from rollout import EngineConfig
 from rollout.buckets import default_prefill_buckets
-from rollout.types import GREEDY_BELOW, DType
+from rollout.types import GREEDY_BELOW, INT32_MAX, DType
 from trainer import LossConfig, TrainerConfig
 from trainer.config import resolve_parallel
 from weight_sync import SyncConfig
@@ -42,7 +42,6 @@ from weight_sync import SyncConfig
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
 Prob = Annotated[float, Field(gt=0, le=1)]
-INT32_MAX = 2**31 - 1
 # Every timeout in the config: above 0 and at most 7 days, so that no wait overflows (threading's and Ray's waits
 # turn seconds into C integers: `reward.timeout_s=1e12` and `cluster.actor_timeout_s=1e308` overflowed) and no
 # value stands in for "never" (a null actor timeout is the way to say it).

@@ -22,7 +22,8 @@ class ModelError(ValueError):
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint could not be written (the previous one is intact) or no intact one is left to resume from."""
+    """A checkpoint could not be written (the previous one is intact), no intact one is left to resume from, or the
+    run cannot load the one it resumes from (another trainer layout)."""
 
 
 class RunDirInUse(RuntimeError):
@@ -34,4 +35,5 @@ class DataError(ValueError):
 
 
 class RewardError(RuntimeError):
-    """The reward function cannot be run at all (its worker processes die as they start); the message says why."""
+    """The reward function cannot be run: its worker processes die as they start, or it failed on a step's worth of
+    samples in a row. The message names the function and its last failure."""

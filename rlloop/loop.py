@@ -3,33 +3,30 @@ data -> rollout -> reward -> advantages -> train -> sync -> log -> checkpoint.
 
 Everything clever lives behind these calls: generation and scoring in `rlloop/rollout_manager.py` (the compiled
 decoder itself in `rollout/`), the loss in `trainer/`, the transports in `weight_sync/`, placement in
-`rlloop/cluster.py`.
+`rlloop/cluster.py` and `rlloop/placement.py`.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
-import os
-import re
 import time
-from contextlib import ExitStack, closing, contextmanager
+from contextlib import ExitStack, closing
 from pathlib import Path
 from typing import Callable
-
-import yaml
 
 from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, load_state, save_checkpoint
 from rlloop.cluster import Cluster
 from rlloop.config import Config, to_yaml
 from rlloop.data import Inputs, load_inputs
 from rlloop.engine_pool import RestartCount
-from rlloop.errors import CheckpointError, RunDirInUse, TrainerDied
+from rlloop.errors import CheckpointError, TrainerDied
 from rlloop.profiling import profile_dir
 from rlloop.ray_session import ray_session
 from rlloop.rollout_manager import RolloutManager
+from rlloop.run_dir import run_dir_held, warn_of_changes
 from rlloop.schedules import rollout_schedule
+from rlloop.step_clock import StepClock, step_overhead
 from rlloop.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -54,27 +51,6 @@ def train(cfg: Config, resume: bool = False, inputs: Inputs | None = None) -> Pa
     inputs = inputs or load_inputs(cfg)
     with run_dir_held(cfg.run_dir):
         return _train(cfg, resume, inputs)
-
-
-@contextmanager
-def run_dir_held(run_dir: Path):
-    """The run directory for this process alone while it runs: a second run started into it (a --debug run, the same
-    command in another terminal) replaced the first one's metrics, report and checkpoints as both went on. An flock
-    on the directory itself: nothing is written into it (a refused start leaves the run as it was), and a killed run
-    holds nothing."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RunDirInUse(
-                f"run.dir: {run_dir} is in use by another run: let it finish, or give this one another run.dir or "
-                "run.name"
-            ) from None
-        yield
-    finally:
-        os.close(fd)
 
 
 def _train(cfg: Config, resume: bool, inputs: Inputs) -> Path:
@@ -124,43 +100,6 @@ def _train(cfg: Config, resume: bool, inputs: Inputs) -> Path:
                     raise TrainerDied(f"{e}\n(run.max_restarts={cfg.run.max_restarts} spent)") from None
                 log.warning("%s\nrestarting from the last checkpoint (%d/%d)", e, restarts + 1, cfg.run.max_restarts)
     raise AssertionError("unreachable")
-
-
-def warn_of_changes(cfg: Config) -> None:
-    """A resumed run's settings that differ from those it was started with (its config.yaml), each named."""
-    saved = cfg.run_dir / "config.yaml"
-    if not saved.is_file():
-        return
-    was = yaml.safe_load(saved.read_text())
-    if not isinstance(was, dict):
-        return
-    was, now = _flat(was), _flat(yaml.safe_load(to_yaml(cfg)))
-    changed = [
-        f"{key}: {was.get(key)} -> {now.get(key)}"
-        for key in sorted(was.keys() | now.keys())
-        if _in_job_copy(was.get(key)) != _in_job_copy(now.get(key))
-    ]
-    if changed:
-        log.warning("--resume with settings other than the run's (%s): %s", saved, "; ".join(changed))
-
-
-# A path in Ray's unpacked copy of a job's working_dir: each job (a resumed one too) gets a copy of its own
-RAY_JOB_COPY = re.compile(r"^.*/runtime_resources/working_dir_files/_ray_pkg_[0-9a-f]+/")
-
-
-def _in_job_copy(value):
-    """`value`, a path in a Ray job's copy of its working_dir as the same path in any such copy."""
-    return RAY_JOB_COPY.sub("<working_dir>/", value) if isinstance(value, str) else value
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out |= _flat(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def save_model(cluster: Cluster, tokenizer, path: str) -> None:
@@ -298,38 +237,3 @@ def start_training(cfg: Config, cluster: Cluster, step: int, samples, trained: C
         return metrics | {"perf/train_s": blocked - push_s, "perf/sync_s": push_s + time.perf_counter() - t1}
 
     return wait
-
-
-def step_overhead(metrics: dict[str, float]) -> dict[str, float]:
-    """The step's seconds outside generation (or, in the async modes, waiting for it), training, sync and eval:
-    scoring, advantages, batch transfer, logging; what the loop itself costs."""
-    rollout = metrics.get("perf/rollout_wait_s", metrics.get("perf/rollout_s", 0.0))
-    busy = rollout + sum(metrics.get(f"perf/{k}_s", 0.0) for k in ("train", "sync", "eval"))
-    other = max(metrics["perf/step_s"] - busy, 0.0)
-    return {"perf/other_s": other, "perf/other_frac": other / max(metrics["perf/step_s"], 1e-9)}
-
-
-class StepClock:
-    """The driver's time since the last step ended, and how much of it went to waiting for a batch and to queueing a
-    training: a step's metrics cover the driver from the end of the step before to its own end."""
-
-    def __init__(self):
-        self.restart()
-
-    def restart(self) -> None:
-        self.started, self.waited, self.queued = time.perf_counter(), 0.0, 0.0
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.started
-
-    @contextmanager
-    def waiting(self):
-        t0 = time.perf_counter()
-        yield
-        self.waited += time.perf_counter() - t0
-
-    @contextmanager
-    def queueing(self):
-        t0 = time.perf_counter()
-        yield
-        self.queued += time.perf_counter() - t0

@@ -181,7 +181,7 @@ def engine_tp(cfg: Config) -> int:
     chips = c.rollout_chips // c.rollout_engines
     if c.device != "cpu" or c.cpus_per_actor == 1:
         return chips
-    from rlloop.memory import model_shape  # rlloop.memory imports this module's config
+    from rlloop.memory import model_shape  # imported here: rlloop.memory imports this module
 
     return cpu_engine_tp(model_shape(cfg.model.path), chips, chips * c.cpus_per_actor)
 

@@ -9,7 +9,8 @@ Built-ins:
 `RewardScorer` runs the function in worker processes: one that raises, returns something other than a finite number
 (None, a string, NaN, inf; a bool counts as 1 or 0), kills its worker or exceeds `timeout_s` gives that sample
 `failure_reward` and increments a counter; a stuck or dead worker is replaced (with whatever the function started)
-and the run goes on. Workers that die as they start, pool after pool, are a `RewardError`.
+and the run goes on. Workers that die as they start, pool after pool, are a `RewardError`; so is a function that
+fails on a step's worth of samples in a row (rlloop/rollout_manager.py counts them).
 """
 
 from __future__ import annotations

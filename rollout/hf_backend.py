@@ -63,8 +63,6 @@ class HFEngine(RolloutEngine):
         """Nothing to compile: transformers runs eagerly."""
         return {}
 
-    # ------------------------------------------------------------------ generate
-
     def release(self) -> None:
         """Colocation: the model leaves the accelerator (on CPU there is nothing to free)."""
         if self.device.type != "cpu":

@@ -62,7 +62,6 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
-    max_position_embeddings: int = 4096
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     @property
@@ -126,7 +125,6 @@ class ModelConfig:
             o_bias=attention_bias and family != "qwen2",
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=family == "qwen3",
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
             eos_token_ids=eos_token_ids(hf, generation_config),
         )
 

@@ -31,9 +31,9 @@ def request_id(prompt_index: int, sample_index: int) -> int:
     return (int(prompt_index) * 65537 + int(sample_index)) & 0x7FFFFFFF
 
 
+INT32_MAX = 2**31 - 1  # the JAX engine holds seeds, top-k and token ids in int32
 # A temperature below this samples greedily (vLLM's _SAMPLING_EPS): logits / T overflows float32 long before T
 # reaches 0 (|logit| 40 at T = 1e-37), and the log-prob of the token picked came out NaN.
-INT32_MAX = 2**31 - 1
 GREEDY_BELOW = 1e-5
 
 

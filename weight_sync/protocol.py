@@ -51,7 +51,6 @@ class SyncStats:
     encode_s: float  # diffing, compression, the deltas' checksums
     transfer_s: float  # writing into the transport (copy into shm / files on disk / object store; raw tensors'
     # checksums are taken as they are written)
-    base_version: int | None = None
 
     def metrics(self) -> dict[str, float]:
         """The `sync/*` metrics the loop logs for this push."""
@@ -110,7 +109,6 @@ class Sender(_Endpoint):
         self.delta = delta
         self.keyframe_every = keyframe_every
         self.version: int | None = None
-        self.last_stats: SyncStats | None = None
         self._last: dict[str, np.ndarray] | None = None  # bits of the last version sent (delta mode only)
         self._deltas_since_key = 0
         self._keyframe_next = False
@@ -146,7 +144,7 @@ class Sender(_Endpoint):
         total = sum(a.size for a in arrays.values())
         frac = sum(len(i) for i in changed.values()) / max(total, 1) if changed else 1.0
         self.version = version
-        self.last_stats = SyncStats(
+        return SyncStats(
             version,
             nbytes,
             sum(a.nbytes for a in arrays.values()),
@@ -154,9 +152,7 @@ class Sender(_Endpoint):
             manifest.keyframe,
             (t1 - t0) + (t3 - t2),
             t2 - t1,
-            manifest.base_version,
         )
-        return self.last_stats
 
     def _compatible(self, arrays: dict[str, np.ndarray]) -> bool:
         last = self._last

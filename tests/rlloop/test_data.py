@@ -100,7 +100,8 @@ def test_a_resume_on_other_data_is_refused_before_anything_starts_and_the_run_is
     rewritten with the refused command's settings. And a resume that goes on names the settings it changes."""
     from rlloop.checkpoint import save_checkpoint
     from rlloop.config import load_config, to_yaml
-    from rlloop.loop import train, warn_of_changes
+    from rlloop.loop import train
+    from rlloop.run_dir import warn_of_changes
 
     cfg = load_config(TINY, [f"run.dir={tmp_path}"])
     position = {"seed": 0, "epoch": 0, "position": 32, "dropped": 0, "rows": 7}  # a checkpoint of 7-row data

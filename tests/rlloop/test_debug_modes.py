@@ -16,8 +16,8 @@ import pytest
 from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, load_state, save_checkpoint
 from rlloop.cluster import run_id_for
 from rlloop.errors import DataError
-from rlloop.loop import run_dir_held
 from rlloop.run import Terminated, go_on, main, parse_args, run_command, stopped_by
+from rlloop.run_dir import run_dir_held
 from rlloop.schedules import ReplayRollout
 from rlloop.tracking import rollouts_file
 from weight_sync.shm import segment_path

@@ -1,0 +1,76 @@
+"""The run directory as a run holds it: one run at a time (an flock), and a resumed run's settings compared with
+those it was started with (its config.yaml)."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+from contextlib import contextmanager
+from pathlib import Path
+
+import yaml
+
+from rlloop.config import Config, to_yaml
+from rlloop.errors import RunDirInUse
+
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def run_dir_held(run_dir: Path):
+    """The run directory for this process alone while it runs: a second run started into it (a --debug run, the same
+    command in another terminal) replaced the first one's metrics, report and checkpoints as both went on. An flock
+    on the directory itself: nothing is written into it (a refused start leaves the run as it was), and a killed run
+    holds nothing."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunDirInUse(
+                f"run.dir: {run_dir} is in use by another run: let it finish, or give this one another run.dir or "
+                "run.name"
+            ) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def warn_of_changes(cfg: Config) -> None:
+    """A resumed run's settings that differ from those it was started with (its config.yaml), each named."""
+    saved = cfg.run_dir / "config.yaml"
+    if not saved.is_file():
+        return
+    was = yaml.safe_load(saved.read_text())
+    if not isinstance(was, dict):
+        return
+    was, now = _flat(was), _flat(yaml.safe_load(to_yaml(cfg)))
+    changed = [
+        f"{key}: {was.get(key)} -> {now.get(key)}"
+        for key in sorted(was.keys() | now.keys())
+        if _in_job_copy(was.get(key)) != _in_job_copy(now.get(key))
+    ]
+    if changed:
+        log.warning("--resume with settings other than the run's (%s): %s", saved, "; ".join(changed))
+
+
+# A path in Ray's unpacked copy of a job's working_dir: each job (a resumed one too) gets a copy of its own
+RAY_JOB_COPY = re.compile(r"^.*/runtime_resources/working_dir_files/_ray_pkg_[0-9a-f]+/")
+
+
+def _in_job_copy(value):
+    """`value`, a path in a Ray job's copy of its working_dir as the same path in any such copy."""
+    return RAY_JOB_COPY.sub("<working_dir>/", value) if isinstance(value, str) else value
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
