@@ -34,7 +34,7 @@ from rlloop.config_errors import ConfigError, describe
 from rlloop.config_files import read_config
 from rollout import EngineConfig
 from rollout.buckets import default_prefill_buckets
-from rollout.types import GREEDY_BELOW, INT32_MAX, DType
+from rollout.types import GREEDY_BELOW, INT32_MAX, MAX_STOP_IDS, DType
 from trainer import LossConfig, TrainerConfig
 from trainer.config import resolve_parallel
 from weight_sync import SyncConfig
@@ -153,6 +153,13 @@ class ModelSection(Section):
     trust_remote_code: bool = False  # run code shipped with the checkpoint (auto_map): only when asked by name
 
 
+# apply_chat_template's own arguments, which rlloop sets: not for data.chat_template_kwargs
+TEMPLATE_CALL_ARGS = frozenset(
+    "conversation add_generation_prompt continue_final_message tokenize padding truncation max_length "
+    "return_tensors return_dict return_assistant_tokens_mask tokenizer_kwargs".split()
+)
+
+
 class DataSection(Section):
     path: PathStr  # hub id, parquet/jsonl file, or a directory of them
     split: str = "train"
@@ -161,6 +168,16 @@ class DataSection(Section):
     max_prompt_len: PositiveInt = 1024
     on_long_prompt: Literal["drop", "error"] = "drop"  # dropped prompts are counted in the log
     shuffle: bool = True  # a new seeded order of the rows every epoch (run.seed); false: the file's order
+    # More arguments for the tokenizer's chat template, eval prompts' too: {enable_thinking: false} turns Qwen3's
+    # thinking off (TRL's chat_template_kwargs, verl's data.apply_chat_template_kwargs)
+    chat_template_kwargs: dict[str, Any] = {}
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_the_calls_own(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if own := sorted(set(v) & TEMPLATE_CALL_ARGS):
+            raise ValueError(f"{', '.join(own)}: rlloop sets it (the prompt is rendered with a generation prompt)")
+        return v
 
 
 class EvalSection(Section):
@@ -194,6 +211,9 @@ class RolloutSection(
     top_p: Prob = 1.0
     top_k: int = -1  # -1 (or 0, as in HF): off; else sample from the k most likely tokens (_top_k)
     ignore_eos: bool = False  # benchmarks: every response runs to max_response_len
+    # Ids that end a response besides the EOS ids of the tokenizer and of generation_config.json (slime's
+    # --rollout-stop-token-ids): e.g. <|im_end|> for a base model whose tokenizer's EOS is <|endoftext|>
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(max_length=MAX_STOP_IDS - 1)] = []
     compile_cache_dir: str | None = "~/.cache/rlloop/jax"  # XLA's persistent cache: later runs skip most warmup
 
     @field_validator("group_size")

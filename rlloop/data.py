@@ -95,11 +95,13 @@ def to_answer(answer) -> str:
     raise DataError(f"empty or missing ground truth: expected a non-empty string or a number, got {answer!r:.80}")
 
 
-def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    if tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        return list(ids)
-    return tokenizer.encode("\n".join(m["content"] for m in messages))
+def render_prompt(tokenizer, messages: list[dict], template_kwargs: dict, tokenize: bool = True) -> list[int] | str:
+    """The prompt as the policy sees it: the chat template (every tokenizer rlloop loads has one, rlloop/model.py)
+    with a generation prompt, as token ids (or, `tokenize=False`, as text)."""
+    out = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=tokenize, return_dict=False, **template_kwargs
+    )
+    return list(out) if tokenize else out
 
 
 def encodes_any_text(tokenizer) -> bool:
@@ -152,23 +154,25 @@ class PromptData:
 
     def _encode(self, index: int, messages: list[dict]) -> list[int]:
         try:
-            return encode_prompt(self.tokenizer, messages)
-        except Exception as e:  # a tokenizer without an unknown token (the tiny one) meets a character it lacks
+            return render_prompt(self.tokenizer, messages, self.cfg.chat_template_kwargs)
+        except Exception as e:  # a character the tiny tokenizer lacks (no unknown token), a template that raises
             raise DataError(f"{self.key} {self.cfg.path}: row {index}: the tokenizer cannot encode it: {e}") from None
 
-    def _token_bound(self, messages: list[dict]) -> int:
-        """An upper bound on the prompt's tokens without tokenizing it: its UTF-8 bytes plus the chat template's
-        (a token covers at least one byte; +2 for a sentencepiece prefix space)."""
+    def _token_bound(self, index: int, messages: list[dict]) -> int:
+        """An upper bound on the prompt's tokens without tokenizing it: the UTF-8 bytes of its text as the tokenizer
+        normalizes it (NFC can lengthen a character) plus the chat template's (a token covers at least one byte; +2
+        for a sentencepiece prefix space)."""
         roles = tuple(m["role"] for m in messages)
         if roles not in self._template_bytes:
             empty = [{"role": r, "content": ""} for r in roles]
-            text = (
-                self.tokenizer.apply_chat_template(empty, add_generation_prompt=True, tokenize=False)
-                if self.tokenizer.chat_template
-                else "\n" * (len(roles) - 1)
-            )
+            try:
+                text = render_prompt(self.tokenizer, empty, self.cfg.chat_template_kwargs, tokenize=False)
+            except Exception as e:  # e.g. a template that wants user and assistant turns to alternate
+                raise DataError(f"{self.key} {self.cfg.path}: row {index}: the chat template refuses it: {e}") from None
             self._template_bytes[roles] = len(text.encode()) + 2
-        return self._template_bytes[roles] + sum(len(m["content"].encode()) for m in messages)
+        normalizer = getattr(getattr(self.tokenizer, "backend_tokenizer", None), "normalizer", None)
+        normalize = normalizer.normalize_str if normalizer else str
+        return self._template_bytes[roles] + sum(len(normalize(m["content"]).encode()) for m in messages)
 
     def _too_long(self, index: int, tokens: int) -> DataError:
         return DataError(
@@ -198,7 +202,7 @@ class PromptData:
         for batch in self.rows.select_columns(columns).iter(batch_size=4096):
             for values in zip(*(batch[c] for c in columns)):
                 messages, _ = self._parse_row(index, dict(zip(columns, values)))
-                if not every_row and self._token_bound(messages) <= self.cfg.max_prompt_len:
+                if not every_row and self._token_bound(index, messages) <= self.cfg.max_prompt_len:
                     fits += 1
                 else:
                     tokens = len(self._encode(index, messages))

@@ -143,6 +143,9 @@ def check_model(cfg: Config) -> dict:
             f"{getattr(built, 'layer_types', None)}, sliding_window {built.sliding_window}), which shared-prompt rows "
             "cannot train; set train.share_prompts=false"
         )
+    vocab = hf.get("vocab_size")
+    if isinstance(vocab, int) and (past := [i for i in cfg.rollout.stop_token_ids if i >= vocab]):
+        raise ModelError(f"rollout.stop_token_ids: {past} are not token ids of {where} (vocab_size {vocab})")
     context = hf.get("max_position_embeddings")
     need = cfg.data.max_prompt_len + cfg.rollout.max_response_len
     if isinstance(context, int) and need > context:

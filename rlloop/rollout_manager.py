@@ -105,7 +105,7 @@ class RolloutManager:
         self.data, self.eval_data = data, eval_data
         self.scorer = RewardScorer(cfg.reward)
         self._failed_in_a_row = 0  # samples whose reward failed since the last one that scored
-        self.stop_ids = stop_token_ids(tokenizer)
+        self.stop_ids = tuple(dict.fromkeys((*stop_token_ids(tokenizer), *cfg.rollout.stop_token_ids)))
         self._scoring = threading.Lock()
         self.unpublished: set[int] = set()  # steps that changed no weight (trained nothing, or a non-finite step)
         self.eval_name = cfg.eval.name or (Path(cfg.eval.path).stem if cfg.eval.path else None)

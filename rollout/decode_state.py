@@ -10,9 +10,8 @@ from functools import partial
 import jax
 import numpy as np
 
-from rollout.types import SamplingParams, mix_seed
+from rollout.types import MAX_STOP_IDS, SamplingParams, mix_seed
 
-MAX_STOP_IDS = 16  # stop ids per row are a fixed-width array (padded with -1) so they never recompile
 RUNNING, STOPPED, LENGTH, FREE = 0, 1, 2, 3  # per-slot finish state
 
 

@@ -26,14 +26,14 @@ import numpy as np
 from rollout import cost
 from rollout.buckets import default_decode_buckets, default_prefill_buckets, pick_bucket, validate_buckets
 from rollout.compiles import compile_count
-from rollout.decode_state import FREE, LENGTH, MAX_STOP_IDS, RUNNING, STOPPED, DecodeState
+from rollout.decode_state import FREE, LENGTH, RUNNING, STOPPED, DecodeState
 from rollout.engine_config import EngineConfig
 from rollout.kv_cache import init_cache
 from rollout.model_config import ModelConfig
 from rollout.programs import copy_program, decode_program, prefill_program
 from rollout.scheduler import Admission, Request, Scheduler, pack_prefills
 from rollout.sharding import cache_sharding, check_tp, make_mesh, param_shardings
-from rollout.types import Completion, SamplingParams, check_requests, request_id
+from rollout.types import MAX_STOP_IDS, Completion, SamplingParams, check_requests, request_id
 from rollout.weight_table import copies_tied_head
 from rollout.weights import (
     load_safetensors_dir,

@@ -32,6 +32,7 @@ def request_id(prompt_index: int, sample_index: int) -> int:
 
 
 INT32_MAX = 2**31 - 1  # the JAX engine holds seeds, top-k and token ids in int32
+MAX_STOP_IDS = 16  # the JAX engine's stop ids per row: a fixed-width array (padded with -1), so they never recompile
 # A temperature below this samples greedily (vLLM's _SAMPLING_EPS): logits / T overflows float32 long before T
 # reaches 0 (|logit| 40 at T = 1e-37), and the log-prob of the token picked came out NaN.
 GREEDY_BELOW = 1e-5

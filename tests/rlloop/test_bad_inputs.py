@@ -289,6 +289,8 @@ MODEL_CASES = [  # (id, how to break a copy d of the tiny model, overrides (defa
      ["data.max_prompt_len + rollout.max_response_len = 128 + 200 = 328", "max_position_embeddings 256 ("]),
     ("short-context-model", lambda d: edit_json(d / "config.json", max_position_embeddings=64), [],
      ["= 144 tokens, beyond the model's max_position_embeddings 64"]),
+    ("stop-id-past-the-vocab", lambda d: None, ["rollout.stop_token_ids=[3, 99]"],
+     ["rollout.stop_token_ids: [99] are not token ids of", "(vocab_size 99)"]),
     # the tiny example trains with train.share_prompts: true; the HF backend (the JAX decoder refuses the model)
     ("sliding-window-with-shared-prompts",
      lambda d: edit_json(d / "config.json", use_sliding_window=True, sliding_window=32, max_window_layers=0,

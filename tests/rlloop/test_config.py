@@ -87,6 +87,9 @@ BAD_OVERRIDES = [
     ),
     (["cluster.colocate=true"], "a TPU chip serves one process at a time"),
     (["rollout.backend=hf"], "rollout.backend: hf generates on cpu or gpu"),  # the real recipe is on TPU
+    (["data.chat_template_kwargs={tokenize: false}"], "data.chat_template_kwargs: tokenize: rlloop sets it"),
+    (["rollout.stop_token_ids=[-1]"], "rollout.stop_token_ids.0: Input should be greater than or equal to 0"),
+    ([f"rollout.stop_token_ids={list(range(16))}"], "rollout.stop_token_ids: List should have at most 15 items"),
     (["cluster.rollout_chips=3", "cluster.train_chips=1"], "Ray gives an actor 1, 2, 4, 8 chips of a host"),
     (
         ["cluster.use_ray=false", "cluster.train_chips=1", "cluster.rollout_chips=1"],

@@ -143,18 +143,76 @@ def test_a_prompt_the_tokenizer_cannot_encode_names_its_row(tmp_path, tok):
         PromptData(DataSection(path=str(path)), tok).validate()
 
 
-def test_a_tokenizer_that_encodes_any_text_is_told_from_one_that_does_not(tok):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+def byte_level_tokenizer(chat_template: str, nfc: bool = False):
+    """A byte-level BPE without merges (a token per UTF-8 byte of the normalized text), optionally with Qwen's NFC."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    if nfc:
+        core.normalizer = normalizers.NFC()
+    return PreTrainedTokenizerFast(tokenizer_object=core, chat_template=chat_template)
+
+
+def write_rows(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_a_tokenizer_that_encodes_any_text_is_told_from_one_that_does_not(tok):
     from rlloop.data import encodes_any_text
 
-    byte_level = Tokenizer(models.BPE())
-    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    byte_level.train_from_iterator(["1 + 2"], trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet))
-    assert encodes_any_text(PreTrainedTokenizerFast(tokenizer_object=byte_level))
+    assert encodes_any_text(byte_level_tokenizer("{{ messages[0]['content'] }}"))
     assert not encodes_any_text(tok)  # the tiny character vocabulary, no unknown token
+
+
+def test_chat_template_kwargs_reach_the_prompts_and_their_length_check(tmp_path):
+    """Qwen3's template (TRL ships a copy) with data.chat_template_kwargs {enable_thinking: false} ends the prompt in
+    an empty think block; the check before the run counts it too, so a prompt it pushes past the limit is found
+    then, not when drawn."""
+    trl = pytest.importorskip("trl", reason="the Qwen3 chat template comes from TRL (pip install -e '.[dev]')")
+    import importlib.resources
+
+    qwen3 = byte_level_tokenizer((importlib.resources.files(trl) / "chat_templates" / "qwen3.jinja").read_text())
+    path = write_rows(tmp_path / "rows.jsonl", rows(1))
+    thinking = PromptData(DataSection(path=path), qwen3).next_batch(1)[0].token_ids
+    off = DataSection(path=path, chat_template_kwargs={"enable_thinking": False})
+    not_thinking = PromptData(off, qwen3).next_batch(1)[0].token_ids
+    assert qwen3.decode(not_thinking) == qwen3.decode(thinking) + "<think>\n\n</think>\n\n"
+    fits_without = off.model_copy(update=dict(max_prompt_len=len(thinking) + 3, on_long_prompt="error"))
+    PromptData(fits_without.model_copy(update=dict(chat_template_kwargs={})), qwen3).validate()
+    with pytest.raises(DataError, match=f"row 0 has {len(not_thinking)} prompt tokens > data.max_prompt_len"):
+        PromptData(fits_without, qwen3).validate()
+
+
+def test_a_row_the_chat_template_refuses_is_a_data_error_before_the_run(tmp_path):
+    """Templates raise on turns they do not take (Mistral's and Llama 2's on a system message or unalternated roles):
+    the check before the run names the row, as drawing it would."""
+    refuses_system = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system messages') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
+    with_system = rows(3)
+    with_system[1]["prompt"].insert(0, {"role": "system", "content": "Be brief."})
+    data = PromptData(
+        DataSection(path=write_rows(tmp_path / "r.jsonl", with_system)), byte_level_tokenizer(refuses_system)
+    )
+    with pytest.raises(DataError, match="r.jsonl: row 1: the chat template refuses it: no system messages"):
+        data.validate()
+
+
+def test_the_length_check_counts_the_text_as_the_tokenizer_normalizes_it(tmp_path):
+    """NFC decomposes U+0958 (3 UTF-8 bytes) into two characters (6 bytes): a bound on the raw bytes let a prompt of
+    twice the limit's tokens through the check before the run (data.on_long_prompt: error)."""
+    long_row = rows(1)
+    long_row[0]["prompt"] = [{"role": "user", "content": "\u0958" * 40}]
+    tokenizer = byte_level_tokenizer("{{ messages[0]['content'] }}", nfc=True)
+    section = DataSection(path=write_rows(tmp_path / "r.jsonl", long_row), max_prompt_len=130, on_long_prompt="error")
+    with pytest.raises(DataError, match="row 0 has 240 prompt tokens > data.max_prompt_len=130"):
+        PromptData(section, tokenizer).validate()
 
 
 def test_long_prompts_are_dropped_and_counted_or_an_error(tmp_path, tok, caplog):

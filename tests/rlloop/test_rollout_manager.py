@@ -334,3 +334,22 @@ def test_a_batch_of_mixed_versions_reports_its_oldest():
     assert m["rollout/weight_version"] == 1
     assert m["rollout/staleness/max"] == 3 and m["rollout/staleness/mean"] == 2
     assert m["rollout/versions_spanned_ratio"] == 1.0
+
+
+def test_rollout_stop_token_ids_end_responses_as_eos_does(setup):
+    """rollout.stop_token_ids: a response ends at the first of them, which it keeps as its last token, and is the same
+    sample up to there as without them (same seeds)."""
+    _, tok = setup
+    space = tok.convert_tokens_to_ids(" ")
+    common = ["rollout.prompts_per_step=4", "run.seed=3"]
+    _, (plain, _) = run_collect(setup, common)
+    _, (stopped, _) = run_collect(setup, [*common, f"rollout.stop_token_ids=[{space}]"])
+    cut = 0
+    for a, b in zip(plain.completions, stopped.completions):
+        if space in a.token_ids:
+            end = a.token_ids.index(space) + 1
+            assert (b.token_ids, b.finish_reason) == (a.token_ids[:end], "stop")
+            cut += end < len(a.token_ids)
+        else:
+            assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason)
+    assert cut > 0  # the tiny model answers "Answer: 7" or "The sum is 7": most contain a space
