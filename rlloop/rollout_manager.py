@@ -24,10 +24,9 @@ from rlloop.advantages import group_advantages, overlong_penalty, zero_std_group
 from rlloop.config import Config
 from rlloop.data import Prompt, PromptData
 from rlloop.engine_shares import engine_metrics
-from rlloop.errors import RewardError
 from rlloop.model import stop_token_ids
 from rlloop.profiling import profile_dir
-from rlloop.rewards import RewardScorer
+from rlloop.reward_scorer import RewardScorer
 from rollout import Completion, SamplingParams, mix_seed
 
 log = logging.getLogger(__name__)
@@ -103,8 +102,8 @@ class RolloutManager:
     def __init__(self, cfg: Config, cluster, tokenizer, data: PromptData, eval_data: PromptData | None = None):
         self.cfg, self.cluster, self.tokenizer = cfg, cluster, tokenizer
         self.data, self.eval_data = data, eval_data
-        self.scorer = RewardScorer(cfg.reward)
-        self._failed_in_a_row = 0  # samples whose reward failed since the last one that scored
+        # A function that fails on a step's worth of samples in a row ends the run (RewardError)
+        self.scorer = RewardScorer(cfg.reward, broken_after=cfg.rollout.prompts_per_step * cfg.rollout.group_size)
         self.stop_ids = tuple(dict.fromkeys((*stop_token_ids(tokenizer), *cfg.rollout.stop_token_ids)))
         self._scoring = threading.Lock()
         self.unpublished: set[int] = set()  # steps that changed no weight (trained nothing, or a non-finite step)
@@ -134,18 +133,7 @@ class RolloutManager:
         with self._scoring:  # the async loop modes score from two threads (the rollout thread and eval)
             texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
             answers = [prompts[c.prompt_index].answer for c in completions]
-            failed = self.scorer.failures
             rewards = np.asarray(self.scorer.score(texts, answers), np.float32)
-            failed = self.scorer.failures - failed
-            # Nothing but failure rewards for a whole step's worth of samples in a row: every advantage is 0, and the
-            # run would go on learning nothing. Counted over generations (a top-up round of two prompts whose
-            # answers the function cannot read is bad data, not a broken function), from the last one that scored.
-            self._failed_in_a_row = self._failed_in_a_row + failed if failed == len(texts) else 0
-            if self._failed_in_a_row >= self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size:
-                raise RewardError(
-                    f"reward.fn {self.cfg.reward.fn} failed on each of the last {self._failed_in_a_row} samples (the "
-                    f"last {self.scorer.last_failure}); fix the function, or try it on one response and answer by hand"
-                )
         return Generation(completions, texts, rewards, stats)
 
     def groups(

@@ -502,7 +502,7 @@ def reward_modules(tmp_path_factory):
 @pytest.fixture(scope="module")
 def scorer(reward_modules):
     from rlloop.config import RewardSection
-    from rlloop.rewards import RewardScorer
+    from rlloop.reward_scorer import RewardScorer
 
     # After the hang kills the pool, its neighbours wait for a fresh worker (spawn, imports): 3 s holds on a busy host.
     s = RewardScorer(RewardSection(fn="bad_rewards:score", timeout_s=3.0, failure_reward=-7.0, workers=1))

@@ -13,7 +13,8 @@ import pytest
 
 from rlloop.config import RewardSection
 from rlloop.errors import RewardError
-from rlloop.rewards import RewardScorer, dapo_reward, last_boxed, math_reward, normalize_final_answer, resolve
+from rlloop.reward_scorer import RewardScorer
+from rlloop.rewards import dapo_reward, last_boxed, math_reward, normalize_final_answer, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -172,7 +173,7 @@ def test_a_failing_sample_in_a_chunk_fails_alone(fn, culprit, want, counter):
 DRIVER = """
 import torch  # what a driver's main module imports, a spawned reward worker imports again before its first sample
 from rlloop.config import RewardSection
-from rlloop.rewards import RewardScorer
+from rlloop.reward_scorer import RewardScorer
 
 if __name__ == "__main__":
     scorer = RewardScorer(RewardSection(fn={spec!r}, timeout_s=0.3, failure_reward=-1.0, workers=2))

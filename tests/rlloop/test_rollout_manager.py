@@ -11,7 +11,6 @@ from transformers import AutoTokenizer
 from rlloop.cluster import Cluster
 from rlloop.config import load_config
 from rlloop.data import Prompt, load_datasets
-from rlloop.rewards import RewardScorer
 from rlloop.rollout_manager import RolloutManager, RolloutTally, distinct, rollout_metrics, sampling_seed, top_up
 from rlloop.schedules import AsyncRollout, FullyAsyncRollout
 from rollout import Completion
@@ -99,13 +98,12 @@ def test_a_reward_that_fails_on_every_sample_ends_the_run(setup):
         run_collect(setup, ["rollout.prompts_per_step=6", f"reward.fn={fn}"])
 
     cluster, tok = setup
-    cfg = load_config(TINY, ["rollout.backend=hf", "cluster.use_ray=false", "rollout.prompts_per_step=6"])
+    cfg = load_config(
+        TINY, ["rollout.backend=hf", "cluster.use_ray=false", "rollout.prompts_per_step=6", f"reward.fn={fn}"]
+    )
     data, _ = load_datasets(cfg, tok)
     two = data.next_batch(2)
     with closing(RolloutManager(cfg, cluster, tok, data)) as rollout:
-        rollout.cfg = load_config(TINY, ["rollout.backend=hf", "rollout.prompts_per_step=6", f"reward.fn={fn}"])
-        rollout.scorer.close()
-        rollout.scorer = RewardScorer(rollout.cfg.reward)
         for _ in range(2):  # 16, then 32 failed samples in a row: fewer than a step's 48
             rollout.generate(two, 8, rollout.sampling(0))
         with pytest.raises(RewardError, match="failed on each of the last 48 samples"):
