@@ -10,17 +10,14 @@ around `rlloop.workers`; with `cluster.use_ray: false` the same workers run in t
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
-from rlloop.config import TORCH_DEVICE, Config, component_kwargs
+from rlloop.config import TORCH_DEVICE, Config
 from rlloop.engine_pool import EnginePool, RestartCount
 from rlloop.errors import ActorDied, ClusterError, TrainerDied
 from rlloop.placement import (
@@ -34,15 +31,8 @@ from rlloop.placement import (
 from rlloop.profiling import rank_trace
 from rlloop.ray_session import local_ray, start_ray
 from rlloop.workers import RolloutWorker, TrainerWorker, freeze_heap
-from weight_sync import SyncConfig
 
 log = logging.getLogger(__name__)
-
-
-def run_id_for(run_dir: Path) -> str:
-    """Stable across resumes of one run directory, distinct between runs: it names shared-memory segments."""
-    digest = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:8]
-    return f"{re.sub(r'[^A-Za-z0-9_.-]', '-', Path(run_dir).name)[:32]}-{digest}"
 
 
 @dataclass
@@ -51,16 +41,8 @@ class TrainedStep:
     published: bool  # rank 0 published the step's weights (not when the step changed none, or was not asked to)
 
 
-def sync_config(cfg: Config, run_dir: Path) -> SyncConfig:
-    """The run's weight sync: the `sync:` section's knobs, plus the run's identity and the disk root's default."""
-    knobs = component_kwargs(cfg.sync, SyncConfig)
-    # absolute: the actors' working directory need not be the driver's
-    knobs["dir"] = str(Path(knobs["dir"] or Path(run_dir) / "sync").absolute())
-    return SyncConfig(**knobs, run_id=run_id_for(run_dir))
-
-
 class Cluster:
-    def __init__(self, cfg: Config, run_dir: Path, engine_restarts: RestartCount | None = None):
+    def __init__(self, cfg: Config, engine_restarts: RestartCount | None = None):
         """`engine_restarts`: the driver's count, when a trainer's death rebuilt the cluster (rlloop/loop.py)."""
         self.cfg, self.remote, self.owns_ray = cfg, cfg.cluster.use_ray, False
         self.pg = self.mailbox = None
@@ -70,7 +52,7 @@ class Cluster:
         self._train_results = ThreadPoolExecutor(1, thread_name_prefix="rlloop-train-wait")  # waits on train steps
         self.pool = EnginePool(cfg, [])
         self.trainers: list = []
-        sync, threads = sync_config(cfg, run_dir), cfg.cluster.cpus_per_actor
+        sync, threads = cfg.sync_config(), cfg.cluster.cpus_per_actor
         self.sync_run_id = sync.run_id
         if cfg.sync.transport == "shm":
             from weight_sync.shm import remove_stale_segments

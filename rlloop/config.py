@@ -13,7 +13,9 @@ which `rlloop.cluster.sync_config` builds (it needs the run directory); the work
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -367,6 +369,19 @@ class Config(Section):
 
     def loss_config(self) -> LossConfig:
         return LossConfig(**component_kwargs(self.grpo, LossConfig))
+
+    def sync_config(self) -> SyncConfig:
+        """The `sync:` section's knobs, plus the run's identity and the disk root's default (in the run directory)."""
+        knobs = component_kwargs(self.sync, SyncConfig)
+        # absolute: the actors' working directory need not be the driver's
+        knobs["dir"] = str(Path(knobs["dir"] or self.run_dir / "sync").absolute())
+        return SyncConfig(**knobs, run_id=run_id_for(self.run_dir))
+
+
+def run_id_for(run_dir: Path) -> str:
+    """Stable across resumes of one run directory, distinct between runs: it names shared-memory segments."""
+    digest = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:8]
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '-', Path(run_dir).name)[:32]}-{digest}"
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> Config:

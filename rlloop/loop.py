@@ -125,7 +125,7 @@ def run_recipe(
     start = state["step"]
     with ExitStack() as stack:  # closed in reverse: rollout thread, tracker, reward workers, cluster (actors, Ray)
         t0 = time.perf_counter()
-        cluster = stack.enter_context(closing(Cluster(cfg, run_dir, engine_restarts)))
+        cluster = stack.enter_context(closing(Cluster(cfg, engine_restarts)))
         rollout = stack.enter_context(closing(RolloutManager(cfg, cluster, tokenizer, data, eval_data)))
         warm = cluster.warmup()
         compiled = f" (the engines compiled {len(warm)} programs)" if warm else ""
@@ -141,7 +141,7 @@ def run_recipe(
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         (run_dir / "cluster.json").write_text(json.dumps(cluster.placement, indent=1))  # role -> Ray node id
         (run_dir / "warmup.json").write_text(json.dumps(warm, indent=1))
-        tracker = stack.enter_context(Tracker(cfg, run_dir, start))
+        tracker = stack.enter_context(Tracker(cfg, start))
         evaluating = eval_data is not None and cfg.run.eval_every > 0 and bool(cluster.engines)
         if evaluating and start == 0:
             tracker.log(0, rollout.evaluate())

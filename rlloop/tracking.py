@@ -112,8 +112,8 @@ class Tracker:
     their lines go; one that starts from step 0 (afresh, or rebuilt before its first checkpoint) logs all again,
     the step-0 evaluation too."""
 
-    def __init__(self, cfg: Config, run_dir: Path, start_step: int = 0):
-        self.cfg, self.run_dir = cfg, Path(run_dir)
+    def __init__(self, cfg: Config, start_step: int = 0):
+        self.cfg, self.run_dir = cfg, cfg.run_dir
         self.path = self.run_dir / "metrics.jsonl"
         kept = [m for m in read_metrics(self.path) if m["step"] <= start_step] if start_step else []
         self.path.write_text("".join(json.dumps(m) + "\n" for m in kept))

@@ -134,7 +134,7 @@ def engines_throughput(model: Path, prompts_n: int, max_len: int, workdir: Path)
         )
         ray.init(num_cpus=os.cpu_count() + 1, include_dashboard=False, configure_logging=False)  # + the idle trainer
         try:
-            cluster = Cluster(cfg, cfg.run_dir)
+            cluster = Cluster(cfg)
             try:
                 cluster.warmup()
                 cluster.generate(prompts, 8, sampling)

@@ -240,7 +240,7 @@ def test_two_engines_generate_every_prompt_once_and_hold_the_same_version(tmp_pa
                 f"run.dir={tmp_path / str(engines)}",
             ],
         )
-        cluster = Cluster(c, c.run_dir)
+        cluster = Cluster(c)
         try:
             completions, _ = cluster.generate(prompts, 3, greedy)
         finally:

@@ -36,7 +36,7 @@ def logged_so_far(run_dir: Path) -> list[dict]:
 
 def shm_segments(run_dir: Path) -> set[str]:
     """The run's shared-memory segments (named by its run id: other tests may hold their own meanwhile)."""
-    from rlloop.cluster import run_id_for
+    from rlloop.config import run_id_for
 
     return {p for p in os.listdir("/dev/shm") if p.startswith(f"rlloop_{run_id_for(run_dir)}_")}
 

@@ -44,7 +44,7 @@ def test_the_runs_mailbox_outlives_an_engine_that_dies(ray_cluster, tmp_path):
     whoever created it: the first engine to ask did, before the driver made it, and after that engine's death the
     push failed as if the trainer had died (a rebuild of the whole cluster)."""
     cfg = load_config(TINY, ["sync.transport=ray", "run.max_restarts=1", f"run.dir={tmp_path}"])
-    cluster = Cluster(cfg, cfg.run_dir)
+    cluster = Cluster(cfg)
     try:
         cluster.warmup()
         kill_engine(cluster.engines[0])
@@ -59,7 +59,7 @@ def test_an_engines_refused_versions_still_count_after_it_is_rebuilt(ray_cluster
     """sync/refused counts over every engine the run has had: a rebuilt engine's receiver counts from 0, so the dead
     one's refusals are kept apart and added (they had vanished at the new engine's first pull)."""
     cfg = load_config(TINY, ["sync.transport=ray", "sync.delta=false", "run.max_restarts=1", f"run.dir={tmp_path}"])
-    cluster = Cluster(cfg, cfg.run_dir)
+    cluster = Cluster(cfg)
     try:
         cluster.warmup()
         manifest, blobs = Sender()._encode({"w": np.arange(64, dtype=np.float32)}, 1)[:2]
@@ -84,7 +84,7 @@ def test_a_rebuilt_engine_generates_on_the_version_it_held_not_the_trainers_newe
     dies meanwhile is rebuilt on the version it held, read back from the transport: it was given the trainer's
     newer weights, and the step's samples were not those of a run nobody touched."""
     cfg = load_config(TINY, ["run.max_restarts=1", f"run.dir={tmp_path}"])
-    cluster = Cluster(cfg, cfg.run_dir)
+    cluster = Cluster(cfg)
     try:
         cluster.warmup()
         out, _ = cluster.generate([PROMPT], 2, SHORT)
@@ -106,7 +106,7 @@ def test_a_colocated_engine_found_dead_by_its_sleep_or_wake_is_rebuilt(ray_clust
     cfg = load_config(
         TINY, ["cluster.colocate=true", "cluster.cpus_per_actor=2", "run.max_restarts=2", f"run.dir={tmp_path}"]
     )
-    cluster = Cluster(cfg, cfg.run_dir)
+    cluster = Cluster(cfg)
     try:
         cluster.warmup()
         out, _ = cluster.generate([PROMPT], 2, SHORT)
@@ -135,7 +135,7 @@ def test_an_engine_found_dead_by_two_threads_restarts_once_and_one_dead_with_the
     the run."""
     overrides = ["rollout.backend=hf", "rollout.max_batch=8", "rollout.decode_buckets=[8]", "run.max_restarts=3"]
     cfg = load_config(TINY, [*overrides, f"run.dir={tmp_path}"])
-    cluster = Cluster(cfg, cfg.run_dir)
+    cluster = Cluster(cfg)
     prompts = [[5 + i % 7, 6, 7, 8, 9] for i in range(48)]
     long = SamplingParams(max_new_tokens=16, ignore_eos=True)
     try:
@@ -168,7 +168,7 @@ def test_an_engine_rebuilt_in_rollout_only_keeps_the_model_s_weights(ray_cluster
     overrides = ["rollout.backend=hf", "run.debug=rollout-only", "run.max_restarts=2", f"run.dir={tmp_path}"]
     cfg = load_config(TINY, overrides)
     count = RestartCount(before=5, done=1)  # the run's restarts before this driver, and this driver's so far
-    cluster = Cluster(cfg, cfg.run_dir, count)
+    cluster = Cluster(cfg, count)
     try:
         cluster.warmup()
         kill_engine(cluster.engines[0])
@@ -188,7 +188,7 @@ def test_an_actor_that_cannot_start_is_one_cluster_error_naming_why(ray_cluster,
     cfg = load_config(TINY, ["sync.transport=disk", f"sync.dir={tmp_path / 'file'}", f"run.dir={tmp_path / 'run'}"])
     why = r"a trainer actor's setup\(\) raised NotADirectoryError: .*file"
     with pytest.raises(ClusterError, match=why):
-        Cluster(cfg, cfg.run_dir)
+        Cluster(cfg)
 
 
 def test_a_trainer_hung_while_an_engine_restarts_is_the_trainers_hang_not_the_engines(ray_cluster, tmp_path):
@@ -197,7 +197,7 @@ def test_a_trainer_hung_while_an_engine_restarts_is_the_trainers_hang_not_the_en
     engine's hang: the engine was killed and rebuilt until run.max_restarts ended the run, where the trainer's hang is
     healed by rebuilding the cluster from the last checkpoint."""
     overrides = ["run.max_restarts=3", "cluster.actor_timeout_s=10", f"run.dir={tmp_path}"]
-    cluster = Cluster(load_config(TINY, overrides), tmp_path)
+    cluster = Cluster(load_config(TINY, overrides))
     try:
         cluster.warmup()
         assert cluster.sync_weights(version=1)["sync/rollout_version"] == 1

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, load_state, save_checkpoint
-from rlloop.cluster import run_id_for
+from rlloop.config import run_id_for
 from rlloop.errors import DataError
 from rlloop.run import Terminated, go_on, main, parse_args, run_command, stopped_by
 from rlloop.run_dir import run_dir_held

@@ -103,10 +103,12 @@ def test_a_local_ray_refuses_a_plan_it_cannot_hold_at_once(fake_tpu_host, tmp_pa
     from rlloop.errors import ClusterError
 
     tiny = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml"
-    cfg = load_config(tiny, ["cluster.device=tpu", "cluster.rollout_chips=4", "cluster.train_chips=1"])
+    cfg = load_config(
+        tiny, ["cluster.device=tpu", "cluster.rollout_chips=4", "cluster.train_chips=1", f"run.dir={tmp_path}"]
+    )
     short = r"needs TPU 5 \(it has 4\).*cluster\.rollout_chips=4, cluster\.train_chips=1"
     with pytest.raises(ClusterError, match=short) as refused:
-        Cluster(cfg, tmp_path)
+        Cluster(cfg)
     assert "colocate=true" not in str(refused.value)  # which TPUs refuse: no advice to take it
 
 
@@ -119,10 +121,10 @@ def test_a_joined_cluster_waits_placement_timeout_s_then_names_the_settings(fake
 
     tiny = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml"
     overrides = ["cluster.device=tpu", "cluster.rollout_chips=4", "cluster.address=auto"]
-    cfg = load_config(tiny, [*overrides, "cluster.placement_timeout_s=2"])
+    cfg = load_config(tiny, [*overrides, "cluster.placement_timeout_s=2", f"run.dir={tmp_path}"])
     waited = r"within cluster\.placement_timeout_s=2; .*cluster\.rollout_chips=4, cluster\.train_chips=1"
     with pytest.raises(ClusterError, match=waited):
-        Cluster(cfg, tmp_path)
+        Cluster(cfg)
 
 
 def test_two_runs_of_one_name_share_a_cluster(fake_tpu_host, tmp_path):
@@ -135,7 +137,7 @@ def test_two_runs_of_one_name_share_a_cluster(fake_tpu_host, tmp_path):
     try:
         for seed in (1, 2):
             cfg = load_config(tiny, [f"run.seed={seed}", f"run.dir={tmp_path / str(seed)}", "rollout.backend=hf"])
-            clusters.append(Cluster(cfg, cfg.run_dir))
+            clusters.append(Cluster(cfg))
         assert len({c.pg.id for c in clusters}) == 2
     finally:
         for c in clusters:

@@ -30,7 +30,7 @@ def setup(tmp_path_factory):
             f"run.dir={tmp_path_factory.mktemp('run')}",
         ],
     )
-    cluster = Cluster(cfg, cfg.run_dir)
+    cluster = Cluster(cfg)
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     yield cluster, tok
     cluster.close()

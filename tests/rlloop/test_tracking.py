@@ -31,11 +31,11 @@ def log_steps(tracker, steps):
 
 
 def test_metrics_jsonl_resume_curves_and_report(tmp_path):
-    cfg = load_config(TINY, ["tracking.progress=false"])
-    tracker = Tracker(cfg, tmp_path)
+    cfg = load_config(TINY, ["tracking.progress=false", f"run.dir={tmp_path}"])
+    tracker = Tracker(cfg)
     log_steps(tracker, [1, 2, 3, 4])
     tracker.close()
-    tracker = Tracker(cfg, tmp_path, start_step=2)  # resumed from the step-2 checkpoint: 3 and 4 are redone
+    tracker = Tracker(cfg, start_step=2)  # resumed from the step-2 checkpoint: 3 and 4 are redone
     log_steps(tracker, [3, 4, 5])
     tracker.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -51,7 +51,7 @@ def test_numpy_scalars_are_logged_as_numbers_and_odd_rows_do_not_break_the_summa
 
     from rlloop.tracking import plot_curves, run_summary
 
-    tracker = Tracker(load_config(TINY, ["tracking.progress=false"]), tmp_path)
+    tracker = Tracker(load_config(TINY, ["tracking.progress=false", f"run.dir={tmp_path}"]))
     tracker.log(1, {"rollout/raw_reward": np.float32(0.25), "train/tokens": np.int64(7), "train/flag": np.bool_(1)})
     tracker.close()
     assert read_metrics(tmp_path / "metrics.jsonl") == [
@@ -76,9 +76,9 @@ def test_a_run_stopped_after_its_step_0_eval_reports_that_and_no_nan(tmp_path):
 def test_a_run_that_starts_over_before_its_first_checkpoint_logs_each_step_once(tmp_path):
     """A trainer rank that dies before the first checkpoint has the cluster rebuilt from step 0, whose evaluation
     runs again (as does a run started again in the same directory): its line, and the others, must not double."""
-    cfg = load_config(TINY, ["tracking.progress=false"])
+    cfg = load_config(TINY, ["tracking.progress=false", f"run.dir={tmp_path}"])
     for steps in ([1, 2, 3], [1, 2]):
-        tracker = Tracker(cfg, tmp_path)
+        tracker = Tracker(cfg)
         tracker.log(0, {"eval/tiny": 0.25})
         log_steps(tracker, steps)
         tracker.close()
@@ -96,8 +96,8 @@ def test_wandb_goes_offline_without_an_api_key(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no_netrc"))  # nor a `wandb login`
-    cfg = load_config(TINY, ["tracking.progress=false", "tracking.wandb=true"])
-    tracker = Tracker(cfg, tmp_path)
+    cfg = load_config(TINY, ["tracking.progress=false", "tracking.wandb=true", f"run.dir={tmp_path}"])
+    tracker = Tracker(cfg)
     assert tracker.wandb.settings.mode == "offline"
     log_steps(tracker, [1, 2])
     tracker.close()
@@ -130,10 +130,10 @@ def test_wandb_run_is_continued_on_resume_and_new_for_a_run_from_step_0(tmp_path
     """W&B ignores steps below the last it has: a run that starts over from step 0 in this directory (afresh, or
     rebuilt before its first checkpoint) gets a run of its own; one resumed from a checkpoint continues its run."""
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    cfg = load_config(TINY, ["tracking.progress=false", "tracking.wandb=true"])
+    cfg = load_config(TINY, ["tracking.progress=false", "tracking.wandb=true", f"run.dir={tmp_path}"])
     ids = []
     for start in (0, 2, 0):
-        tracker = Tracker(cfg, tmp_path, start_step=start)
+        tracker = Tracker(cfg, start_step=start)
         log_steps(tracker, [start + 1])
         tracker.close()
         ids.append((tmp_path / "wandb_id").read_text())
@@ -205,11 +205,12 @@ def test_a_run_stopped_by_an_error_or_ctrl_c_is_failed_in_wandb_not_finished(tmp
         wandb.Run, "finish", lambda run, exit_code=None: codes.append(exit_code) or finish(run, exit_code)
     )
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    cfg = load_config(TINY, ["tracking.progress=false", "tracking.wandb=true", "tracking.mode=offline"])
+    args = ["tracking.progress=false", "tracking.wandb=true", "tracking.mode=offline"]
     (tmp_path / "done").mkdir(), (tmp_path / "stopped").mkdir()
-    with Tracker(cfg, tmp_path / "done") as tracker:
+    with Tracker(load_config(TINY, [*args, f"run.dir={tmp_path / 'done'}"])) as tracker:
         log_steps(tracker, [1])
-    with pytest.raises(KeyboardInterrupt), Tracker(cfg, tmp_path / "stopped") as tracker:
+    stopped = load_config(TINY, [*args, f"run.dir={tmp_path / 'stopped'}"])
+    with pytest.raises(KeyboardInterrupt), Tracker(stopped) as tracker:
         log_steps(tracker, [1])
         raise KeyboardInterrupt
     assert codes == [0, 1]

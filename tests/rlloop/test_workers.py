@@ -166,16 +166,16 @@ def test_a_version_refused_by_two_engines_counts_twice(tmp_path):
     from contextlib import closing
     from pathlib import Path
 
-    from rlloop.cluster import Cluster, sync_config
+    from rlloop.cluster import Cluster
     from rlloop.config import load_config
 
     tiny = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml"
     overrides = ["cluster.use_ray=false", "rollout.backend=hf", "cluster.rollout_chips=2", "cluster.rollout_engines=2"]
     cfg = load_config(tiny, overrides + ["sync.transport=disk", "sync.delta=false", f"run.dir={tmp_path}"])
-    with closing(Cluster(cfg, tmp_path)) as cluster:
+    with closing(Cluster(cfg)) as cluster:
         cluster.warmup()
         cluster.push_weights(1)
-        sync = sync_config(cfg, tmp_path)
+        sync = cfg.sync_config()
         weights = Path(sync.dir) / sync.run_id / "v000000000001" / "weights.safetensors"
         flipped = bytearray(weights.read_bytes())
         flipped[-5] ^= 0x55
