@@ -99,14 +99,18 @@ class ModelConfig:
         heads = hf["num_attention_heads"]
         # What transformers takes for a config.json without head_dim: Qwen3Config's 128, the others' hidden / heads.
         head_dim = hf.get("head_dim") or (128 if family == "qwen3" else hf["hidden_size"] // heads)
-        rope = dict(hf.get("rope_parameters") or {})
-        if not rope:  # transformers 4.x layout
-            rope = dict(hf.get("rope_scaling") or {})
-            rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+        # transformers' precedence (convert_rope_params_to_dict): `rope_scaling` (the 4.x layout, and what model
+        # cards say to add to config.json for long context) replaces `rope_parameters`, theta included
+        rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
         theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3"):
             raise ValueError(f"unsupported rope_type {rope_type!r}; supported: 'default', 'llama3'")
+        if rope_type == "llama3":  # transformers takes the model's context for a missing original one
+            rope.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+            for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                if isinstance(rope.get(key), bool) or not isinstance(rope.get(key), (int, float)):
+                    raise ValueError(f"rope_type 'llama3' needs a number for {key}, got {rope.get(key)!r}")
         attention_bias = bool(hf.get("attention_bias", False))
         return cls(
             family=family,
@@ -123,7 +127,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=True if family == "qwen2" else attention_bias,
             o_bias=attention_bias and family != "qwen2",
-            mlp_bias=bool(hf.get("mlp_bias", False)),
+            mlp_bias=family == "llama" and bool(hf.get("mlp_bias", False)),  # Qwen's MLPs have none, whatever it says
             qk_norm=family == "qwen3",
             eos_token_ids=eos_token_ids(hf, generation_config),
         )

@@ -1,6 +1,7 @@
 """The small shared pieces: EngineConfig's validation (and that it loads without jax), the seed arithmetic, the EOS
 rule both backends use, and the cost model against the weights the decoder actually holds and the FLOPs torch counts."""
 
+import copy
 import pickle
 import subprocess
 import sys
@@ -147,6 +148,41 @@ def test_a_config_is_read_as_transformers_reads_it_or_refused():
         model = transformers.AutoModelForCausalLM.from_config(config(**hf))
         want = model.model.layers[0].self_attn.head_dim
         assert ModelConfig.from_hf_dict({**hf, "model_type": family}).head_dim == want
+        # mlp_bias is Llama's key: Qwen's MLPs have no biases whatever config.json says (the engine wanted them)
+        biased = transformers.AutoModelForCausalLM.from_config(config(**hf, mlp_bias=True))
+        assert biased.model.layers[0].mlp.gate_proj.bias is None
+        assert not ModelConfig.from_hf_dict({**hf, "model_type": family, "mlp_bias": True}).mlp_bias
         windowed = config(**hf, use_sliding_window=True, sliding_window=4, max_window_layers=0).to_dict()
         with pytest.raises(ValueError, match="sliding-window attention"):
             ModelConfig.from_hf_dict(windowed)
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_parameters": {**LLAMA3, "rope_theta": 5e5, "original_max_position_embeddings": 64}},  # transformers 5
+        {"rope_theta": 5e5, "rope_scaling": {**LLAMA3, "original_max_position_embeddings": 64}},  # transformers 4
+        # rope_scaling added by hand to a transformers 5 config.json: it wins, theta and all
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_scaling": {**LLAMA3, "rope_theta": 2e5}},
+        {"rope_theta": 5e5, "rope_scaling": LLAMA3},  # no original context: the model's own
+    ],
+    ids=["rope_parameters", "rope_scaling", "rope_scaling_over_rope_parameters", "no_original_context"],
+)
+def test_rope_frequencies_are_the_ones_transformers_builds(rope):
+    """However config.json states RoPE, the decoder's frequencies are those of the model transformers builds from it;
+    the engine had read rope_parameters over a rope_scaling beside it (plain RoPE where the trainer had Llama 3's)."""
+    import transformers
+
+    hf = dict(
+        model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=2, max_position_embeddings=256, **rope,
+    )  # fmt: skip
+    built = transformers.LlamaConfig.from_dict(copy.deepcopy(hf))  # it fills in the dicts it is given
+    model = transformers.AutoModelForCausalLM.from_config(built)
+    want = model.model.rotary_emb.inv_freq.numpy()
+    np.testing.assert_allclose(ModelConfig.from_hf_dict(hf).rope_inv_freq(), want, rtol=1e-6)
+    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
+        ModelConfig.from_hf_dict({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
