@@ -10,12 +10,13 @@ the usual cause is a hub id with no network.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
 from rlloop.config import Config, ModelSection
 from rlloop.errors import ModelError
-from trainer.config import sliding_window_layers
+from trainer.config import position_bias_from_columns, sliding_window_layers, unapplied_logit_scaling
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")  # what the engine (safetensors) and trainer read
 SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -137,11 +138,23 @@ def check_model(cfg: Config) -> dict:
         except (ValueError, TypeError) as e:
             raise ModelError(f"model.path: {where}: {e}") from None
         _check_engine_tp(cfg, shape, where)
-    if cfg.train.share_prompts and sliding_window_layers(built := _as_transformers_builds_it(hf)):
+    built = _as_transformers_builds_it(hf)
+    if knob := unapplied_logit_scaling(built):
+        raise ModelError(
+            f"model.path: {where} sets {knob}={getattr(built, knob)}, a scaling of the logits that the trainer's "
+            "log-probs do not apply (they would not be the model's); this model is not supported"
+        )
+    if cfg.train.share_prompts and sliding_window_layers(built):
         raise ModelError(
             f"train.share_prompts: {where} has sliding-window attention layers (layer_types "
             f"{getattr(built, 'layer_types', None)}, sliding_window {built.sliding_window}), which shared-prompt rows "
             "cannot train; set train.share_prompts=false"
+        )
+    if cfg.train.share_prompts and position_bias_from_columns(built):
+        raise ModelError(
+            f"train.share_prompts: {where} has ALiBi position biases ({built.model_type}), which follow a key's column "
+            "in the row, not its position: shared-prompt rows would score later responses wrong; set "
+            "train.share_prompts=false"
         )
     vocab = hf.get("vocab_size")
     if isinstance(vocab, int) and (past := [i for i in cfg.rollout.stop_token_ids if i >= vocab]):
@@ -162,6 +175,7 @@ def _as_transformers_builds_it(hf: dict):
     `use_sliding_window` there); a model_type transformers does not know (remote code) as written."""
     import transformers
 
+    hf = copy.deepcopy(hf)  # transformers fills in the dicts it is given (rope_scaling)
     try:
         return transformers.AutoConfig.for_model(**hf)
     except (ValueError, KeyError, TypeError):

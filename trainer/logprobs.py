@@ -23,7 +23,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from trainer.batching import MicroBatch
-from trainer.config import chunk_elements
+from trainer.config import chunk_elements, unapplied_logit_scaling
 from trainer.shared_prompts import shared_prompt_mask
 
 
@@ -85,9 +85,8 @@ def response_logprobs(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     config = getattr(model, "config", None)
-    for knob in ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier"):
-        if getattr(config, knob, None) not in (None, 1.0):  # a scaling of the logits the chunked head would miss
-            raise NotImplementedError(f"response_logprobs does not apply the model's {knob}")
+    if knob := unapplied_logit_scaling(config):  # a scaling of the logits the chunked head would miss
+        raise NotImplementedError(f"response_logprobs does not apply the model's {knob}")
     head = model.get_output_embeddings()
     weight, bias = head.weight, getattr(head, "bias", None)
     chunk_size = chunk_size or default_chunk_size(weight.shape[0], weight.device.type)

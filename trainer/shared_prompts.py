@@ -25,7 +25,7 @@ import transformers
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from trainer.config import sliding_window_layers
+from trainer.config import position_bias_from_columns, sliding_window_layers
 from trainer.cpu_flash import cpu_flash_attention, takes_fp32_backward
 from trainer.split_attention import split_attention
 
@@ -52,6 +52,11 @@ def check_shared_prompts(config: transformers.PretrainedConfig) -> None:
         raise ValueError(
             f"train.share_prompts needs the model's attention to be one of {SHARED_PROMPT_ATTENTION}, "
             f"not {attention!r}; set train.share_prompts=false"
+        )
+    if position_bias_from_columns(config):
+        raise ValueError(
+            f"train.share_prompts does not support ALiBi position biases ({config.model_type}), which follow a key's "
+            "column in the row, not its position; set train.share_prompts=false"
         )
     if sliding_window_layers(config):
         raise ValueError(

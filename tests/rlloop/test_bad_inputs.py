@@ -289,6 +289,12 @@ MODEL_CASES = [  # (id, how to break a copy d of the tiny model, overrides (defa
      ["data.max_prompt_len + rollout.max_response_len = 128 + 200 = 328", "max_position_embeddings 256 ("]),
     ("short-context-model", lambda d: edit_json(d / "config.json", max_position_embeddings=64), [],
      ["= 144 tokens, beyond the model's max_position_embeddings 64"]),
+    ("logits-scaling", lambda d: edit_json(d / "config.json", logits_scaling=4.0), [],
+     ["model.path:", "sets logits_scaling=4.0, a scaling of the logits that the trainer's log-probs do not apply"]),
+    # MPT's ALiBi biases follow the key's column: shared-prompt rows gave later responses wrong log-probs, silently
+    ("alibi-with-shared-prompts", lambda d: edit_json(d / "config.json", model_type="mpt"),
+     ["model.path={d}", "rollout.backend=hf"],
+     ["train.share_prompts:", "has ALiBi position biases (mpt)", "set train.share_prompts=false"]),
     ("stop-id-past-the-vocab", lambda d: None, ["rollout.stop_token_ids=[3, 99]"],
      ["rollout.stop_token_ids: [99] are not token ids of", "(vocab_size 99)"]),
     # the tiny example trains with train.share_prompts: true; the HF backend (the JAX decoder refuses the model)

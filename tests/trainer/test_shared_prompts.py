@@ -271,3 +271,19 @@ def test_rows_are_padded_to_32_in_bf16_on_cpu_and_to_the_longest_elsewhere(tiny_
     assert config(dtype="bfloat16", pad_to_multiple_of=8).pad_multiple == 8
     with pytest.raises(ValueError, match="pad_to_multiple_of"):
         config(pad_to_multiple_of=0)
+
+
+@pytest.mark.parametrize(
+    "config", [transformers.MptConfig(), transformers.BloomConfig(), transformers.FalconConfig(alibi=True)]
+)
+def test_alibi_models_are_refused(config):
+    """ALiBi biases follow a key's column in the row, not position_ids: MPT scored a shared row's later responses
+    wrong without a word, Bloom and Falcon failed inside transformers on the 4D mask."""
+    from trainer.shared_prompts import check_shared_prompts
+
+    config._attn_implementation = "eager"
+    with pytest.raises(ValueError, match=rf"ALiBi position biases \({config.model_type}\)"):
+        check_shared_prompts(config)
+    rope = transformers.FalconConfig(alibi=False)  # Falcon's RoPE variant is fine
+    rope._attn_implementation = "eager"
+    check_shared_prompts(rope)
