@@ -56,6 +56,13 @@ def save(trainer: Trainer, path) -> None:
         state["masters"] = None if trainer.masters is trainer.params else [m.detach() for m in trainer.masters]
     if trainer.rank == 0:
         trainer.model.save_pretrained(path, **({"state_dict": full} if sharded else {}))
+        if sharded:  # save_pretrained wrote the fp32 shards' dtype into config.json, not that of the tensors it wrote
+            config = trainer.model.config
+            shards_dtype, config.dtype = config.dtype, trainer.export_dtype
+            try:
+                config.save_pretrained(path)
+            finally:
+                config.dtype = shards_dtype
         if torch.cuda.is_available():
             state["cuda_rng"] = torch.cuda.get_rng_state_all()
         tmp = os.path.join(path, STATE_FILE + ".tmp")

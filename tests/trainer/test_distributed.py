@@ -84,6 +84,10 @@ def train_on_rank(rank, world_size, model_dir, init_file, out_dir):
         same = trainer.train_step(batch) == resumed.train_step(batch)
         with open(f"{out_dir}/fsdp_resumed_step_rank{rank}.json", "w") as f:
             json.dump(same, f)
+        # A bf16 run's policy: fsdp keeps fp32 shards and exports bf16
+        Trainer(TrainerConfig(model_dir, dtype="bfloat16", parallel="fsdp"), rank, world_size).save(
+            f"{out_dir}/checkpoint_bf16"
+        )
         # Rank 1 gets a malformed share: both ranks must raise instead of rank 0 waiting in a collective forever.
         batch = shard_batch(random_batch(8, seed=8), rank, world_size, 1)
         if rank == 1:
@@ -247,6 +251,14 @@ def test_fsdp_checkpoint_round_trips_bit_exactly(two_rank_results, tiny_qwen3_di
     assert saved.keys() <= hf_state.keys()  # every trained parameter is in the exported policy
     for name, value in saved.items():
         assert np.array_equal(hf_state[name].numpy(), value), name
+
+
+def test_an_fsdp_bf16_checkpoint_is_a_bf16_model(two_rank_results):
+    """Its config.json said float32 (the shards' dtype, which save_pretrained records), so transformers and vLLM
+    loaded the bf16 weights as a float32 model, at twice the memory."""
+    path = two_rank_results / "checkpoint_bf16"
+    assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
+    assert transformers.AutoModelForCausalLM.from_pretrained(path, dtype="auto").dtype == torch.bfloat16
 
 
 def test_fsdp_export_goes_through_weight_sync_bit_exactly(two_rank_results, tmp_path):
