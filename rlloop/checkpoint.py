@@ -141,9 +141,10 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return None
 
 
-def save_checkpoint(run_dir: Path, step: int, state: dict, save_trainer, keep: int = 2) -> Path:
-    """`save_trainer(path)` writes the trainer's state into `path`; `state` is the loop's (JSON). A write that
-    fails is a CheckpointError; a trainer rank that dies mid-save is its TrainerDied, for the loop to heal."""
+def save_checkpoint(run_dir: Path, step: int, state: dict, save_trainer, keep: int | None = 2) -> Path:
+    """`save_trainer(path)` writes the trainer's state into `path`; `state` is the loop's (JSON). The newest `keep`
+    checkpoints stay (None: all). A write that fails is a CheckpointError; a trainer rank that dies mid-save is its
+    TrainerDied, for the loop to heal."""
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     for stale in (*final.parent.glob(f"{PREFIX}*.tmp"), *final.parent.glob(f"{PREFIX}*.removing")):
@@ -170,7 +171,7 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, save_trainer, keep: i
             log.warning("removing %s, a checkpoint of an earlier run in this directory", old)
             _remove(old)
     older = [p for p in _completed(run_dir) if p != final]  # all before `step` now
-    for old in older[: max(len(older) - (keep - 1), 0)]:
+    for old in older[: max(len(older) - (keep - 1), 0)] if keep else []:
         _remove(old)
     return final
 

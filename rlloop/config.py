@@ -104,7 +104,8 @@ class RunSection(Section):
     # the samples of a smaller one (and torch.manual_seed refuses one past 64 bits)
     seed: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     steps: PositiveInt = 100
-    save_every: NonNegInt = 20  # 0: never
+    save_every: NonNegInt = 20  # 0: never (the trained policy is not kept)
+    keep_checkpoints: PositiveInt | None = 2  # the newest kept; null: all (TRL's save_total_limit)
     eval_every: NonNegInt = 20  # 0: never
     max_restarts: NonNegInt = 3  # engine restarts, and cluster rebuilds after a trainer rank dies, before exit 1
     # slime's debug modes (--debug on the command line): rollout-only generates, scores and saves rollouts with no

@@ -25,6 +25,8 @@ def check_across_sections(cfg: Config) -> None:
     for check in (_modes_and_loss, _without_ray, _colocated, _chips_per_engine, _batch_and_buckets, _components):
         check(cfg)
     _unused_eval_settings(cfg)
+    if not cfg.run.save_every and cfg.run.debug != "rollout-only":
+        log.warning("run.save_every=0: no checkpoint is written, so the trained policy is not kept (nor resumable)")
 
 
 def _modes_and_loss(cfg: Config) -> None:

@@ -12,6 +12,7 @@ import json
 import logging
 import time
 from contextlib import ExitStack, closing
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -183,7 +184,8 @@ def run_recipe(
                     "totals": totals | restarts,
                     "train_parallel": cfg.train_parallel,
                 }
-                save_checkpoint(run_dir, step, loop_state, lambda path: save_model(cluster, tokenizer, path))
+                save_trainer = partial(save_model, cluster, tokenizer)
+                save_checkpoint(run_dir, step, loop_state, save_trainer, keep=cfg.run.keep_checkpoints)
             clock.restart()
 
         # In the async modes step k + 1's training is queued behind step k's before step k is finished, so the

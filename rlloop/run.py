@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         dry_run(cfg, notes)
         return 0
 
-    from rlloop.checkpoint import checkpoint_marks
+    from rlloop.checkpoint import checkpoint_dir, checkpoint_marks
     from rlloop.loop import train
     from trainer import NonFiniteTraining
 
@@ -294,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:  # the run is over: a SIGTERM now is not its to explain
         signal.signal(signal.SIGTERM, before)
     print(f"done: {run_dir}/metrics.jsonl, curves.png, report.md")
+    if cfg.run.debug != "rollout-only":  # the last step is always saved (run.saves_at)
+        policy = checkpoint_dir(run_dir, cfg.run.steps) / "trainer" if cfg.run.save_every else None
+        print(f"the trained policy (a transformers model directory): {policy or 'not saved (run.save_every=0)'}")
     return 0
 
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import transformers
 
 from rlloop.config import load_config
 from rlloop.loop import train
@@ -139,6 +140,9 @@ def test_tiny_example_with_ray_learns_and_leaves_nothing_behind(tmp_path):
     assert sum(reward[-k:]) / k > sum(reward[:k]) / k + 0.3, reward  # it learns, visibly
     for name in ("curves.png", "report.md", "checkpoints"):
         assert (tmp_path / name).exists()
+    # the last line says where the policy is, and it is there, loadable as it is
+    policy = out.strip().splitlines()[-1].removeprefix("the trained policy (a transformers model directory): ")
+    assert transformers.AutoConfig.from_pretrained(policy).model_type == "qwen3", out[-3000:]
     assert not shm_segments(tmp_path) and not ray_processes()
 
 
@@ -319,8 +323,13 @@ def untouched_dir(tmp_path_factory) -> Path:
     """The run every fault below is compared against: the same run in this process, without Ray, which computes the
     same numbers (one thread per role either way) and starts in seconds rather than a minute."""
     run_dir = tmp_path_factory.mktemp("untouched")
-    train(load_config(TINY, [f"run.dir={run_dir}", *KILL_ARGS, "cluster.use_ray=false"]))
+    train(load_config(TINY, [f"run.dir={run_dir}", *KILL_ARGS, "cluster.use_ray=false", "run.keep_checkpoints=null"]))
     return run_dir
+
+
+def test_run_keep_checkpoints_null_keeps_every_checkpoint(untouched_dir):
+    kept = sorted(p.name for p in (untouched_dir / "checkpoints").iterdir())
+    assert kept == [f"step_{step:06d}" for step in range(1, 9)]  # saved every step; by default the newest 2
 
 
 @pytest.fixture(scope="module")

@@ -103,6 +103,14 @@ def test_a_fresh_run_in_an_old_directory_keeps_its_own_checkpoints(tmp_path):
     assert json.loads((tmp_path / "checkpoints" / "step_000003" / "state.json").read_text())["step"] == 3
 
 
+@pytest.mark.parametrize("keep", [1, 3, None])
+def test_the_newest_keep_checkpoints_stay(tmp_path, keep):
+    for step in range(1, 6):
+        save_checkpoint(tmp_path, step, {}, trainer_writing(256), keep=keep)
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert kept == [f"step_{step:06d}" for step in range(1, 6)][-(keep or 5) :]
+
+
 def test_checkpoints_past_a_million_steps_are_ordered_by_step(tmp_path):
     for step in (999_999, 1_000_000, 1_000_001):
         save_checkpoint(tmp_path, step, {}, trainer_writing(256))
