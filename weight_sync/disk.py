@@ -135,8 +135,19 @@ class DiskSender(Sender):
                 shutil.rmtree(old, ignore_errors=True)
         (self.run_dir / KEYFRAME_REQUEST).unlink(missing_ok=True)
         tmp = self.run_dir / f".tmp-{WRITER}-{os.getpid()}"
-        tmp.write_text(os.urandom(8).hex())
+        self._epoch = os.urandom(8).hex()
+        tmp.write_text(self._epoch)
         os.rename(tmp, self.run_dir / WRITER)
+
+    def close(self) -> None:
+        """Remove the versions: no later sender reads them (it starts a new epoch), and each is a copy of the model.
+        Not if another sender has since taken the directory over."""
+        try:
+            ours = (self.run_dir / WRITER).read_text() == self._epoch
+        except FileNotFoundError:
+            return
+        if ours:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def _publish(self, manifest: Manifest, blobs: Mapping[str, np.ndarray]) -> int:
         if "__metadata__" in blobs:  # safetensors keeps its own metadata under that key: no reader would see a tensor

@@ -259,6 +259,19 @@ def test_disk_prunes_old_versions(run_id, tmp_path):
     assert receiver.pull()[1]["w"].tolist() == [4] * 4
 
 
+def test_a_closed_disk_sender_leaves_no_versions_behind_unless_another_took_over(run_id, tmp_path):
+    """Each version is a copy of the model, and no later sender reads them (it starts a new epoch): a finished run
+    left its last two, up to 16 GB for a 4B model in bf16."""
+    sender, _ = _pair("disk", run_id, tmp_path)
+    sender.push({"w": np.zeros(4, np.int32)}, 1)
+    successor, _ = _pair("disk", run_id, tmp_path)  # a rebuilt trainer's, before the old one's close ran
+    successor.push({"w": np.ones(4, np.int32)}, 1)
+    sender.close()
+    assert [p.name for p in (tmp_path / run_id).iterdir() if p.name.startswith("v")] == ["v000000000001"]
+    successor.close()
+    assert not (tmp_path / run_id).exists()
+
+
 def test_disk_push_that_fails_midway_leaves_nothing_and_the_version_can_be_pushed_again(run_id, tmp_path, monkeypatch):
     """A full disk mid-write: the receiver keeps the last version, nothing half-written stays in the directory, and
     pushing the same version again works (its leftover temporary directory blocked it)."""
@@ -469,9 +482,9 @@ def test_weights_are_readable_by_their_owner_only(run_id, tmp_path):
     try:
         with make_sender(SyncConfig(run_id=run_id, transport="disk", dir=tmp_path, delta=False)) as sender:
             sender.push(weights, version=1)
+            assert stat.S_IMODE(os.stat(tmp_path / run_id).st_mode) == 0o700
     finally:
         os.umask(old)
-    assert stat.S_IMODE(os.stat(tmp_path / run_id).st_mode) == 0o700
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
