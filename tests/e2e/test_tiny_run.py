@@ -119,7 +119,8 @@ def test_local_run_resumes_exactly_where_it_stopped(tmp_path, mode):
 
 
 def test_tiny_example_with_ray_learns_and_leaves_nothing_behind(tmp_path):
-    """The README's main job, as a user runs it: Ray actors, JAX decoder, shm + delta sync."""
+    """The README's main job, as a user runs it: Ray actors, JAX decoder, shm sync with deltas on (in fp32 at this lr
+    each version changes nearly every element, so each goes as a keyframe; test_transports.py applies delta chains)."""
     proc = run_cli(f"run.dir={tmp_path}", "tracking.progress=false")
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
