@@ -3,11 +3,11 @@
     python -m rlloop.bench resources [--steps 300] [--every 2] [--out rss.png] [CONFIG overrides...]
 
 Runs `python -m rlloop.run examples/grpo_dapo_tiny.yaml run.steps=N` (Ray actors, shm sync with deltas on: the
-default) as a child process and samples, every --every seconds, the resident memory (RSS) of the driver, of each Ray actor (found by
-its process title, `ray::RolloutWorker` / `ray::TrainerWorker`) and of the reward workers. A leak shows as a rising
-line; a flat one after warmup is what we want. Reports per role (summed over its processes) start (first sample after
-warmup), end and max, in MiB, the step count it reached, and after exit whether any process, `/dev/shm/rlloop_*` segment
-or temp dir of the run is left. Writes the plot (--out) and ends with one JSON line.
+default) as a child process and samples, every --every seconds, the resident memory (RSS) of the driver, of each Ray
+actor (found by its process title, `ray::RolloutWorker` / `ray::TrainerWorker`) and of the reward workers. A leak shows
+as a rising line; a flat one after warmup is what we want. Reports per role (summed over its processes) start (first
+sample after warmup), end and max, in MiB, the step count it reached, and after exit whether any process,
+`/dev/shm/rlloop_*` segment or temp dir of the run is left. Writes the plot (--out) and ends with one JSON line.
 
 In fp32 at the tiny example's lr nearly every element changes each step, so every version goes out as a keyframe;
 `model.dtype=bfloat16 train.lr=2e-5` makes most of them deltas, and the run a test of long delta chains too.
