@@ -155,6 +155,7 @@ class FullyAsyncRollout:
         self.first = start + 1  # the first step this run trains
         self.asking = start + 1  # the step whose batch `next` takes now or next
         self.starving = False  # `next` waits on an empty buffer: a chunk starts whatever its staleness
+        self.taken_now = 0  # groups the `next` under way has taken already
         self.buffer: deque[Group] = deque()
         self.tally = RolloutTally()  # what was generated since the last batch was taken
         self.in_flight_cursor: dict | None = None
@@ -224,12 +225,14 @@ class FullyAsyncRollout:
 
     def _admits(self) -> bool:
         """Whether a new chunk's groups would be at most `max_staleness` updates behind the trainer that takes them:
-        behind `buffer` groups, its last one goes to step `asking + (buffer + want - 1) // want`, and it starts on
-        version `version` or newer. A starving trainer is served at once unless a step in training may publish the
+        behind the `buffer` groups and those the `next` under way has taken (`taken_now`: with dynamic sampling a step
+        takes groups of several chunks), its last one goes to step `asking + (taken_now + buffer + want - 1) // want`,
+        and it starts on version `version` or newer. A trainer waiting on an empty buffer (`starving`: not one whose
+        wait is over, the buffer filled before it woke) is served at once unless a step in training may publish the
         weights that make the chunk fresh enough (at max_staleness 0, a chunk started before step k's weights were
         out was generated only to be dropped, two chunks a step)."""
-        last_step = self.asking + (len(self.buffer) + self.want - 1) // self.want
-        starved = self.starving and not self.training
+        last_step = self.asking + (len(self.buffer) + self.taken_now + self.want - 1) // self.want
+        starved = self.starving and not self.buffer and not self.training
         return starved or self.manager.updates_behind(self.version, last_step) <= self.max_staleness
 
     def next(self, step: int) -> StepRollout:
@@ -253,12 +256,14 @@ class FullyAsyncRollout:
                     self.dropped_stale += 1
                 else:
                     taken.append(grp)
+                    self.taken_now = len(taken)
             tally, self.tally = self.tally, RolloutTally()
             counts = {
                 "rollout/stale_groups_dropped": self.dropped_stale,
                 "rollout/zero_std_groups_dropped": self.dropped_zero_std,
             }
             self.asking = step + 1
+            self.taken_now = 0
             self.training.add(step)
             self.cond.notify_all()
         batch = self.manager.batch(step, taken, tally)

@@ -78,15 +78,18 @@ def test_no_trained_sample_is_staler_than_allowed_and_versions_are_recorded(tmp_
     assert_breakdown_fits(metrics)
 
 
-@pytest.mark.parametrize("max_staleness", [1, 0])
-def test_fully_async_generates_no_chunk_only_to_drop_it(tmp_path, max_staleness):
+@pytest.mark.parametrize("max_staleness,dynamic_sampling", [(1, False), (0, False), (1, True)])
+def test_fully_async_generates_no_chunk_only_to_drop_it(tmp_path, max_staleness, dynamic_sampling):
     """The producer starts a chunk only if its groups will be fresh enough when the trainer takes them, so none is
     generated and then dropped as too stale (without that, 64 here, half as many as were trained: the engine ran ahead
     of the trainer). At max_staleness 0 it waits for the weights of the step in training rather than start a chunk
-    on older ones (two chunks a step were dropped so when the producer heard of new weights only a batch later)."""
+    on older ones (two chunks a step were dropped so when the producer heard of new weights only a batch later).
+    With dynamic sampling a step takes its groups from several chunks: the groups it has taken already count (42 were
+    dropped here, a third of those trained), and a trainer with groups in the buffer is not starving."""
     overrides = [
         "loop.mode=fully_async",
         f"loop.max_staleness={max_staleness}",
+        f"grpo.dynamic_sampling={dynamic_sampling}",
         "rollout.prompts_per_step=16",
         "run.steps=8",
         "run.save_every=0",
