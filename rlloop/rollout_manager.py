@@ -172,7 +172,9 @@ class RolloutManager:
             kept += [grp for grp in groups if not (cfg.grpo.dynamic_sampling and grp.zero_std)]
             if len(kept) >= want:
                 break
-        return self.batch(step, kept[:want], tally)
+        batch = self.batch(step, kept[:want], tally)
+        batch.metrics["rollout/groups_surplus"] = max(len(kept) - want, 0)  # informative, not trained (as verl's DAPO)
+        return batch
 
     def record_publication(self, step: int, published: bool) -> None:
         """The schedule's word that `step` trained and did or did not publish weights."""

@@ -77,12 +77,16 @@ DYNAMIC_PAIRS = [
 def test_dynamic_sampling_trains_exactly_prompts_per_step_groups_when_it_has_more(setup):
     """Pairs under a reward that fails on about half the responses: the first round keeps some groups, the next
     over-samples by the fraction kept and ends with more than a step takes; the step trains on exactly
-    rollout.prompts_per_step of them."""
+    rollout.prompts_per_step of them, and counts those it leaves."""
     cfg, (samples, metrics) = run_collect(
         setup, [*DYNAMIC_PAIRS, "reward.fn=tests.rlloop.reward_fns:fails_on_odd_length"]
     )
     assert len(samples.prompts) == metrics["rollout/groups_kept"] == 12
     assert len(samples.completions) == 12 * cfg.rollout.group_size
+    # the informative groups left over are counted: with them, the informative share of the groups generated
+    informative = 12 + metrics["rollout/groups_surplus"]
+    generated = informative / (1 - metrics["rollout/zero_std_ratio"])
+    assert metrics["rollout/groups_surplus"] >= 1 and generated == pytest.approx(round(generated), abs=1e-6)
 
 
 def test_a_reward_that_fails_on_every_sample_ends_the_run(setup):
