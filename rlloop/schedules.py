@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -39,6 +40,9 @@ from rlloop.tracking import rollouts_file
 
 
 class SyncRollout:
+    """`loop.mode: sync`. Step k's batch is generated when the loop asks for it, on the weights of step k - 1. Each
+    schedule answers the loop with the same five calls: `next`, `trained`, `paused`, `resume_state` and `close`."""
+
     def __init__(self, manager: RolloutManager):
         self.manager = manager
 
@@ -61,20 +65,28 @@ class SyncRollout:
         pass
 
 
+class Pending(NamedTuple):
+    """A step whose generation the async schedule has started."""
+
+    step: int
+    cursor: dict  # the data cursor before it drew: its resume point
+    batch: Future  # its StepRollout
+
+
 class AsyncRollout:
     """`loop.mode: async`. Step k's batch was generated while step k - 1 trained."""
 
     def __init__(self, manager: RolloutManager, start: int = 0):
         self.manager = manager
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="rlloop-rollout")
-        self.pending: tuple[int, dict, Future] | None = None  # (step, data cursor before it drew, its batch)
+        self.pending: Pending | None = None
         self.trained_through, self.closing = start, False  # the last step whose weights are published
         self.done: set[int] = set()  # steps past trained_through that are done, out of order
         self.cond = threading.Condition()
 
     def _start(self, step: int) -> None:
         cursor = self.manager.data.state_dict()  # taken before the thread draws: the resume point of `step`
-        self.pending = (step, cursor, self.pool.submit(self._pull_and_collect, step))
+        self.pending = Pending(step, cursor, self.pool.submit(self._pull_and_collect, step))
 
     def trained(self, step: int, published: bool = True) -> None:
         """Steps are trained in order, but a step that trains nothing is done at once, while the one before it still
@@ -112,13 +124,13 @@ class AsyncRollout:
         first (a pull delayed past the evaluation's found k's loaded, and generated on them). It costs the evaluation
         nothing: on the engines its calls would queue behind that generation anyway."""
         if self.pending is not None:
-            wait([self.pending[2]])
+            wait([self.pending.batch])
         yield
 
     def next(self, step: int) -> StepRollout:
-        if self.pending is None or self.pending[0] != step:
+        if self.pending is None or self.pending.step != step:
             self._start(step)
-        batch = self.pending[2].result()
+        batch = self.pending.batch.result()
         if step < self.manager.cfg.run.steps:
             self._start(step + 1)
         else:
@@ -126,7 +138,7 @@ class AsyncRollout:
         return batch
 
     def resume_state(self) -> dict:
-        return self.pending[1] if self.pending is not None else self.manager.data.state_dict()
+        return self.pending.cursor if self.pending is not None else self.manager.data.state_dict()
 
     def close(self) -> None:
         # Let a generation in flight finish (its actor calls cannot be cancelled), then stop the thread; one still

@@ -20,7 +20,7 @@ Weights leave a sharded model one tensor at a time (`full_tensors`): each is all
 and dropped, so the accelerator never holds more than one extra unsharded tensor (the embedding, at most); `to_numpy`
 hands each out as numpy without a copy (bf16 as ml_dtypes bits).
 
-`compile_decoder` (`TrainerConfig.compile`) works on the same decoder layers; the trainer calls it before sharding.
+`trainer/policy_model.py` compiles the same decoder layers (`TrainerConfig.compile`) before they are sharded.
 """
 
 from __future__ import annotations
@@ -49,36 +49,6 @@ class LogprobModel(torch.nn.Module):
 
     def forward(self, mb: MicroBatch, temperature: float, with_entropy: bool = False, entropy_grad: bool = False):
         return response_logprobs(self.model, mb, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
-
-
-RECOMPILE_LIMIT = 64  # compiles of one layer's forward before dynamo gives up on it (its default: 8)
-
-
-def compile_decoder(model: torch.nn.Module, scope: str, sharded: bool) -> None:
-    """`TrainerConfig.compile`: torch.compile in place, with dynamic shapes since every batch has other lengths, each
-    decoder layer (`scope` "layers": the classes HF names in `_no_split_modules`) or the whole decoder ("model"; not
-    when `sharded`, as FSDP's units are the layers)."""
-    # Each variant of a call a step makes (grad on or off, a mask or none, a one-row micro-batch, each twice under
-    # gradient checkpointing) is a compile of its own, and past dynamo's default limit of 8 a layer runs eagerly for
-    # every new variant, saying so only in a warning: a run with checkpointing, KL and micro-batches reached it.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    if scope == "model":
-        if sharded:
-            raise ValueError(
-                "train.compile=model compiles the whole decoder as one graph, but fsdp shards it layer by "
-                "layer: use train.compile=layers, or train.parallel=ddp"
-            )
-        model.get_decoder().compile(dynamic=True)
-        return
-    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
-    if not layers:
-        raise ValueError(
-            f"train.compile=layers: found no decoder layers ({sorted(layer_classes)}, from _no_split_modules) in "
-            f"{type(model).__name__}; use train.compile=model or off"
-        )
-    for layer in layers:
-        layer.compile(dynamic=True)
 
 
 def shard_fsdp(scorer: LogprobModel, device: torch.device, compute_dtype: torch.dtype) -> None:

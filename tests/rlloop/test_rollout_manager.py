@@ -294,7 +294,7 @@ def test_async_resumes_at_the_prompts_of_the_step_generated_ahead(setup):
         schedule = AsyncRollout(rollout)
         try:
             schedule.next(1)  # starts step 2 in the rollout thread (step 0's weights: no wait)
-            ahead = schedule.pending[2].result()  # step 2 has drawn its prompts, not trained on them
+            ahead = schedule.pending.batch.result()  # step 2 has drawn its prompts, not trained on them
             cursor = schedule.resume_state()
         finally:
             schedule.close()

@@ -53,7 +53,7 @@ def test_the_whole_decoder_is_not_compiled_under_fsdp(tiny_qwen3_dir):
     """FSDP's units are the decoder layers: one graph over all of them is refused, naming the setting."""
     import transformers
 
-    from trainer.parallel import compile_decoder
+    from trainer.policy_model import compile_decoder
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir)
     with pytest.raises(ValueError, match="train.compile=model"):
