@@ -93,24 +93,7 @@ class Trainer:
 
         Returns `train/*` metrics for the whole batch over all ranks (identical on every rank).
         """
-        # The ranks must take as many optimizer steps as each other, or one would wait for the others' step
-        steps = len(batch.minibatch_sizes or ())
-        fewest, most_neg = all_reduce_(torch.tensor([len(batch), -steps], device=self.reduce_device), op="min").tolist()
-        try:
-            validate_batch(batch, self.vocab_size)
-            minibatches = minibatch_indices(batch, self.cfg.minibatches, int(fewest))
-            if -most_neg != steps:
-                raise ValueError(f"the ranks' shares take {steps} to {-most_neg} optimizer steps")
-            problem = None
-        except ValueError as e:
-            problem = e
-        # Every rank must learn that one rank's share was rejected, or the others would wait in all_reduce forever.
-        rejected = torch.tensor([problem is not None], dtype=torch.int32, device=self.reduce_device)
-        all_reduce_(rejected)
-        if problem is not None:
-            raise problem
-        if int(rejected):
-            raise ValueError("another rank rejected its share of this TrainBatch (see that rank's error)")
+        minibatches = self._agreed_minibatches(batch)
         norms = [self._normalisers(batch, idx) for idx in minibatches]
         trained = [self._trained(batch, idx) for idx in minibatches]
         plans = [self._plan(batch, idx) for idx in trained]
@@ -144,6 +127,28 @@ class Trainer:
                 "weights are intact. Lower train.lr or check the rewards, then rerun with --resume"
             )
         return metrics
+
+    def _agreed_minibatches(self, batch: TrainBatch) -> list[list[int]]:
+        """The sample indices of each optimizer step's minibatch of this rank's share, once every rank has found its
+        share valid and taking as many optimizer steps as the others' (one would otherwise wait in the others'
+        collectives for ever); a ValueError on every rank if any share is not."""
+        steps = len(batch.minibatch_sizes or ())
+        fewest, most_neg = all_reduce_(torch.tensor([len(batch), -steps], device=self.reduce_device), op="min").tolist()
+        try:
+            validate_batch(batch, self.vocab_size)
+            minibatches = minibatch_indices(batch, self.cfg.minibatches, int(fewest))
+            if -most_neg != steps:
+                raise ValueError(f"the ranks' shares take {steps} to {-most_neg} optimizer steps")
+            problem = None
+        except ValueError as e:
+            problem = e
+        rejected = torch.tensor([problem is not None], dtype=torch.int32, device=self.reduce_device)
+        all_reduce_(rejected)
+        if problem is not None:
+            raise problem
+        if int(rejected):
+            raise ValueError("another rank rejected its share of this TrainBatch (see that rank's error)")
+        return minibatches
 
     def compute_gradients(
         self,
