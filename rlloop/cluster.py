@@ -41,6 +41,18 @@ class TrainedStep:
     published: bool  # rank 0 published the step's weights (not when the step changed none, or was not asked to)
 
 
+def kill_unanswered(workers: list, refs: list, timeout: float) -> bool:
+    """Wait up to `timeout` seconds for each worker's call (`refs`), then kill the workers that have not answered: a
+    hung actor is treated as dead, and would never answer close()'s graceful stop. Whether any had not."""
+    import ray
+
+    _, waiting = ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
+    for worker, ref in zip(workers, refs):
+        if ref in waiting:
+            ray.kill(worker)
+    return bool(waiting)
+
+
 class Cluster:
     def __init__(self, cfg: Config, engine_restarts: RestartCount | None = None):
         """`engine_restarts`: the driver's count, when a trainer's death rebuilt the cluster (rlloop/loop.py)."""
@@ -149,7 +161,7 @@ class Cluster:
             if self.with_trainers
         ]
         nodes = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
-        self.placement = {who: nodes[plan.bundle_of(who)] for who in plan.roles()}  # -> <run dir>/cluster.json
+        self.placement = {who: nodes[bundle] for who, bundle in plan.roles().items()}  # -> <run dir>/cluster.json
         rank0 = self.trainers[:1]
         master = self._call_all(rank0, "rendezvous", [()], start=True)[0] if len(self.trainers) > 1 else None
         self._call_all(self.trainers, "setup", [(master,)] * len(self.trainers), start=True)
@@ -164,10 +176,7 @@ class Cluster:
         current = [t.current_weights.remote() for t in self.trainers]  # every rank joins an fsdp gather
         # Queued behind a train step in the async modes: the trainer's silence is its own, not the new engine's hang
         timeout = self.cfg.cluster.actor_timeout_s
-        _, waiting = ray.wait(current, num_returns=len(current), timeout=timeout, fetch_local=False)
-        if waiting:
-            for trainer in (t for t, ref in zip(self.trainers, current) if ref in waiting):
-                ray.kill(trainer)
+        if kill_unanswered(self.trainers, current, timeout):
             raise TrainerDied(f"a trainer actor hung (no answer in {timeout:g} s) while rollout engine {e} restarted")
         try:
             version = ray.get(engine.load_weights.remote(current[0]), timeout=timeout)
@@ -218,11 +227,7 @@ class Cluster:
             role = "rollout" if workers[0] in self.engines else "trainer"
             error = ActorDied if role == "rollout" else TrainerDied
             if isinstance(e, ray.exceptions.GetTimeoutError):
-                # A hung actor is treated as dead, and killed now: it would never answer close()'s graceful stop.
-                _, waiting = ray.wait(refs, num_returns=len(refs), timeout=0)
-                for w, ref in zip(workers, refs):
-                    if ref in waiting:
-                        ray.kill(w)
+                kill_unanswered(workers, refs, timeout=0)
             how = "died" if isinstance(e, ray.exceptions.RayActorError) else f"hung (no answer in {timeout:g} s)"
             raise error(f"a {role} actor {how} during {method}()\n{e}") from None
 

@@ -51,24 +51,17 @@ class Placement:
         """What the plan asks for beyond the resources `have` (a Ray node's or cluster's): key -> (need, have)."""
         return {key: (need, have.get(key, 0.0)) for key, need in self.total().items() if have.get(key, 0.0) < need}
 
+    def roles(self) -> dict[str, int]:
+        """Each actor's name ("rollout engine 0", "trainer rank 1") and its bundle: the engines, then the ranks."""
+        engines = {f"rollout engine {e}": b for e, b in enumerate(self.rollout_bundles)}
+        return engines | {f"trainer rank {r}": b for r, b in enumerate(self.trainer_bundles)}
+
     def holders(self) -> list[list[str]]:
         """Who is placed in each bundle, in bundle order (two roles per bundle when colocated)."""
         out: list[list[str]] = [[] for _ in self.bundles]
-        for e, b in enumerate(self.rollout_bundles):
-            out[b].append(f"rollout engine {e}")
-        for r, b in enumerate(self.trainer_bundles):
-            out[b].append(f"trainer rank {r}")
+        for role, bundle in self.roles().items():
+            out[bundle].append(role)
         return out
-
-    def roles(self) -> list[str]:
-        """One name per actor: the engines, then the trainer ranks."""
-        return [f"rollout engine {e}" for e in range(len(self.rollout_bundles))] + [
-            f"trainer rank {r}" for r in range(len(self.trainer_bundles))
-        ]
-
-    def bundle_of(self, role: str) -> int:
-        kind, index = role.rsplit(" ", 1)
-        return (self.rollout_bundles if kind == "rollout engine" else self.trainer_bundles)[int(index)]
 
     def cores(self, bundle: int) -> range:
         """On a CPU host, `bundle`'s cores: bundles take consecutive cores in plan order, which an actor maps onto its

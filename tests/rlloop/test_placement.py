@@ -207,8 +207,7 @@ def test_every_actor_of_a_bundle_gets_what_it_asks_for(overrides):
     actor (or a tp engine's second rank) was never scheduled and the run waited out actor_start_timeout_s."""
     plan = plan_placement(load_config(REAL, overrides).cluster, same_host=True)
     asked = [{} for _ in plan.bundles]
-    for role in plan.roles():
-        b = plan.bundle_of(role)
+    for role, b in plan.roles().items():
         request = plan.rollout_request if role.startswith("rollout") else plan.trainer_request
         for key, value in (request if request is not None else plan.bundles[b]).items():
             asked[b][key] = asked[b].get(key, 0.0) + value
