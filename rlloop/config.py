@@ -243,10 +243,21 @@ class GRPOSection(knobs_of(LossConfig)):
     overlong_penalty: Annotated[float, Field(ge=0)] = 1.0
 
 
-# All of trainer.TrainerConfig but what other sections decide (the model, devices, sampling temperature, lengths).
+# All of trainer.TrainerConfig but what other sections decide (the model, devices, sampling temperature, lengths, and
+# the optimizer updates of the whole run).
 TrainSection = knobs_of(
     TrainerConfig,
-    wired=("model_path", "trust_remote_code", "dtype", "device", "temperature", "max_response_len", "loss", "seed"),
+    wired=(
+        "model_path",
+        "trust_remote_code",
+        "dtype",
+        "device",
+        "temperature",
+        "max_response_len",
+        "loss",
+        "seed",
+        "total_updates",
+    ),
 )
 
 
@@ -365,6 +376,7 @@ class Config(Section):
             temperature=self.rollout.temperature,
             max_response_len=self.rollout.max_response_len,
             seed=self.run.seed,
+            total_updates=self.run.steps * self.train.minibatches,
             loss=self.loss_config(),
         )
 

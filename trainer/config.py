@@ -106,7 +106,12 @@ class TrainerConfig:
     max_grad_norm: Annotated[float, Field(gt=0)] = 1.0
     max_bad_steps: PositiveInt = 3  # non-finite loss/gradient steps in a row (each skipped) before training stops
     adamw_fused: bool = False  # torch's fused AdamW kernel (CPU and CUDA): one kernel per step, not one per tensor
-    lr_warmup_steps: Annotated[int, Field(ge=0)] = 0  # linear warmup to `lr`, then constant (the recipe: 0)
+    lr_warmup_steps: Annotated[int, Field(ge=0)] = 0  # linear warmup to `lr` over this many updates (the recipe: 0)
+    # After the warmup: "constant" (verl's and slime's default), or "linear" / "cosine" (transformers' schedules; TRL's
+    # default is linear) down to `min_lr_ratio` x lr at update `total_updates`
+    lr_decay: Literal["constant", "linear", "cosine"] = "constant"
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.0  # where linear and cosine end (verl's min_lr_ratio)
+    total_updates: PositiveInt | None = None  # the run's optimizer updates (run.steps x minibatches); decay needs it
     micro_batch_tokens: PositiveInt = 16384  # micro-batches packed to this token budget (padded length × rows)
     # Micro-batch rows padded to a multiple of this many positions, as HF's collators' `pad_to_multiple_of`; None: 32 in
     # bf16 on CPU, else 1 (`pad_multiple`). CPU runs a bf16 matmul through oneDNN, which builds a kernel for each new
@@ -137,6 +142,12 @@ class TrainerConfig:
     # off by default and the exactness tests run eager. "layers" is untested under fsdp.
     compile: Annotated[Literal["off", "layers", "model"], BeforeValidator(_compile_scope)] = "off"
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _decay_has_an_end(self) -> "TrainerConfig":
+        if self.lr_decay != "constant" and self.total_updates is None:
+            raise ValueError(f"lr_decay={self.lr_decay!r} decays over total_updates, which is not set")
+        return self
 
     @property
     def pad_multiple(self) -> int:

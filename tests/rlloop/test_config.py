@@ -194,7 +194,8 @@ def test_a_trainer_knob_is_one_field_reachable_from_yaml():
         (
             "trainer_config",
             "train",
-            {"model_path", "trust_remote_code", "dtype", "device", "temperature", "max_response_len", "loss", "seed"},
+            {"model_path", "trust_remote_code", "dtype", "device", "temperature", "max_response_len", "loss", "seed"}
+            | {"total_updates"},
         ),
         ("engine_config", "rollout", {"model_path", "trust_remote_code", "dtype", "max_seq_len", "tp", "seed"}),
     ],
@@ -215,6 +216,8 @@ def test_wired_values_come_from_their_sections():
     assert (engine.tp, engine.dtype, trainer.dtype, trainer.device) == (2, "bfloat16", "bfloat16", "tpu")
     assert trainer.temperature == cfg.rollout.temperature and trainer.seed == engine.seed == cfg.run.seed
     assert trainer.loss.clip_eps_high == cfg.grpo.clip_eps_high == 0.28 and trainer.loss.loss_agg == "dapo"
+    decaying = load_config(REAL, ["train.lr_decay=cosine", "train.minibatches=2"])
+    assert decaying.trainer_config().total_updates == 2 * decaying.run.steps  # the schedule ends with the run
     # unset, the prefill buckets (and so the positions a GRPO fan-out copies) stop at the longest prompt, not at
     # max_seq_len - 1 = 9,215: 1,024 of Qwen3-4B's 147,456 bytes a position per copied sample, not 9,215
     assert cfg.rollout.prefill_buckets is None and engine.prefill_buckets == (16, 32, 64, 128, 256, 512, 1024)

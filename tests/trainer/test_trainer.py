@@ -7,6 +7,7 @@ import math
 import os
 import pickle
 import shutil
+from functools import partial
 from pathlib import Path
 
 import ml_dtypes
@@ -18,6 +19,7 @@ import transformers
 
 from tests.conftest import make_tiny_hf_model
 from trainer import LossConfig, NonFiniteTraining, TrainBatch, Trainer, TrainerConfig
+from trainer.optimizer import lr_factor
 
 
 def perturbed(logprobs, seed, scale):
@@ -401,3 +403,28 @@ def test_the_logprob_gap_is_reported_only_against_engine_logprobs(tiny_qwen3_dir
     trainer = Trainer(TrainerConfig(tiny_qwen3_dir))
     assert "train/logprob_abs_diff" not in trainer.train_step(make_batch(4, seed=3, with_rollout_logprobs=False))
     assert trainer.train_step(make_batch(4, seed=3))["train/logprob_abs_diff"] > 0
+
+
+@pytest.mark.parametrize(
+    "decay,warmup,min_ratio", [("linear", 0, 0.0), ("linear", 3, 0.0), ("cosine", 0, 0.0), ("cosine", 3, 0.1)]
+)
+def test_the_lr_decays_as_transformers_schedules_do(decay, warmup, min_ratio):
+    """Past the warmup, update k runs at transformers' factor for step k (its linear schedule, its cosine with a
+    minimum rate); in the warmup at its factor for k + 1, since ours reaches the full rate at the warmup's last update
+    where transformers' first update runs at rate 0."""
+    schedules = {
+        "linear": transformers.get_linear_schedule_with_warmup,
+        "cosine": partial(transformers.get_cosine_with_min_lr_schedule_with_warmup, min_lr_rate=min_ratio),
+    }
+    total = 20
+    cfg = TrainerConfig("unused", lr_decay=decay, lr_warmup_steps=warmup, min_lr_ratio=min_ratio, total_updates=total)
+    theirs = schedules[decay](torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), warmup, total)
+    want = [theirs.lr_lambdas[0](k + 1 if k < warmup else k) for k in range(total)]
+    assert [lr_factor(cfg, k) for k in range(total)] == pytest.approx(want, abs=1e-12)
+    assert lr_factor(cfg, total + 5) == pytest.approx(min_ratio)  # it stays at the end, not back up
+
+
+def test_the_trainer_steps_the_decay_once_per_update(tiny_qwen3_dir, make_batch):
+    cfg = TrainerConfig(tiny_qwen3_dir, lr=1e-3, lr_decay="linear", total_updates=4, minibatches=2)
+    trainer = Trainer(cfg)
+    assert [trainer.train_step(make_batch(4, seed=s))["train/lr"] for s in (1, 2)] == pytest.approx([7.5e-4, 2.5e-4])
