@@ -163,14 +163,28 @@ def check_wandb(cfg: Config) -> None:
         raise ConfigError(f"tracking.mode=online: W&B has no API key configured; {advice}")
 
 
-def check_references(cfg: Config) -> None:
-    """Problems we can find before starting anything heavy, reported like config errors."""
+def check_before_start(cfg: Config) -> None:
+    """What the config points at, checked before anything heavy starts and reported as config errors (exit 2): the
+    reward function, the directories, W&B's credentials, the memory plan, the rollouts a replay trains on."""
     from rlloop.rewards import resolve
 
     try:
         resolve(cfg.reward.fn)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    check_paths(cfg)
+    check_wandb(cfg)
+    from rlloop.memory import plan_memory
+
+    memory = plan_memory(cfg)
+    if memory is not None:
+        memory.check()
+    if cfg.run.replay is not None:
+        check_replay(cfg.run.replay, cfg.run.steps)
+
+
+def check_paths(cfg: Config) -> None:
+    """The run directory and a disk sync directory can be made, and are absolute in a Ray job."""
     check_makeable("run.dir", cfg.run_dir)
     if cfg.sync.transport == "disk" and cfg.sync.dir is not None:  # else <run dir>/sync
         check_makeable("sync.dir", Path(cfg.sync.dir))
@@ -183,24 +197,21 @@ def check_references(cfg: Config) -> None:
                 f"lasts (and that every node sees, on several nodes), e.g. {key}=/mnt/runs/{{name}}"
                 + ("/sync" if key == "sync.dir" else "")
             )
-    check_wandb(cfg)
-    from rlloop.memory import plan_memory
 
-    memory = plan_memory(cfg)
-    if memory is not None:
-        memory.check()
-    if cfg.run.replay is not None and not Path(cfg.run.replay).is_dir():
-        raise ConfigError(f"run.replay: {cfg.run.replay} is not a directory (a run's rollouts/, saved by it)")
-    if cfg.run.replay is not None:  # --debug train-only: the saved rollouts of every step it is to train
-        from rlloop.tracking import rollouts_file
 
-        missing = [s for s in range(1, cfg.run.steps + 1) if not rollouts_file(cfg.run.replay, s).is_file()]
-        if missing:
-            raise ConfigError(
-                f"run.replay: {cfg.run.replay} has no rollouts of step {missing[0]}"
-                f"{f' (nor of {len(missing) - 1} more)' if len(missing) > 1 else ''}; run.steps={cfg.run.steps} can "
-                "train only the steps the run saved"
-            )
+def check_replay(replay: str, steps: int) -> None:
+    """--debug train-only: the saved rollouts of every step it is to train."""
+    from rlloop.tracking import rollouts_file
+
+    if not Path(replay).is_dir():
+        raise ConfigError(f"run.replay: {replay} is not a directory (a run's rollouts/, saved by it)")
+    missing = [s for s in range(1, steps + 1) if not rollouts_file(replay, s).is_file()]
+    if missing:
+        raise ConfigError(
+            f"run.replay: {replay} has no rollouts of step {missing[0]}"
+            f"{f' (nor of {len(missing) - 1} more)' if len(missing) > 1 else ''}; run.steps={steps} can "
+            "train only the steps the run saved"
+        )
 
 
 def preflight(cfg: Config, dry_run: bool = False) -> tuple[Inputs | None, list[str]]:
@@ -256,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     # nothing is written, and no checkpoint of a run being resumed is touched.
     try:
         cfg = load_config(args.config, args.overrides + debug_overrides(args))
-        check_references(cfg)
+        check_before_start(cfg)
         inputs, notes = preflight(cfg, dry_run=args.dry_run)
     except (ConfigError, errors.ModelError, errors.DataError) as e:
         print(f"{error_label(e)} error: {e}", file=sys.stderr)

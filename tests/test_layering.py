@@ -63,8 +63,8 @@ def test_the_driver_checks_a_run_without_importing_jax():
     import sys
 
     code = (
-        "import sys; from rlloop.config import load_config; from rlloop.run import check_references; "
-        "check_references(load_config('examples/grpo_dapo_tiny.yaml')); "
+        "import sys; from rlloop.config import load_config; from rlloop.run import check_before_start; "
+        "check_before_start(load_config('examples/grpo_dapo_tiny.yaml')); "
         "print(sorted({'jax', 'jaxlib'} & set(sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
