@@ -201,7 +201,7 @@ def check_paths(cfg: Config) -> None:
 
 def check_replay(replay: str, steps: int) -> None:
     """--debug train-only: the saved rollouts of every step it is to train."""
-    from rlloop.tracking import rollouts_file
+    from rlloop.replay import rollouts_file
 
     if not Path(replay).is_dir():
         raise ConfigError(f"run.replay: {replay} is not a directory (a run's rollouts/, saved by it)")

@@ -20,23 +20,17 @@ chips work at the same time. docs/design.md §9.
 
 from __future__ import annotations
 
-import json
 import math
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
-from pathlib import Path
 from typing import NamedTuple
 
-import numpy as np
-
 from rlloop.config import LoopSection
-from rlloop.errors import DataError
 from rlloop.profiling import profile_dir
+from rlloop.replay import ReplayRollout
 from rlloop.rollout_manager import Group, RolloutManager, RolloutTally, StepRollout, sampling_seed
-from rlloop.tracking import rollouts_file
 
 
 class SyncRollout:
@@ -302,61 +296,6 @@ class FullyAsyncRollout:
             self.stopping = True
             self.cond.notify_all()
         self.thread.join()
-
-
-class ReplayRollout:
-    """`--debug train-only`: step N's batch is the one a run saved in `replay`/step_N.jsonl (tracking.save_rollouts,
-    or --debug rollout-only), rebuilt exactly: the trainer alone, on known data, no engine (slime's
-    --load-debug-rollout-data)."""
-
-    def __init__(self, replay: str):
-        self.dir = Path(replay)
-
-    def next(self, step: int) -> StepRollout:
-        path = rollouts_file(self.dir, step)
-        if not path.is_file():
-            raise DataError(f"run.replay: {path} is missing (the saved run has no rollouts of step {step})")
-        try:
-            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            if not rows:  # the step had nothing to train on (dynamic sampling kept no group): nor has its replay
-                return StepRollout(None, {})
-            # the verifier's rewards before overlong shaping, as the run logged them (of the groups it kept)
-            raw_reward = float(np.mean([r["raw_reward"] for r in rows]))
-            return StepRollout(SavedSamples(rows), {"rollout/raw_reward": raw_reward})
-        except (ValueError, KeyError, TypeError) as e:  # json's errors are ValueErrors
-            raise DataError(f"run.replay: {path} is not a saved step's rollouts ({type(e).__name__}: {e})") from None
-
-    def trained(self, step: int, published: bool = True) -> None:
-        pass
-
-    def paused(self):
-        return nullcontext()  # no engine: nothing generates, and no evaluation
-
-    def resume_state(self) -> dict:
-        return {}
-
-    def close(self) -> None:
-        pass
-
-
-@dataclass
-class SavedSamples:
-    """A step's samples as `Samples.rows()` saved them."""
-
-    saved: list[dict]
-
-    def rows(self) -> list[dict]:
-        return self.saved
-
-    def to_train_batch(self):
-        from trainer import TrainBatch
-
-        return TrainBatch(
-            prompts=[r["prompt_ids"] for r in self.saved],
-            responses=[r["response_ids"] for r in self.saved],
-            advantages=[r["advantage"] for r in self.saved],
-            rollout_logprobs=[r["rollout_logprobs"] for r in self.saved],
-        )
 
 
 def rollout_schedule(loop: LoopSection, manager: RolloutManager, replay: str | None = None, start: int = 0):

@@ -68,12 +68,6 @@ def log_to_terminal() -> None:
     logger.setLevel(logging.INFO)
 
 
-def rollouts_file(rollouts_dir: str | Path, step: int) -> Path:
-    """Where a step's saved samples go (tracking.save_rollouts, --debug rollout-only) and --debug train-only reads
-    them."""
-    return Path(rollouts_dir) / f"step_{step:06d}.jsonl"
-
-
 def wandb_api_key() -> str | None:
     """The API key W&B would use here, read where `wandb login` leaves it, asking no server: WANDB_API_KEY, else the
     netrc entry (NETRC, else ~/.netrc) for W&B's host (WANDB_BASE_URL, else api.wandb.ai). wandb.login(verify=False)
@@ -187,11 +181,9 @@ class Tracker:
             return
         rows = samples.rows() if samples is not None else []
         if save:
-            out = self.run_dir / "rollouts"
-            out.mkdir(exist_ok=True)
-            path = rollouts_file(out, step)  # whole or not at all: --debug train-only replays it
-            path.with_suffix(".tmp").write_text("".join(json.dumps(r) + "\n" for r in rows))
-            path.with_suffix(".tmp").replace(path)
+            from rlloop.replay import write_rollouts  # the loop's modules: not for the driver's early checks
+
+            write_rollouts(self.run_dir / "rollouts", step, rows)
         if table_now:
             import wandb
 

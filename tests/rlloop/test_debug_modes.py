@@ -16,10 +16,9 @@ import pytest
 from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, load_state, save_checkpoint
 from rlloop.config import run_id_for
 from rlloop.errors import DataError
+from rlloop.replay import ReplayRollout, rollouts_file
 from rlloop.run import Terminated, go_on, main, parse_args, run_command, stopped_by
 from rlloop.run_dir import run_dir_held
-from rlloop.schedules import ReplayRollout
-from rlloop.tracking import rollouts_file
 from weight_sync.shm import segment_path
 
 TINY = str(Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml")
