@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rlloop.tracking import read_metrics
+from rlloop.tracking import expand, read_metrics
 
 DEFAULT_METRICS = ("rollout/raw_reward", "rollout/response_len/mean", "eval/*", "train/entropy")
 
@@ -36,14 +36,6 @@ def load_group(run_dirs: list[str]) -> list[list[dict]]:
             raise SystemExit(f"compare: {d} has no metrics.jsonl rows")
         runs.append(rows)
     return runs
-
-
-def expand(patterns, runs: list[list[dict]]) -> list[str]:
-    keys = sorted({k for rows in runs for r in rows for k in r})
-    out = []
-    for p in patterns:
-        out += [k for k in keys if k.startswith(p[:-1])] if p.endswith("*") else [p] if p in keys else []
-    return list(dict.fromkeys(out))
 
 
 def logged_steps(runs: list[list[dict]], metric: str) -> set[int]:

@@ -243,18 +243,22 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def expand(patterns, runs: list[list[dict]]) -> list[str]:
+    """The metric names `patterns` ("eval/*": every name under eval/) match in the rows of `runs`, in order."""
+    keys = sorted({k for rows in runs for r in rows for k in r})
+    out = []
+    for p in patterns:
+        out += [k for k in keys if k.startswith(p[:-1])] if p.endswith("*") else [p] if p in keys else []
+    return list(dict.fromkeys(out))
+
+
 def plot_curves(rows: list[dict], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = []
-    for pattern in CURVES:
-        matches = (
-            sorted({k for r in rows for k in r if k.startswith(pattern[:-1])}) if pattern.endswith("*") else [pattern]
-        )
-        keys += [k for k in matches if _series(rows, k)[0]]
+    keys = [k for k in expand(CURVES, [rows]) if _series(rows, k)[0]]
     if not keys:  # nothing numeric to draw
         return
     cols = 4
