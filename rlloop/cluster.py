@@ -25,6 +25,7 @@ from rlloop.placement import (
     actor_options,
     check_cluster_fits,
     check_one_node_fits,
+    jax_gpu_env,
     plan_placement,
     plan_settings,
 )
@@ -95,22 +96,25 @@ class Cluster:
             cfg.cluster.device,
             world * self.with_trainers,
         )
-        if not self.remote:  # one trainer rank (rlloop.config)
-            if cfg.cluster.device == "gpu":  # colocated (rlloop.config): JAX must leave torch its share of the GPU
-                for key, value in actor_env(cfg, threads, True, range(0)).items():
-                    if key.startswith("XLA_PYTHON_CLIENT_"):
-                        os.environ.setdefault(key, value)
-            engines = [RolloutWorker(**engine) for _ in range(cfg.cluster.rollout_engines * self.with_engines)]
-            self.pool = EnginePool(cfg, engines, count=engine_restarts)
-            self.trainers = [TrainerWorker(**ranks[0])] if self.with_trainers else []
-            for t in self.trainers:
-                t.setup()
+        if not self.remote:
+            self._start_local(cfg, engine, ranks[0], engine_restarts)
             return
         try:
             self._start(cfg, engine, ranks, engine_restarts)
         except BaseException:
             self.close()  # a half-built cluster must not leave actors or a local Ray behind
             raise
+
+    def _start_local(self, cfg: Config, engine: dict, rank: dict, engine_restarts: RestartCount | None) -> None:
+        """Without Ray: the engines and the one trainer rank (rlloop.config) in this process."""
+        if cfg.cluster.device == "gpu":  # colocated (rlloop.config): JAX must leave torch its share of the GPU
+            for key, value in jax_gpu_env(colocated=True).items():
+                os.environ.setdefault(key, value)
+        engines = [RolloutWorker(**engine) for _ in range(cfg.cluster.rollout_engines * self.with_engines)]
+        self.pool = EnginePool(cfg, engines, count=engine_restarts)
+        self.trainers = [TrainerWorker(**rank)] if self.with_trainers else []
+        for t in self.trainers:
+            t.setup()
 
     # ------------------------------------------------------------------ Ray
     def _start(self, cfg: Config, engine: dict, ranks: list[dict], engine_restarts: RestartCount | None) -> None:

@@ -215,15 +215,19 @@ def actor_env(cfg: Config, threads: int, rollout: bool, cores: range) -> dict[st
         env["JAX_PLATFORMS"] = "cpu"
         if rollout:
             env["XLA_FLAGS"] = cpu_engine_xla_flags(engine_tp(cfg), len(cores))
-    if cfg.cluster.device == "gpu" and rollout and cfg.cluster.colocate:
-        # JAX would grab 75% of the GPU at start and its pooling allocator never hands freed memory back: the
-        # engine's release() must return its cache and weights to CUDA for the trainer sharing the GPU to use.
-        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-        env["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
-    elif cfg.cluster.device == "gpu" and rollout:
-        # A GPU of its own: JAX's pool, allocated at start, is all the engine can use (75% unless told otherwise).
-        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(ENGINE_GPU_MEM_FRACTION)
+    if cfg.cluster.device == "gpu" and rollout:
+        env |= jax_gpu_env(cfg.cluster.colocate)
     return env
+
+
+def jax_gpu_env(colocated: bool) -> dict[str, str]:
+    """How an engine's JAX takes GPU memory. Colocated: JAX would grab 75% of the GPU at start and its pooling
+    allocator never hands freed memory back, so the engine's release() must return its cache and weights to CUDA
+    for the trainer sharing the GPU to use. A GPU of its own: JAX's pool, allocated at start, is all the engine can
+    use (75% unless told otherwise)."""
+    if colocated:
+        return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
+    return {"XLA_PYTHON_CLIENT_MEM_FRACTION": str(ENGINE_GPU_MEM_FRACTION)}
 
 
 def check_cluster_fits(plan, cluster) -> None:

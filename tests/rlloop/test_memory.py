@@ -69,6 +69,10 @@ def test_an_engine_on_a_gpu_of_its_own_has_jax_s_share_of_it(capsys):
     assert plan_memory(load_config(REAL, [*gpu, f"rollout.max_batch={rows + 1}"])).fixes.get("rollout")
     env = actor_env(load_config(REAL, gpu), threads=1, rollout=True, cores=range(1))
     assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.9"
+    # colocated, it takes memory as it goes and gives it back (release()), for the trainer on the same GPU
+    env = actor_env(load_config(REAL, colocated), threads=1, rollout=True, cores=range(1))
+    assert (env["XLA_PYTHON_CLIENT_PREALLOCATE"], env["XLA_PYTHON_CLIENT_ALLOCATOR"]) == ("false", "platform")
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in env
 
 
 def test_a_trainer_that_does_not_fit_names_its_keys(capsys):
