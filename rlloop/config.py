@@ -7,8 +7,8 @@ naming the key path and what is allowed; `rlloop.run` turns it into exit code 2.
 One source of truth per knob: each component owns its typed config (`rollout.EngineConfig`, `trainer.TrainerConfig`,
 `trainer.LossConfig`, `weight_sync.SyncConfig`), and the YAML sections `rollout:`, `train:`, `grpo:` and `sync:` are
 made from those fields (`knobs_of`), so a knob is declared, defaulted and range-checked once, in its component.
-`Config.engine_config()` and `Config.trainer_config()` are the only places that build those configs but the sync's,
-which `rlloop.cluster.sync_config` builds (it needs the run directory); the workers receive the built dataclasses.
+`Config.engine_config()`, `trainer_config()` and `sync_config()` are the only places that build those configs; the
+workers receive the built dataclasses.
 """
 
 from __future__ import annotations

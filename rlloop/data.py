@@ -298,10 +298,12 @@ class Inputs:
 
 
 def load_inputs(cfg: Config) -> Inputs:
-    """The tokenizer (ModelError) and the training and eval prompts, every row validated (DataError)."""
-    from rlloop.model import load_tokenizer
+    """The tokenizer (ModelError, as are stop ids it and the model leave no room for) and the training and eval
+    prompts, every row validated (DataError)."""
+    from rlloop.model import check_stop_ids, load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model)
+    check_stop_ids(cfg, tokenizer)
     data, eval_data = load_datasets(cfg, tokenizer)
     for prompts in (data, eval_data):
         if prompts is not None:

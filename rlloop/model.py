@@ -221,6 +221,38 @@ def load_tokenizer(model: ModelSection):
     return tokenizer
 
 
+def check_stop_ids(cfg: Config, tokenizer) -> None:
+    """The ids that end a response (the model's EOS ids, the tokenizer's and `rollout.stop_token_ids`) fit the JAX
+    engine's row of MAX_STOP_IDS: past it every generate call failed, once the cluster had started."""
+    from rollout.model_config import eos_token_ids
+    from rollout.types import MAX_STOP_IDS
+
+    extra = set(cfg.rollout.stop_token_ids)
+    if cfg.rollout.backend != "jax" or cfg.rollout.ignore_eos or not extra:
+        return
+    hf, _ = read_model_config(cfg.model)
+    own = {*eos_token_ids(hf, _generation_config(cfg.model.path)), *stop_token_ids(tokenizer)}
+    if len(own | extra) > MAX_STOP_IDS:
+        raise ModelError(
+            f"rollout.stop_token_ids: with the model's and the tokenizer's EOS ids {sorted(own)}, {len(own | extra)} "
+            f"ids end a response, past the JAX engine's {MAX_STOP_IDS}; give at most {MAX_STOP_IDS - len(own)}"
+        )
+
+
+def _generation_config(source: str) -> dict | None:
+    """generation_config.json of a model directory or hub id, if it has one (the engine reads its EOS ids there)."""
+    try:
+        if is_local(source):
+            file = Path(source) / "generation_config.json"
+        else:
+            from huggingface_hub import hf_hub_download
+
+            file = Path(hf_hub_download(source, "generation_config.json"))
+        return json.loads(file.read_text())
+    except Exception:  # none, or unreadable: config.json's eos_token_id stands, as for the engine
+        return None
+
+
 def stop_token_ids(tokenizer) -> tuple[int, ...]:
     """The tokenizer's EOS id. The engines add the model's own EOS ids (generation_config.json, e.g. Qwen3's 151645
     and 151643), so those are read in one place, rollout's model config."""

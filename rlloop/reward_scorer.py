@@ -81,7 +81,7 @@ class RewardScorer:
     """Scores responses in worker processes, with a per-sample time limit and a failure reward."""
 
     def __init__(self, cfg: RewardSection, broken_after: int | None = None):
-        """`broken_after`: failed samples in a row (over calls) that end the run; None: never."""
+        """`broken_after`: failed samples in a row (over calls) that make `score` raise a RewardError; None: never."""
         resolve(cfg.fn)  # fail fast, in the caller's process
         self.cfg, self.broken_after = cfg, broken_after
         self.failed_in_a_row = 0  # since the last call in which a sample scored

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 def step_overhead(metrics: dict[str, float]) -> dict[str, float]:
     """The step's seconds outside generation (or, in the async modes, waiting for it), training, sync and eval:
-    scoring, advantages, batch transfer, logging; what the loop itself costs."""
+    scoring, advantages, batch transfer, logging and saving the step's samples; what the loop itself costs."""
     rollout = metrics.get("perf/rollout_wait_s", metrics.get("perf/rollout_s", 0.0))
     busy = rollout + sum(metrics.get(f"perf/{k}_s", 0.0) for k in ("train", "sync", "eval"))
     other = max(metrics["perf/step_s"] - busy, 0.0)

@@ -42,7 +42,7 @@ from rollout.weights import (
     zero_weights,
 )
 
-__all__ = ["EngineConfig", "JaxEngine", "DecodeState", "MAX_STOP_IDS"]
+__all__ = ["EngineConfig", "JaxEngine", "DecodeState"]
 
 _FINISH_REASON = {STOPPED: "stop", LENGTH: "length"}
 

@@ -297,6 +297,12 @@ MODEL_CASES = [  # (id, how to break a copy d of the tiny model, overrides (defa
      ["train.share_prompts:", "has ALiBi position biases (mpt)", "set train.share_prompts=false"]),
     ("stop-id-past-the-vocab", lambda d: None, ["rollout.stop_token_ids=[3, 99]"],
      ["rollout.stop_token_ids: [99] are not token ids of", "(vocab_size 99)"]),
+    # 15 more ids pass the config's check (one EOS left room for them); a model with three EOS ids (Llama 3 Instruct
+    # has) leaves room for 13: every generate call failed, once the cluster had started
+    ("stop-ids-past-the-engine-row", lambda d: edit_json(d / "generation_config.json", eos_token_id=[2, 3, 4]),
+     ["model.path={d}", f"rollout.stop_token_ids={list(range(5, 20))}"],
+     ["rollout.stop_token_ids: with the model's and the tokenizer's EOS ids [2, 3, 4], 18 ids end a response, past "
+      "the JAX engine's 16; give at most 13"]),
     # the tiny example trains with train.share_prompts: true; the HF backend (the JAX decoder refuses the model)
     ("sliding-window-with-shared-prompts",
      lambda d: edit_json(d / "config.json", use_sliding_window=True, sliding_window=32, max_window_layers=0,
