@@ -108,6 +108,12 @@ def verify(ckpt: Path) -> str | None:
     return None
 
 
+def newest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest completed checkpoint, as it is (`latest_checkpoint` verifies it first), or None."""
+    done = _completed(run_dir)
+    return done[-1] if done else None
+
+
 def checkpoint_marks(run_dir: Path) -> frozenset[tuple[str, int, int]]:
     """Each completed checkpoint's name and its state file's inode and write time: what tells the checkpoints a run
     wrote from an earlier run's in the same directory. A save may reuse a name, but it writes the new state file

@@ -213,7 +213,7 @@ class RolloutSection(
     temperature: Annotated[float, Field(ge=GREEDY_BELOW, allow_inf_nan=False)] = 1.0
     top_p: Prob = 1.0
     top_k: int = -1  # -1 (or 0, as in HF): off; else sample from the k most likely tokens (_top_k)
-    ignore_eos: bool = False  # benchmarks: every response runs to max_response_len
+    ignore_eos: bool = False  # benchmarks: responses run past EOS to max_response_len (stop_token_ids still stop them)
     # Ids that end a response besides the EOS ids of the tokenizer and of generation_config.json (slime's
     # --rollout-stop-token-ids): e.g. <|im_end|> for a base model whose tokenizer's EOS is <|endoftext|>
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(max_length=MAX_STOP_IDS - 1)] = []

@@ -14,7 +14,6 @@ import time
 from contextlib import ExitStack, closing
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, load_state, save_checkpoint
 from rlloop.cluster import Cluster
@@ -197,7 +196,7 @@ def run_recipe(
             training = None
             if batch.samples is not None and cluster.trainers:  # none in --debug rollout-only
                 with clock.queueing():
-                    training = start_training(cfg, cluster, step, batch.samples, batches.trained)
+                    training = start_training(cfg, cluster, step, batch.samples, batches)
             # While the trainer runs; the driver's time here is the step's other_s, not its train_s
             tracker.log_samples(step, batch.samples)  # tracking.save_rollouts, W&B sample tables
             if training is None:  # nothing to train on: the weights stay as they are
@@ -213,19 +212,28 @@ def run_recipe(
     return run_dir
 
 
-def start_training(cfg: Config, cluster: Cluster, step: int, samples, trained: Callable[[int, bool], None]):
+def start_training(cfg: Config, cluster: Cluster, step: int, samples, batches):
     """Queue the step's training and the publication of its weights (in the trainer's same round trip): the sync
     mode's engines load them now, the async modes' before (async) or while (fully_async) they generate. A step that
     applied no update (non-finite) publishes nothing, nor does --debug train-only, which has no engine.
-    The rollout schedule hears `trained(step, published)` as soon as the trainer is done, not once the driver, a
-    batch later, waits for the step: fully_async's producer may be waiting for those weights to start a chunk. A step
-    whose training failed is never heard of: the cluster's run ends there (the next generation, released by it,
-    found a dead engine and spent a restart on it while the trainer's death was still being found).
+    The rollout schedule `batches` hears `trained(step, published)` as soon as the trainer is done, not once the
+    driver, a batch later, waits for the step: fully_async's producer may be waiting for those weights to start a
+    chunk. A step whose training failed is not `trained`: no generation is released by it (the next one found a dead
+    engine and spent a restart on it while the trainer's death was still being found); the schedule hears
+    `training_failed(step, error)`, so that a driver waiting on it for a batch gets the error (fully_async at
+    max_staleness 0 waited for ever, for weights that would never come).
     Returns the wait for the step's metrics, which counts `queued` seconds of the driver's in queueing as training."""
     training = cluster.start_train_step(
         samples.to_train_batch(), publish=step if cluster.engines else None, profile=profile_dir(cfg, step)
     )
-    training.add_done_callback(lambda done: done.exception() or trained(step, done.result().published))
+
+    def heard(done) -> None:
+        if done.exception() is None:
+            batches.trained(step, done.result().published)
+        else:
+            batches.training_failed(step, done.exception())
+
+    training.add_done_callback(heard)
 
     def wait(queued: float) -> dict[str, float]:
         t0 = time.perf_counter()

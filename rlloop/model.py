@@ -228,7 +228,7 @@ def check_stop_ids(cfg: Config, tokenizer) -> None:
     from rollout.types import MAX_STOP_IDS
 
     extra = set(cfg.rollout.stop_token_ids)
-    if cfg.rollout.backend != "jax" or cfg.rollout.ignore_eos or not extra:
+    if cfg.rollout.backend != "jax" or cfg.rollout.ignore_eos or not extra:  # under ignore_eos the extra ids alone
         return
     hf, _ = read_model_config(cfg.model)
     own = {*eos_token_ids(hf, _generation_config(cfg.model.path)), *stop_token_ids(tokenizer)}

@@ -5,7 +5,6 @@ rlloop/rollout_manager.py), written by `tracking.save_rollouts` and `--debug rol
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import numpy as np
 
 from rlloop.errors import DataError
 from rlloop.rollout_manager import StepRollout
+from rlloop.schedules import RolloutSchedule
 
 
 def rollouts_file(rollouts_dir: str | Path, step: int) -> Path:
@@ -29,7 +29,7 @@ def write_rollouts(rollouts_dir: Path, step: int, rows: list[dict]) -> None:
     path.with_suffix(".tmp").replace(path)
 
 
-class ReplayRollout:
+class ReplayRollout(RolloutSchedule):
     """`--debug train-only`: step N's batch is the one a run saved in `replay`/step_N.jsonl (tracking.save_rollouts,
     or --debug rollout-only), rebuilt exactly: the trainer alone, on known data, no engine (slime's
     --load-debug-rollout-data)."""
@@ -51,17 +51,8 @@ class ReplayRollout:
         except (ValueError, KeyError, TypeError) as e:  # json's errors are ValueErrors
             raise DataError(f"run.replay: {path} is not a saved step's rollouts ({type(e).__name__}: {e})") from None
 
-    def trained(self, step: int, published: bool = True) -> None:
-        pass
-
-    def paused(self):
-        return nullcontext()  # no engine: nothing generates, and no evaluation
-
     def resume_state(self) -> dict:
-        return {}
-
-    def close(self) -> None:
-        pass
+        return {}  # no engine, no prompts drawn (and no evaluation)
 
 
 @dataclass

@@ -116,7 +116,8 @@ class RolloutManager:
             top_p=r.top_p if top_p is None else top_p,
             top_k=r.top_k,
             max_new_tokens=r.max_response_len,
-            stop_token_ids=() if r.ignore_eos else self.stop_ids,
+            # ignore_eos runs past the EOS ids, not past the ones asked for by name (as vLLM's and SGLang's)
+            stop_token_ids=tuple(r.stop_token_ids) if r.ignore_eos else self.stop_ids,
             seed=seed,
             ignore_eos=r.ignore_eos,
         )

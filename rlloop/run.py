@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         dry_run(cfg, notes)
         return 0
 
-    from rlloop.checkpoint import checkpoint_dir, checkpoint_marks
+    from rlloop.checkpoint import checkpoint_marks, newest_checkpoint
     from rlloop.loop import train
     from trainer import NonFiniteTraining
 
@@ -305,9 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:  # the run is over: a SIGTERM now is not its to explain
         signal.signal(signal.SIGTERM, before)
     print(f"done: {run_dir}/metrics.jsonl, curves.png, report.md")
-    if cfg.run.debug != "rollout-only":  # the last step is always saved (run.saves_at)
-        policy = checkpoint_dir(run_dir, cfg.run.steps) / "trainer" if cfg.run.save_every else None
-        print(f"the trained policy (a transformers model directory): {policy or 'not saved (run.save_every=0)'}")
+    if cfg.run.debug != "rollout-only":  # this run's last checkpoint, or the one it resumed from
+        newest = newest_checkpoint(run_dir) if args.resume or checkpoint_marks(run_dir) - earlier else None
+        where = newest / "trainer" if newest else "not saved (run.save_every=0)"
+        print(f"the trained policy, as of the last checkpoint (a transformers model directory): {where}")
     return 0
 
 

@@ -29,13 +29,38 @@ from typing import NamedTuple
 
 from rlloop.config import LoopSection
 from rlloop.profiling import profile_dir
-from rlloop.replay import ReplayRollout
 from rlloop.rollout_manager import Group, RolloutManager, RolloutTally, StepRollout, sampling_seed
 
 
-class SyncRollout:
-    """`loop.mode: sync`. Step k's batch is generated when the loop asks for it, on the weights of step k - 1. Each
-    schedule answers the loop with the same five calls: `next`, `trained`, `paused`, `resume_state` and `close`."""
+class RolloutSchedule:
+    """What each source of batches (a `loop.mode`, or --debug train-only's replay) answers the loop."""
+
+    def next(self, step: int) -> StepRollout:
+        """Step `step`'s batch: rollout, rewards and advantages."""
+        raise NotImplementedError
+
+    def trained(self, step: int, published: bool = True) -> None:
+        """The loop's word that `step` has trained and, if `published`, published its weights (a step that changed
+        nothing publishes nothing). It may come from another thread, and out of order with the step before."""
+
+    def training_failed(self, step: int, error: BaseException) -> None:
+        """The loop's word that `step`'s training raised `error`; the loop raises it when it waits for the step. Only
+        a schedule whose `next` waits on the trainer's weights passes it on."""
+
+    def paused(self):
+        """Around the loop's evaluation, which loads the newest weights: no generation starts inside."""
+        return nullcontext()
+
+    def resume_state(self) -> dict:
+        """The data cursor of the oldest prompt not yet trained on, for a checkpoint."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop what runs in the background; a generation under way finishes."""
+
+
+class SyncRollout(RolloutSchedule):
+    """`loop.mode: sync`. Step k's batch is generated when the loop asks for it, on the weights of step k - 1."""
 
     def __init__(self, manager: RolloutManager):
         self.manager = manager
@@ -44,19 +69,10 @@ class SyncRollout:
         return self.manager.collect(step)
 
     def trained(self, step: int, published: bool = True) -> None:
-        """The loop's word that `step` has trained and, if `published`, published its weights (a step that changed
-        nothing publishes nothing). It may come from another thread, and out of order with the step before."""
         self.manager.record_publication(step, published)
-
-    def paused(self):
-        """Around the loop's evaluation, which loads the newest weights: here nothing generates meanwhile."""
-        return nullcontext()
 
     def resume_state(self) -> dict:
         return self.manager.data.state_dict()
-
-    def close(self) -> None:
-        pass
 
 
 class Pending(NamedTuple):
@@ -67,7 +83,7 @@ class Pending(NamedTuple):
     batch: Future  # its StepRollout
 
 
-class AsyncRollout:
+class AsyncRollout(RolloutSchedule):
     """`loop.mode: async`. Step k's batch was generated while step k - 1 trained."""
 
     def __init__(self, manager: RolloutManager, start: int = 0):
@@ -143,7 +159,7 @@ class AsyncRollout:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-class FullyAsyncRollout:
+class FullyAsyncRollout(RolloutSchedule):
     """`loop.mode: fully_async`. A producer thread generates chunks of `prompts_per_step` prompts back to back, with
     in-flight weight updates, up to one batch ahead of the trainer and no further than `loop.max_staleness` allows
     (AReaL's staleness-aware admission): a chunk whose groups the trainer would take when they are already too stale
@@ -193,7 +209,7 @@ class FullyAsyncRollout:
                     if self.stopping:
                         return
                     self.in_flight_cursor = self.manager.data.state_dict()
-                    prompts = self.manager.data.next_batch(self.want)
+                    prompts = self.manager.data.next_batch(self._chunk_prompts())
                 chunk += 1
                 # the chunk step `chunk` takes, unless groups were dropped (rlloop/profiling.py)
                 profile = profile_dir(cfg, chunk)
@@ -237,9 +253,18 @@ class FullyAsyncRollout:
         wait is over, the buffer filled before it woke) is served at once unless a step in training may publish the
         weights that make the chunk fresh enough (at max_staleness 0, a chunk started before step k's weights were
         out was generated only to be dropped, two chunks a step)."""
-        last_step = self.asking + (len(self.buffer) + self.taken_now + self.want - 1) // self.want
         starved = self.starving and not self.buffer and not self.training
-        return starved or self.manager.updates_behind(self.version, last_step) <= self.max_staleness
+        return starved or self._fresh_enough()
+
+    def _fresh_enough(self) -> bool:
+        last_step = self.asking + (len(self.buffer) + self.taken_now + self.want - 1) // self.want
+        return self.manager.updates_behind(self.version, last_step) <= self.max_staleness
+
+    def _chunk_prompts(self) -> int:
+        """A batch's worth of prompts; for a chunk admitted only because the trainer starves, the groups its step
+        still lacks: the rest of a whole chunk would be too stale for the step after (with dynamic sampling at
+        max_staleness 0, over a third of the groups were generated only to be dropped)."""
+        return self.want if self._fresh_enough() else self.want - self.taken_now
 
     def next(self, step: int) -> StepRollout:
         """The oldest `prompts_per_step` fresh groups; blocks until the producer has them, or with dynamic sampling
@@ -276,6 +301,13 @@ class FullyAsyncRollout:
         batch.metrics |= counts | self.manager.cluster.sync_metrics()  # the engines pulled as they generated
         return batch
 
+    def training_failed(self, step: int, error: BaseException) -> None:
+        """A `next` waiting for groups that only the failed step's weights would have let start gets `error`; the step
+        stays in training, so no chunk starts on its account."""
+        with self.cond:
+            self.error = self.error or error
+            self.cond.notify_all()
+
     def trained(self, step: int, published: bool = True) -> None:
         """The engines take new weights as they are published; a chunk held back as too stale may start now."""
         with self.cond:
@@ -302,6 +334,8 @@ def rollout_schedule(loop: LoopSection, manager: RolloutManager, replay: str | N
     """The batch source of `loop.mode` for a run that has trained `start` steps, or of the saved rollouts in `replay`
     (--debug train-only)."""
     if replay is not None:
+        from rlloop.replay import ReplayRollout  # which builds on this module
+
         return ReplayRollout(replay)
     if loop.mode == "async":
         return AsyncRollout(manager, start)

@@ -78,14 +78,16 @@ def test_no_trained_sample_is_staler_than_allowed_and_versions_are_recorded(tmp_
     assert_breakdown_fits(metrics)
 
 
-@pytest.mark.parametrize("max_staleness,dynamic_sampling", [(1, False), (0, False), (1, True)])
+@pytest.mark.parametrize("max_staleness,dynamic_sampling", [(1, False), (0, False), (1, True), (0, True)])
 def test_fully_async_generates_no_chunk_only_to_drop_it(tmp_path, max_staleness, dynamic_sampling):
     """The producer starts a chunk only if its groups will be fresh enough when the trainer takes them, so none is
     generated and then dropped as too stale (without that, 64 here, half as many as were trained: the engine ran ahead
     of the trainer). At max_staleness 0 it waits for the weights of the step in training rather than start a chunk
     on older ones (two chunks a step were dropped so when the producer heard of new weights only a batch later).
     With dynamic sampling a step takes its groups from several chunks: the groups it has taken already count (42 were
-    dropped here, a third of those trained), and a trainer with groups in the buffer is not starving."""
+    dropped here, a third of those trained), and a trainer with groups in the buffer is not starving; at
+    max_staleness 0 a chunk started for a starving trainer holds only the groups its step lacks (the rest of a whole
+    chunk went stale in the buffer)."""
     overrides = [
         "loop.mode=fully_async",
         f"loop.max_staleness={max_staleness}",
@@ -99,6 +101,27 @@ def test_fully_async_generates_no_chunk_only_to_drop_it(tmp_path, max_staleness,
     assert [m["step"] for m in metrics if "train/loss" in m] == list(range(1, 9))
     assert metrics[-1]["rollout/stale_groups_dropped"] == 0
     assert max(m["rollout/staleness/max"] for m in metrics) == max_staleness  # it runs ahead as far as allowed
+
+
+@pytest.mark.timeout(300)  # it used to wait for ever
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_fully_async_ends_with_the_error_of_a_train_step_that_fails(tmp_path, monkeypatch, max_staleness):
+    """At max_staleness 0 the trainer waited for groups that only the failed step's weights would let start: the run
+    neither ended nor rebuilt. The step's error ends it (a dead trainer's, TrainerDied, rebuilds the cluster)."""
+    from rlloop.workers import TrainerWorker
+
+    real, calls = TrainerWorker.train_step, []
+
+    def fails_third(self, *args, **kwargs):
+        calls.append(None)
+        if len(calls) == 3:
+            raise RuntimeError("injected train step failure")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(TrainerWorker, "train_step", fails_third)
+    overrides = ["loop.mode=fully_async", f"loop.max_staleness={max_staleness}", "run.steps=6", "run.save_every=0"]
+    with pytest.raises(RuntimeError, match="injected train step failure"):
+        train(load_config(TINY, LOCAL + [*overrides, f"run.dir={tmp_path}"]))
 
 
 @pytest.mark.timeout(300)  # it used to run for ever

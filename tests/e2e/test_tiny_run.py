@@ -142,7 +142,8 @@ def test_tiny_example_with_ray_learns_and_leaves_nothing_behind(tmp_path):
     for name in ("curves.png", "report.md", "checkpoints"):
         assert (tmp_path / name).exists()
     # the last line says where the policy is, and it is there, loadable as it is
-    policy = out.strip().splitlines()[-1].removeprefix("the trained policy (a transformers model directory): ")
+    policy = out.strip().splitlines()[-1].split("(a transformers model directory): ")[1]
+    assert policy == str(tmp_path / "checkpoints" / f"step_{cfg.run.steps:06d}" / "trainer")
     assert transformers.AutoConfig.from_pretrained(policy).model_type == "qwen3", out[-3000:]
     assert not shm_segments(tmp_path) and not ray_processes()
 

@@ -355,3 +355,11 @@ def test_rollout_stop_token_ids_end_responses_as_eos_does(setup):
         else:
             assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason)
     assert cut > 0  # the tiny model answers "Answer: 7" or "The sum is 7": most contain a space
+    # ignore_eos runs past EOS, not past the ids asked for by name
+    _, (past_eos, _) = run_collect(setup, [*common, f"rollout.stop_token_ids=[{space}]", "rollout.ignore_eos=true"])
+    for c in past_eos.completions:
+        assert (c.finish_reason, c.token_ids.index(space) if space in c.token_ids else None) in (
+            ("stop", len(c.token_ids) - 1),
+            ("length", None),
+        )
+    assert any(c.finish_reason == "stop" for c in past_eos.completions)
