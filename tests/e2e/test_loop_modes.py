@@ -2,6 +2,8 @@
 without losing or repeating a prompt, and 2 engines that share every step's work and every weight version."""
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -103,25 +105,44 @@ def test_fully_async_generates_no_chunk_only_to_drop_it(tmp_path, max_staleness,
     assert max(m["rollout/staleness/max"] for m in metrics) == max_staleness  # it runs ahead as far as allowed
 
 
+FAILING_STEP = """
+import sys
+from rlloop.config import load_config
+from rlloop.loop import train
+from rlloop.workers import TrainerWorker
+
+real, calls = TrainerWorker.train_step, []
+
+
+def fails_third(self, *args, **kwargs):
+    calls.append(None)
+    if len(calls) == 3:
+        raise RuntimeError("injected train step failure")
+    return real(self, *args, **kwargs)
+
+
+if __name__ == "__main__":
+    TrainerWorker.train_step = fails_third
+    try:
+        train(load_config(sys.argv[1], sys.argv[2:]))
+    except RuntimeError as e:
+        print("raised:", e)
+"""
+
+
 @pytest.mark.timeout(300)  # it used to wait for ever
 @pytest.mark.parametrize("max_staleness", [0, 1])
-def test_fully_async_ends_with_the_error_of_a_train_step_that_fails(tmp_path, monkeypatch, max_staleness):
+def test_fully_async_ends_with_the_error_of_a_train_step_that_fails(tmp_path, max_staleness):
     """At max_staleness 0 the trainer waited for groups that only the failed step's weights would let start: the run
-    neither ended nor rebuilt. The step's error ends it (a dead trainer's, TrainerDied, rebuilds the cluster)."""
-    from rlloop.workers import TrainerWorker
-
-    real, calls = TrainerWorker.train_step, []
-
-    def fails_third(self, *args, **kwargs):
-        calls.append(None)
-        if len(calls) == 3:
-            raise RuntimeError("injected train step failure")
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(TrainerWorker, "train_step", fails_third)
+    neither ended nor rebuilt. The step's error ends it (a dead trainer's, TrainerDied, rebuilds the cluster). In a
+    process of its own: a failed in-process fully_async run leaves its engine's JAX arrays alive, which the memory
+    tests of this process would count."""
+    script = tmp_path / "failing_step.py"
+    script.write_text(FAILING_STEP)
     overrides = ["loop.mode=fully_async", f"loop.max_staleness={max_staleness}", "run.steps=6", "run.save_every=0"]
-    with pytest.raises(RuntimeError, match="injected train step failure"):
-        train(load_config(TINY, LOCAL + [*overrides, f"run.dir={tmp_path}"]))
+    args = [sys.executable, str(script), TINY, *LOCAL, *overrides, f"run.dir={tmp_path / 'run'}"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert "raised: injected train step failure" in done.stdout, done.stderr[-3000:]
 
 
 @pytest.mark.timeout(300)  # it used to run for ever
