@@ -188,6 +188,7 @@ class FullyAsyncRollout(RolloutSchedule):
         grpo = manager.cfg.grpo
         self.give_up_after = grpo.max_sampling_rounds if grpo.dynamic_sampling else math.inf
         self.barren = 0  # chunks in a row, since `next` began to wait, that kept no group
+        self.groups_made = self.groups_kept = 0  # over the run: the share dynamic sampling keeps
         self.error: BaseException | None = None
         self.stopping = self.pausing = False
         self.cond = threading.Condition()
@@ -225,6 +226,7 @@ class FullyAsyncRollout(RolloutSchedule):
                             self.buffer.append(grp)
                             kept += 1
                     self.barren = 0 if kept else self.barren + 1
+                    self.groups_made, self.groups_kept = self.groups_made + len(groups), self.groups_kept + kept
                     self.in_flight_cursor = None
                     self.cond.notify_all()
         except BaseException as e:  # surfaced in the trainer's thread by next()
@@ -262,9 +264,13 @@ class FullyAsyncRollout(RolloutSchedule):
 
     def _chunk_prompts(self) -> int:
         """A batch's worth of prompts; for a chunk admitted only because the trainer starves, the groups its step
-        still lacks: the rest of a whole chunk would be too stale for the step after (with dynamic sampling at
-        max_staleness 0, over a third of the groups were generated only to be dropped)."""
-        return self.want if self._fresh_enough() else self.want - self.taken_now
+        still lacks over the share of groups dynamic sampling has kept, as sync's rounds over-sample (`top_up`): a
+        whole chunk's surplus would be too stale for the step after (at max_staleness 0, over a third of the groups
+        were generated only to be dropped), and the bare shortfall trained short steps."""
+        if self._fresh_enough() or not self.groups_kept:
+            return self.want
+        missing = self.want - self.taken_now
+        return min(self.want, math.ceil(missing * self.groups_made / self.groups_kept))
 
     def next(self, step: int) -> StepRollout:
         """The oldest `prompts_per_step` fresh groups; blocks until the producer has them, or with dynamic sampling

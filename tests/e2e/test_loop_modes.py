@@ -80,16 +80,14 @@ def test_no_trained_sample_is_staler_than_allowed_and_versions_are_recorded(tmp_
     assert_breakdown_fits(metrics)
 
 
-@pytest.mark.parametrize("max_staleness,dynamic_sampling", [(1, False), (0, False), (1, True), (0, True)])
+@pytest.mark.parametrize("max_staleness,dynamic_sampling", [(1, False), (0, False), (1, True)])
 def test_fully_async_generates_no_chunk_only_to_drop_it(tmp_path, max_staleness, dynamic_sampling):
     """The producer starts a chunk only if its groups will be fresh enough when the trainer takes them, so none is
     generated and then dropped as too stale (without that, 64 here, half as many as were trained: the engine ran ahead
     of the trainer). At max_staleness 0 it waits for the weights of the step in training rather than start a chunk
     on older ones (two chunks a step were dropped so when the producer heard of new weights only a batch later).
     With dynamic sampling a step takes its groups from several chunks: the groups it has taken already count (42 were
-    dropped here, a third of those trained), and a trainer with groups in the buffer is not starving; at
-    max_staleness 0 a chunk started for a starving trainer holds only the groups its step lacks (the rest of a whole
-    chunk went stale in the buffer)."""
+    dropped here, a third of those trained), and a trainer with groups in the buffer is not starving."""
     overrides = [
         "loop.mode=fully_async",
         f"loop.max_staleness={max_staleness}",
@@ -103,6 +101,23 @@ def test_fully_async_generates_no_chunk_only_to_drop_it(tmp_path, max_staleness,
     assert [m["step"] for m in metrics if "train/loss" in m] == list(range(1, 9))
     assert metrics[-1]["rollout/stale_groups_dropped"] == 0
     assert max(m["rollout/staleness/max"] for m in metrics) == max_staleness  # it runs ahead as far as allowed
+
+
+@pytest.mark.parametrize("reward", ["dapo", "tests.rlloop.reward_fns:informative_quarter"])
+def test_fully_async_at_staleness_0_with_dynamic_sampling_trains_full_batches_of_few_stale_groups(tmp_path, reward):
+    """A chunk started for a starving trainer is the groups its step lacks over the share dynamic sampling keeps, as
+    sync's rounds over-sample: a whole chunk's surplus went stale in the buffer (66 groups dropped under DAPO's
+    reward, against 32 dynamic sampling dropped), and the bare shortfall trained short batches (under a reward that
+    leaves three groups in four uninformative).
+    What still goes stale is the over-sampling's surplus, fewer than the groups dynamic sampling drops."""
+    overrides = ["loop.mode=fully_async", "loop.max_staleness=0", "grpo.dynamic_sampling=true"]
+    overrides += [f"reward.fn={reward}"]
+    overrides += ["rollout.prompts_per_step=16", "run.steps=8", "run.save_every=0"]
+    train(load_config(TINY, LOCAL + [*overrides, f"run.dir={tmp_path}"]))
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["rollout/groups_kept"] for m in metrics if "train/loss" in m] == [16] * 8
+    assert metrics[-1]["rollout/stale_groups_dropped"] < metrics[-1]["rollout/zero_std_groups_dropped"]
+    assert max(m["rollout/staleness/max"] for m in metrics) == 0
 
 
 FAILING_STEP = """
