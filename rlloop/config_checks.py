@@ -25,6 +25,7 @@ def check_across_sections(cfg: Config) -> None:
     for check in (_modes_and_loss, _without_ray, _colocated, _chips_per_engine, _batch_and_buckets, _components):
         check(cfg)
     _unused_eval_settings(cfg)
+    _lr_schedule(cfg)
     if not cfg.run.save_every and cfg.run.debug != "rollout-only":
         log.warning("run.save_every=0: no checkpoint is written, so the trained policy is not kept (nor resumable)")
 
@@ -180,6 +181,20 @@ def _component_error(err: dict, cfg: Config, section: str) -> str:
     if not err["loc"] and msg.split(" ", 1)[0] in type(getattr(cfg, section)).model_fields:
         return f"{section}.{msg}"
     return describe(err, type(cfg), section)
+
+
+def _lr_schedule(cfg: Config) -> None:
+    """Schedule settings that would do nothing, said rather than silently ignored."""
+    t, updates = cfg.train, cfg.run.steps * cfg.train.minibatches
+    if t.lr_decay == "constant" and "min_lr_ratio" in t.model_fields_set:
+        log.warning("train.min_lr_ratio=%s does nothing with train.lr_decay: constant", t.min_lr_ratio)
+    if t.lr_warmup_steps >= updates:
+        log.warning(
+            "train.lr_warmup_steps=%d outlasts the run's %d updates (run.steps x train.minibatches): the rate never "
+            "reaches train.lr",
+            t.lr_warmup_steps,
+            updates,
+        )
 
 
 def _unused_eval_settings(cfg: Config) -> None:

@@ -228,7 +228,7 @@ def preflight(cfg: Config, dry_run: bool = False) -> tuple[Inputs | None, list[s
     paths = {"data.path": cfg.data.path, "eval.path": cfg.eval.path}
     remote = [key for key, src in paths.items() if src and not data_files.is_local(src)]
     if dry_run and remote:
-        model.load_tokenizer(cfg.model)
+        model.check_stop_ids(cfg, model.load_tokenizer(cfg.model))
         return None, [f"{', '.join(remote)} not checked: a hub dataset (a dry run downloads nothing)"]
     return data.load_inputs(cfg), []
 

@@ -53,6 +53,8 @@ def warn_of_changes(cfg: Config) -> None:
         for key in sorted(was.keys() | now.keys())
         if _in_job_copy(was.get(key)) != _in_job_copy(now.get(key))
     ]
+    if cfg.train.lr_decay != "constant" and was.get("run.steps") != cfg.run.steps:
+        changed.append(f"(train.lr_decay {cfg.train.lr_decay} decays over the new run.steps from here: lr moves)")
     if changed:
         log.warning("--resume with settings other than the run's (%s): %s", saved, "; ".join(changed))
 

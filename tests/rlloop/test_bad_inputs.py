@@ -330,6 +330,15 @@ MODEL_CASES = [  # (id, how to break a copy d of the tiny model, overrides (defa
 # fmt: on
 
 
+def test_a_dry_run_with_a_hub_dataset_still_counts_the_stop_ids(capsys, tmp_path):
+    """The dry run stops short of a hub dataset (it downloads nothing), but not of what the model and tokenizer tell."""
+    d = Path(shutil.copytree(MODEL, tmp_path / "model"))
+    edit_json(d / "generation_config.json", eos_token_id=[2, 3, 4])
+    stops = f"rollout.stop_token_ids={list(range(5, 20))}"
+    assert main([TINY, f"model.path={d}", stops, "data.path=BytedTsinghua-SIA/DAPO-Math-17k", "--dry-run"]) == 2
+    assert "rollout.stop_token_ids: with the model's and the tokenizer's EOS ids" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("breaks,overrides,named", [c[1:] for c in MODEL_CASES], ids=[c[0] for c in MODEL_CASES])
 def test_bad_model(breaks, overrides, named, capsys, tmp_path):
     d = Path(shutil.copytree(MODEL, tmp_path / "model"))

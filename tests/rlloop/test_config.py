@@ -253,6 +253,18 @@ def test_eval_settings_without_eval_path_warn_that_they_are_unused(caplog):
     assert "no eval.path" not in caplog.text
 
 
+def test_lr_schedule_settings_that_would_do_nothing_warn(caplog):
+    with caplog.at_level("WARNING", logger="rlloop.config"):
+        load_config(TINY, ["train.min_lr_ratio=0.1"])  # lr_decay: constant
+        load_config(TINY, ["train.lr_warmup_steps=30"])  # the tiny run's 30 updates
+    assert "train.min_lr_ratio=0.1 does nothing with train.lr_decay: constant" in caplog.text
+    assert "train.lr_warmup_steps=30 outlasts the run's 30 updates" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rlloop.config"):
+        load_config(TINY, ["train.min_lr_ratio=0.1", "train.lr_decay=cosine", "train.lr_warmup_steps=29"])
+    assert "train.min_lr_ratio" not in caplog.text and "train.lr_warmup_steps" not in caplog.text
+
+
 def test_bounds_keep_their_edges_and_the_off_values():
     """The bounds that stop overflows deep in a run leave every meaningful value: top_k -1 and 0 (off, as the
     engine and HF read them), the largest 31-bit seed, a week-long timeout, no actor timeout at all."""
