@@ -245,23 +245,11 @@ class GRPOSection(knobs_of(LossConfig)):
 
 # All of trainer.TrainerConfig but what other sections decide (the model, devices, sampling temperature, lengths, and
 # the optimizer updates of the whole run).
-TrainSection = knobs_of(
-    TrainerConfig,
-    wired=(
-        "model_path",
-        "trust_remote_code",
-        "dtype",
-        "device",
-        "temperature",
-        "max_response_len",
-        "loss",
-        "seed",
-        "total_updates",
-    ),
-)
+TRAINER_WIRED = "model_path trust_remote_code dtype device temperature max_response_len loss seed total_updates"
+TrainSection = knobs_of(TrainerConfig, wired=tuple(TRAINER_WIRED.split()))
 
 
-# The weight-sync knobs come from weight_sync.SyncConfig; the run's id is the run directory's (rlloop.cluster).
+# The weight-sync knobs come from weight_sync.SyncConfig; the run's id is the run directory's (`sync_config`).
 class SyncSection(knobs_of(SyncConfig, wired=("run_id",))):
     dir: PathStr | None = None  # disk transport root, `~` expanded and never empty; default <run dir>/sync
 
