@@ -10,6 +10,7 @@ around `rlloop.workers`; with `cluster.use_ray: false` the same workers run in t
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -323,7 +324,16 @@ class Cluster:
         self._call_all(self.trainers, "load", [(path,)] * len(self.trainers), start=True)
 
     def close(self) -> None:
-        """Stop the workers (gracefully first, so shared memory is released), then Ray if we started it."""
+        """Stop the workers (gracefully first, so shared memory is released), then Ray if we started it. The heap
+        this process froze (`freeze_heap`: the driver's, and without Ray the workers' too) is the collector's again:
+        frozen, what the run left in reference cycles was never freed (a failed in-process run's traceback held its
+        engine, whose JAX arrays outlived it)."""
+        try:
+            self._close_workers()
+        finally:
+            gc.unfreeze()
+
+    def _close_workers(self) -> None:
         workers = [*self.engines, *self.trainers]
         self._train_results.shutdown(wait=False)  # a wait still under way ends with its actors below
         if not self.remote:

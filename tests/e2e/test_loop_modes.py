@@ -121,7 +121,11 @@ def test_fully_async_at_staleness_0_with_dynamic_sampling_trains_full_batches_of
 
 
 FAILING_STEP = """
+import gc
 import sys
+
+import jax
+
 from rlloop.config import load_config
 from rlloop.loop import train
 from rlloop.workers import TrainerWorker
@@ -142,6 +146,8 @@ if __name__ == "__main__":
         train(load_config(sys.argv[1], sys.argv[2:]))
     except RuntimeError as e:
         print("raised:", e)
+    gc.collect()
+    print("live JAX bytes:", sum(a.nbytes for a in jax.live_arrays()))
 """
 
 
@@ -149,15 +155,17 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("max_staleness", [0, 1])
 def test_fully_async_ends_with_the_error_of_a_train_step_that_fails(tmp_path, max_staleness):
     """At max_staleness 0 the trainer waited for groups that only the failed step's weights would let start: the run
-    neither ended nor rebuilt. The step's error ends it (a dead trainer's, TrainerDied, rebuilds the cluster). In a
-    process of its own: a failed in-process fully_async run leaves its engine's JAX arrays alive, which the memory
-    tests of this process would count."""
+    neither ended nor rebuilt. The step's error ends it (a dead trainer's, TrainerDied, rebuilds the cluster), and
+    what the failed run leaves is freed: its traceback held the in-process engine in a reference cycle that the heap
+    the workers froze (freeze_heap) kept from the collector, 19 MB of JAX arrays a failure. In a process of its own,
+    since it counts the process's live arrays."""
     script = tmp_path / "failing_step.py"
     script.write_text(FAILING_STEP)
     overrides = ["loop.mode=fully_async", f"loop.max_staleness={max_staleness}", "run.steps=6", "run.save_every=0"]
     args = [sys.executable, str(script), TINY, *LOCAL, *overrides, f"run.dir={tmp_path / 'run'}"]
     done = subprocess.run(args, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert "raised: injected train step failure" in done.stdout, done.stderr[-3000:]
+    assert "live JAX bytes: 0" in done.stdout, done.stdout
 
 
 @pytest.mark.timeout(300)  # it used to run for ever
