@@ -267,10 +267,13 @@ def sampling_seed(run_seed: int, step: int, round_: int = 0) -> int:
 def top_up(want: int, kept: int, drawn: int) -> int:
     """How many prompts the next dynamic-sampling round draws: the missing groups divided by the fraction kept so
     far (DAPO over-samples, so a batch rarely trains short), at most one full batch per round."""
-    missing = want - kept
-    if drawn == 0:
-        return want
-    return min(want, math.ceil(missing * drawn / kept)) if kept else want
+    return oversampled(want - kept, kept, drawn, want) if drawn else want
+
+
+def oversampled(missing: int, kept: int, drawn: int, most: int) -> int:
+    """Prompts to draw for `missing` groups when dynamic sampling has kept `kept` of `drawn`: the missing ones over that
+    share, at most `most` (all of them while none was kept)."""
+    return min(most, math.ceil(missing * drawn / kept)) if kept else most
 
 
 @dataclass

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 from rlloop.config import LoopSection
 from rlloop.profiling import profile_dir
-from rlloop.rollout_manager import Group, RolloutManager, RolloutTally, StepRollout, sampling_seed
+from rlloop.rollout_manager import Group, RolloutManager, RolloutTally, StepRollout, oversampled, sampling_seed
 
 
 class RolloutSchedule:
@@ -267,10 +267,9 @@ class FullyAsyncRollout(RolloutSchedule):
         still lacks over the share of groups dynamic sampling has kept, as sync's rounds over-sample (`top_up`): a
         whole chunk's surplus would be too stale for the step after (at max_staleness 0, over a third of the groups
         were generated only to be dropped), and the bare shortfall trained short steps."""
-        if self._fresh_enough() or not self.groups_kept:
+        if self._fresh_enough():
             return self.want
-        missing = self.want - self.taken_now
-        return min(self.want, math.ceil(missing * self.groups_made / self.groups_kept))
+        return oversampled(self.want - self.taken_now, self.groups_kept, self.groups_made, self.want)
 
     def next(self, step: int) -> StepRollout:
         """The oldest `prompts_per_step` fresh groups; blocks until the producer has them, or with dynamic sampling
