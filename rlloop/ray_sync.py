@@ -47,14 +47,19 @@ class SyncMailbox:
         self.keyframe_requested = False
         self.writer = 0  # bumped by each new sender: its versions start afresh (a resumed run)
 
-    def new_writer(self, keep: int) -> None:
+    def new_writer(self, keep: int) -> int:
         self.keep, self.refs, self.keyframe_requested = keep, {}, False
         self.writer += 1
+        return self.writer
 
-    def post(self, version: int, boxed_ref: list) -> None:
+    def post(self, writer: int, version: int, boxed_ref: list) -> bool:
+        """False, and nothing kept, for a writer that another has replaced since."""
+        if writer != self.writer:
+            return False
         self.refs[version] = boxed_ref
         for old in sorted(self.refs)[: -self.keep]:
             del self.refs[old]
+        return True
 
     def latest(self, at_most: int | None = None) -> tuple[int, int | None]:
         """The writer's number and its newest version held, none above `at_most` (versions may have gaps)."""
@@ -85,7 +90,8 @@ class RaySender(Sender):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.mailbox = get_mailbox(run_id, keep)
-        ray.get(self.mailbox.new_writer.remote(keep))
+        self.run_id = run_id
+        self._writer = ray.get(self.mailbox.new_writer.remote(keep))
         self._staging: np.ndarray | None = None
 
     def _publish(self, manifest: Manifest, blobs: Mapping[str, np.ndarray]) -> int:
@@ -95,7 +101,11 @@ class RaySender(Sender):
             self._staging = np.empty(total + total // 16, np.uint8)
         encode_payload_into(self._staging, manifest, blobs)
         ref = ray.put(self._staging[:total])  # copied into the object store
-        ray.get(self.mailbox.post.remote(manifest.version, [ref]))
+        if not ray.get(self.mailbox.post.remote(self._writer, manifest.version, [ref])):
+            raise RuntimeError(
+                f"another weight sender took run {self.run_id!r}'s mailbox over: a rebuilt trainer's, or another run's "
+                "with the same run id (run.dir) in this Ray cluster; this one publishes no more"
+            )
         return total
 
     def _take_keyframe_request(self) -> bool:

@@ -18,6 +18,7 @@ from rlloop.profiling import jax_trace, torch_trace
 from rollout import EngineConfig
 from trainer import TrainerConfig
 from weight_sync import SyncConfig, make_receiver, make_sender
+from weight_sync.shm import ShmSender
 
 CPU_AFFINITY_ENV = "RLLOOP_CPUS"  # set by the Cluster on CPU hosts: the cores this actor's "chip" is made of
 # How often a generation with in-flight updates looks for new weights: at most every IN_FLIGHT_POLL_S, and no more
@@ -259,6 +260,8 @@ class TrainerWorker:
         transformers.utils.logging.disable_progress_bar()
         if self.rank == 0:
             self.sender = sync_sender(self.sync)
+            if isinstance(self.sender, ShmSender):  # a /dev/shm too small for the run fails here, at the start
+                self.sender.reserve(self.trainer.export_nbytes())
         freeze_heap()
 
     def train_step(self, batch, profile: str | None = None) -> dict[str, float]:

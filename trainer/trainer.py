@@ -366,6 +366,11 @@ class Trainer:
         keep = self.parallel != "fsdp" or self.rank == 0
         return {n: to_numpy(t) for n, t in full_tensors(self.model, self.export_dtype, keep=keep)}
 
+    def export_nbytes(self) -> int:
+        """The bytes `export_weights` returns, counted without gathering anything (fsdp's tensors count whole)."""
+        tensors = {id(t): t for t in self.model.state_dict(keep_vars=True).values()}  # a tied head once
+        return sum(t.numel() for t in tensors.values()) * self.export_dtype.itemsize
+
     def state_nbytes(self) -> dict[str, int]:
         """Bytes this rank holds in a step for parameters (and fp32 masters, a KL term's reference model), gradients
         (by size, one fp32 per master value: a step releases them as it ends) and AdamW state: what fsdp shards."""

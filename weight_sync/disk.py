@@ -1,11 +1,14 @@
 """Cross-host weight sync through checkpoint directories on a (shared) filesystem.
 
     <root>/<run_id>/v000000000042/weights.safetensors   the tensors (raw, or uint8 delta blobs)
-    <root>/<run_id>/v000000000042/manifest.json         weight_sync.manifest + checksum of the safetensors header
+    <root>/<run_id>/v000000000042/manifest.json         weight_sync.manifest, checksum of the safetensors header, WRITER
     <root>/<run_id>/KEYFRAME_REQUEST                     created by a receiver whose base does not match
     <root>/<run_id>/WRITER                               a random id per sender: a new one restarts the numbering
 
 A version is written under `.tmp-...` and renamed into place, so a reader on any host sees a whole version or none.
+Its manifest names the sender that wrote it (WRITER's id), and a reader takes versions of the current sender only:
+a sender whose directory was taken over (by a rebuilt trainer's, or by another run given the same run id and
+directory) gets an error at its next push, and what it may still have renamed into place is refused.
 The reader verifies everything before handing anything out: the manifest's own checksum (and that it is byte for
 byte the canonical JSON), the safetensors header's checksum, and each tensor's checksum, shape and extent. Together
 these cover every byte of both files. It maps the file and hands out read-only views (zero copy). Old versions
@@ -72,17 +75,22 @@ def _map_safetensors(path: Path, header_xxh3: int) -> tuple[dict, np.ndarray]:
     return json.loads(header[8:]), np.frombuffer(mapped, np.uint8)[8 + n :]
 
 
-def _read_manifest(path: Path, version: int) -> tuple[Manifest, int]:
+def _read_manifest(path: Path, version: int, writer: str) -> tuple[Manifest, int]:
     """The manifest of `version` in `path`, verified, and the checksum it holds of its safetensors file's header."""
     raw = path.read_bytes()
     try:
         doc = json.loads(raw)
-        body = {"manifest": doc["manifest"], "safetensors_header_xxh3": doc["safetensors_header_xxh3"]}
+        body = {k: doc[k] for k in ("manifest", "safetensors_header_xxh3", "writer")}
         ok = _canonical(doc) == raw and checksum(_canonical(body)) == doc["xxh3"]
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptVersion(f"unreadable manifest: {exc}") from exc
     if not ok:
         raise CorruptVersion("manifest checksum mismatch")
+    if body["writer"] != writer:
+        raise CorruptVersion(
+            f"v{version} was written by sender {body['writer']}, not by {path.parent.parent}'s current one ({writer}):"
+            " two senders share the directory (two runs with the same run id and sync dir?)"
+        )
     manifest = Manifest.from_json(_canonical(body["manifest"]))
     if manifest.version != version:
         raise CorruptVersion(f"directory v{version} holds a manifest for version {manifest.version}")
@@ -139,14 +147,23 @@ class DiskSender(Sender):
         tmp.write_text(self._epoch)
         os.rename(tmp, self.run_dir / WRITER)
 
+    def _ours(self) -> bool:
+        try:
+            return (self.run_dir / WRITER).read_text() == self._epoch
+        except FileNotFoundError:
+            return False
+
+    def _check_still_writer(self) -> None:
+        if not self._ours():
+            raise RuntimeError(
+                f"another weight sender took {self.run_dir} over: a rebuilt trainer's, or another run's with the same "
+                "run id (run.dir) and sync dir; this one publishes no more"
+            )
+
     def close(self) -> None:
         """Remove the versions: no later sender reads them (it starts a new epoch), and each is a copy of the model.
         Not if another sender has since taken the directory over."""
-        try:
-            ours = (self.run_dir / WRITER).read_text() == self._epoch
-        except FileNotFoundError:
-            return
-        if ours:
+        if self._ours():
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def _publish(self, manifest: Manifest, blobs: Mapping[str, np.ndarray]) -> int:
@@ -154,12 +171,18 @@ class DiskSender(Sender):
             raise ValueError("tensor name '__metadata__' is reserved by safetensors: the disk transport cannot move it")
         final = self.run_dir / f"v{manifest.version:012d}"
         tmp = self.run_dir / f".tmp-v{manifest.version:012d}-{os.getpid()}"
+        self._check_still_writer()
         tmp.mkdir()
         try:
             fill_checksums(manifest, blobs)
             save_file(dict(blobs), tmp / WEIGHTS)
-            body = {"manifest": asdict(manifest), "safetensors_header_xxh3": _header_checksum(tmp / WEIGHTS)}
+            body = {
+                "manifest": asdict(manifest),
+                "safetensors_header_xxh3": _header_checksum(tmp / WEIGHTS),
+                "writer": self._epoch,
+            }
             (tmp / MANIFEST).write_bytes(_canonical({**body, "xxh3": checksum(_canonical(body))}))
+            self._check_still_writer()
             os.rename(tmp, final)
         except BaseException:  # a full disk: nothing half-written stays to block the version's next try
             shutil.rmtree(tmp, ignore_errors=True)
@@ -197,7 +220,7 @@ class DiskReceiver(Receiver):
     def _read(self, version: int) -> Message | None:
         vdir = self.run_dir / f"v{version:012d}"
         try:
-            manifest, header_xxh3 = _read_manifest(vdir / MANIFEST, version)
+            manifest, header_xxh3 = _read_manifest(vdir / MANIFEST, version, self._writer)
             header, data = _map_safetensors(vdir / WEIGHTS, header_xxh3)
             blobs = _verified_blobs(manifest, header, data)
         except FileNotFoundError:

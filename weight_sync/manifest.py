@@ -87,6 +87,11 @@ def bits_view(arr: np.ndarray) -> np.ndarray:
     return arr.reshape(-1).view(BITS_DTYPE[arr.dtype.itemsize])
 
 
+def _is_count(x) -> bool:
+    """A non-negative JSON integer (not a float, not a bool): what slices, offsets and version numbers need."""
+    return type(x) is int and x >= 0
+
+
 @dataclass
 class TensorEntry:
     name: str
@@ -127,15 +132,17 @@ class Manifest:
             raw = json.loads(bytes(data).decode())
             entries = [TensorEntry(**e) for e in raw.pop("entries")]
             m = cls(entries=entries, **raw)
+            if not _is_count(m.version) or not (m.base_version is None or _is_count(m.base_version)):
+                raise ValueError("version numbers must be non-negative integers")
             for e in m.entries:
                 dtype_from_name(e.dtype)
                 if (
                     e.encoding not in ("raw", "delta")
-                    or e.nbytes < 0
-                    or e.offset < 0
+                    or not _is_count(e.nbytes)
+                    or not _is_count(e.offset)
                     or not isinstance(e.blob_xxh3, int)
                     or not isinstance(e.xxh3, int)
-                    or not all(isinstance(d, int) and d >= 0 for d in e.shape)
+                    or not all(_is_count(d) for d in e.shape)
                 ):
                     raise ValueError(e.name)
                 if e.encoding == "raw" and e.nbytes != e.tensor_nbytes:

@@ -120,6 +120,13 @@ def _lock_if_dead(ctl: Path) -> int | None:
     return fd
 
 
+def _age_s(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
 def remove_stale_segments() -> list[str]:
     """Remove every run's segments whose writer is gone (a run killed with SIGKILL). Returns their run ids."""
     removed = []
@@ -135,7 +142,8 @@ def remove_stale_segments() -> list[str]:
             os.close(fd)
         removed.append(run_id)
     for tmp in SHM_DIR.glob("rlloop_*_ctl.*.tmp"):  # a writer killed while creating its control segment
-        if (fd := _lock_if_dead(tmp)) is not None:
+        # Not one a minute old: a live writer creates its file and then locks it, and could be in between
+        if _age_s(tmp) > 60 and (fd := _lock_if_dead(tmp)) is not None:
             tmp.unlink(missing_ok=True)
             os.close(fd)
     return removed
@@ -201,7 +209,7 @@ class ShmSender(Sender):
         # Built under a temporary name, locked, then renamed into place: nobody sees an unlocked, live control file.
         # Locked on the descriptor that creates it, before anything else: another process's remove_stale_segments
         # must never find our file unlocked (it would take it for a dead writer's and unlink it).
-        tmp = segment_path(run_id, f"ctl.{os.getpid()}.tmp")
+        tmp = segment_path(run_id, f"ctl.{os.getpid()}-{os.urandom(4).hex()}.tmp")
         self._lock_fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)  # held for our lifetime: this is how others know we are alive
         os.ftruncate(self._lock_fd, _CTL_SIZE)
@@ -211,7 +219,15 @@ class ShmSender(Sender):
         self._ctl[_PID_F] = os.getpid()
         self._ctl[_INSTANCE_F] = int.from_bytes(os.urandom(8), "little") >> 1
         self._ctl[_MAGIC_F] = _MAGIC
-        os.rename(tmp, ctl_path)
+        try:  # link, not rename: a sender that started since our check above keeps its control segment
+            os.link(tmp, ctl_path)
+        except FileExistsError:
+            del self._ctl
+            self._ctl_map.close()
+            os.close(self._lock_fd)
+            raise ValueError(f"run_id {run_id!r} already has a live shm sender; use another run_id") from None
+        finally:
+            tmp.unlink()
         self._maps: list[mmap.mmap | None] = [None, None]
         self._closed = False
         # Removes the segments of a sender dropped without close(), once collected or at exit; it holds no reference
@@ -230,6 +246,13 @@ class ShmSender(Sender):
             # Grow with headroom so a slightly larger version does not remap (and re-fault) the whole buffer.
             m = self._maps[i] = _map(path, size + size // 16, create=create)
         return np.frombuffer(m, np.uint8)
+
+    def reserve(self, nbytes: int) -> None:
+        """Reserve both buffers for versions of about `nbytes` (the model's tensors): a /dev/shm too small for the run
+        fails now, when the sender starts, not at its second push, a rollout and a train step later. The pages are
+        the ones the first two pushes would take."""
+        for i in (0, 1):
+            self._buffer(i, nbytes)
 
     def _publish(self, manifest: Manifest, blobs: Mapping[str, np.ndarray]) -> int:
         if self._closed:
@@ -329,6 +352,7 @@ class ShmReceiver(Receiver):
             if len(m) < length:
                 raise TornRead()
             buf = np.frombuffer(m, np.uint8, length)
+            buf.flags.writeable = False  # shared by every receiver on the host: one writing in place corrupts all
             try:
                 manifest, blobs = decode_payload(buf, verify=self.verify)
             except CorruptVersion:

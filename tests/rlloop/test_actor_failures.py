@@ -66,7 +66,9 @@ def test_an_engines_refused_versions_still_count_after_it_is_rebuilt(ray_cluster
         payload = np.empty(payload_nbytes(manifest), np.uint8)
         encode_payload_into(payload, manifest, blobs)
         payload[-1] ^= 0x10  # a flipped byte in the tensor data, posted as version 1
-        ray.get(get_mailbox(cluster.sync_run_id).post.remote(1, [ray.put(payload)]))
+        mailbox = get_mailbox(cluster.sync_run_id)
+        writer, _ = ray.get(mailbox.latest.remote())  # the trainer's sender's
+        ray.get(mailbox.post.remote(writer, 1, [ray.put(payload)]))
         assert cluster.pull_weights()["sync/refused"] == 1
         kill_engine(cluster.engines[0])
         out, _ = cluster.generate([PROMPT], 2, SHORT)  # on the rebuilt engine

@@ -108,11 +108,25 @@ def test_ray_corrupt_payload_is_refused_and_previous_kept(ray_cluster, run_id):
     payload = np.empty(payload_nbytes(manifest), np.uint8)
     encode_payload_into(payload, manifest, blobs)
     payload[payload.nbytes // 2] ^= 0x10  # a flipped byte in the tensor data, posted as version 1
-    ray.get(get_mailbox(run_id).post.remote(1, [ray.put(payload)]))
+    ray.get(get_mailbox(run_id).post.remote(sender._writer, 1, [ray.put(payload)]))
     assert receiver.pull() is None and receiver.refused == 1 and receiver.version == 0
     sender.push(w1, 2)
     version, got = receiver.pull()
     assert version == 2 and _same_bits(got, w1)
+
+
+def test_a_replaced_ray_sender_cannot_publish_and_receivers_keep_the_new_ones_versions(ray_cluster, run_id):
+    """Two senders of one run id (a rebuilt trainer's beside the dead one's, or two runs given the same run.dir in one
+    Ray cluster): the replaced one's pushes must fail, not land in the new one's receivers."""
+    first = make_ray_sender(SyncConfig(run_id=run_id, transport="ray", delta=False))
+    receiver = make_ray_receiver(SyncConfig(run_id=run_id, transport="ray", delta=False))
+    first.push({"w": np.full(8, 1.0, np.float32)}, 1)
+    second = make_ray_sender(SyncConfig(run_id=run_id, transport="ray", delta=False))
+    second.push({"w": np.full(8, 2.0, np.float32)}, 1)
+    with pytest.raises(RuntimeError, match="another weight sender took run .* over"):
+        first.push({"w": np.full(8, 3.0, np.float32)}, 5)
+    version, got = receiver.pull()
+    assert version == 1 and (got["w"] == 2.0).all()
 
 
 def test_ray_bad_arguments(ray_cluster):

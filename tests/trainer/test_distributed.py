@@ -59,6 +59,7 @@ def train_on_rank(rank, world_size, model_dir, init_file, out_dir):
                 trainer = Trainer(make_config(model_dir, minibatches, agg, kl_coef, parallel), rank, world_size)
                 metrics = trainer.train_step(shard_batch(random_batch(n, seed=n), rank, world_size, minibatches))
                 metrics["state_bytes"] = trainer.state_nbytes()["total"]
+                metrics["export_nbytes"] = trainer.export_nbytes()  # counted from the local shards
                 np.savez(f"{out_dir}/{parallel}_{name}_rank{rank}.npz", **trainer.export_weights())
                 with open(f"{out_dir}/{parallel}_{name}_rank{rank}.json", "w") as f:
                     json.dump(metrics, f)
@@ -235,6 +236,13 @@ def test_fsdp_holds_half_the_state_per_rank(two_rank_results):
         fsdp = [json.loads((two_rank_results / f"fsdp_{name}_rank{r}.json").read_text())["state_bytes"] for r in (0, 1)]
         assert sum(fsdp) == pytest.approx(ddp, rel=0.01), name  # nothing replicated, nothing lost
         assert max(fsdp) <= 0.51 * ddp, name
+
+
+def test_the_export_is_counted_whole_from_each_ranks_shards(two_rank_results):
+    """What the shm sender reserves at the start: the bytes rank 0's gathered export then has."""
+    for parallel in MODES:
+        weights, metrics = rank_results(two_rank_results, parallel, CASES[0][0])
+        assert metrics["export_nbytes"] == sum(a.nbytes for a in weights.values()), parallel
 
 
 def test_fsdp_checkpoint_round_trips_bit_exactly(two_rank_results, tiny_qwen3_dir):

@@ -223,6 +223,7 @@ def test_bf16_export_names_dtype_and_bits(tmp_path, tie):
     saved = safetensors.numpy.load_file(str(path / "model.safetensors"))  # what HF's save_pretrained wrote
     assert set(exported) == set(saved)
     assert ("lm_head.weight" in exported) == (not tie)
+    assert trainer.export_nbytes() == sum(a.nbytes for a in exported.values())
     for name, array in exported.items():
         assert array.dtype == ml_dtypes.bfloat16, name
         assert array.shape == saved[name].shape, name

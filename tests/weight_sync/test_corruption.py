@@ -140,6 +140,12 @@ def test_disk_refuses_any_flipped_byte(target, run_id, tmp_path):
         ("nbytes", 7),
         ("xxh3", None),
         ("shape", "abc"),
+        # the right values as the wrong JSON types: they passed the value checks and raised in slicing or comparing
+        ("nbytes", float),
+        ("offset", float),
+        ("shape", lambda shape: [float(d) for d in shape]),
+        ("version", str),
+        ("version", bool),
     ],
 )
 def test_well_framed_but_inconsistent_manifest_is_refused(field, value):
@@ -152,7 +158,8 @@ def test_well_framed_but_inconsistent_manifest_is_refused(field, value):
     payload = _keyframe_payload(_weights(0))
     magic, mlen, _, total = struct.unpack("<8sQQQ", payload[:32].tobytes())
     doc = json.loads(payload[32 : 32 + mlen].tobytes())
-    doc["entries"][0][field] = value
+    fields = doc if field == "version" else doc["entries"][0]
+    fields[field] = value(fields[field]) if callable(value) else value
     tampered = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode().ljust(mlen)
     assert len(tampered) == mlen
     payload[32 : 32 + mlen] = np.frombuffer(tampered, np.uint8)

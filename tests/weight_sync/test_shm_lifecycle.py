@@ -339,3 +339,45 @@ def test_a_version_larger_than_the_free_shared_memory_is_refused_before_any_writ
         m.close()
     finally:
         path.unlink(missing_ok=True)
+
+
+def test_of_two_senders_starting_at_once_the_second_to_publish_is_refused(run_id, monkeypatch):
+    """Both pass the "no live sender" check; the one whose control segment lands second must fail, not replace the
+    first's (two live senders of one run, each receiver following whichever wrote last)."""
+    real_ftruncate, first = os.ftruncate, []
+
+    def another_starts_meanwhile(fd, size):
+        if not first:
+            monkeypatch.undo()
+            first.append(make_sender(SyncConfig(run_id=run_id, transport="shm", delta=False)))
+        return real_ftruncate(fd, size)
+
+    monkeypatch.setattr(os, "ftruncate", another_starts_meanwhile)
+    try:
+        with pytest.raises(ValueError, match="already has a live shm sender"):
+            make_sender(SyncConfig(run_id=run_id, transport="shm", delta=False))
+        first[0].push({"w": np.full(8, 1.0, np.float32)}, 1)
+        with make_receiver(SyncConfig(run_id=run_id, transport="shm", delta=False)) as receiver:
+            version, got = receiver.pull()
+            assert version == 1 and (got["w"] == 1.0).all()
+            with pytest.raises(ValueError, match="read-only"):  # shared by every receiver of the host
+                got["w"][0] = 2.0
+    finally:
+        for sender in first:
+            sender.close()
+    assert _segments(run_id) == [] and not list(SHM_DIR.glob(f"rlloop_{run_id}_*"))
+
+
+def test_a_sender_reserves_both_buffers_at_the_start_or_says_the_shared_memory_is_too_small(run_id):
+    """A /dev/shm too small for the run fails when the trainer starts, not at its second push."""
+    st = os.statvfs(SHM_DIR)
+    with make_sender(SyncConfig(run_id=run_id, transport="shm", delta=False)) as sender:
+        with pytest.raises(OSError, match=r"/dev/shm has .* GB free, and this weight version needs"):
+            sender.reserve(st.f_bavail * st.f_frsize + (1 << 30))
+        sender.reserve(1 << 20)
+        assert len(_segments(run_id)) == 3  # the control segment and both buffers
+        reserved = [os.stat(segment_path(run_id, f"buf{i}")).st_blocks * 512 for i in (0, 1)]
+        assert min(reserved) >= 1 << 20
+        for version in (1, 2):  # versions of about that size fit what was reserved: no remap
+            sender.push({"w": np.full((1 << 20) // 4 - 64, version, np.float32)}, version)
+        assert [os.stat(segment_path(run_id, f"buf{i}")).st_blocks * 512 for i in (0, 1)] == reserved
