@@ -140,27 +140,25 @@ def check_makeable(key: str, directory: Path) -> None:
 
 
 def check_wandb(cfg: Config) -> None:
-    """tracking.mode online (or auto, which goes online where a key is configured) needs usable W&B credentials;
-    without them wandb.init failed once Ray and the actors were up. `tracking.wandb_api_key` reads, with no network
-    and no prompt, the key W&B would use (WANDB_API_KEY, the ~/.netrc entry `wandb login` writes). W&B's own offline
-    or disabled mode in the environment (WANDB_MODE) needs none."""
+    """tracking.wandb needs the wandb package, and W&B online (tracking.mode online, or auto where a key is
+    configured) usable credentials; without either the run failed once Ray and the actors were up.
+    `tracking.wandb_api_key` reads, with no network and no prompt, the key W&B would use (WANDB_API_KEY, the ~/.netrc
+    entry `wandb login` writes). Offline or disabled (auto follows WANDB_MODE where it is set) needs none."""
+    from rlloop.tracking import wandb_api_key, wandb_key_problem, wandb_mode
+
     t = cfg.tracking
-    if (
-        not t.wandb
-        or t.mode not in ("online", "auto")
-        or os.environ.get("WANDB_MODE") in ("offline", "dryrun", "disabled")
-    ):
+    if not t.wandb or wandb_mode(t.mode) == "disabled":
         return
     if importlib.util.find_spec("wandb") is None:
         raise ConfigError("tracking.wandb: true needs the wandb package (pip install wandb)")
-    from rlloop.tracking import wandb_api_key, wandb_key_problem
-
+    if wandb_mode(t.mode) != "online":
+        return
     advice = "run `wandb login`, set WANDB_API_KEY, or set tracking.mode=offline (upload later with `wandb sync`)"
     key = wandb_api_key()
     if key and (problem := wandb_key_problem(key)):
         raise ConfigError(f"tracking.mode={t.mode}: W&B cannot use its credentials: {problem}; {advice}")
-    if t.mode == "online" and not key:
-        raise ConfigError(f"tracking.mode=online: W&B has no API key configured; {advice}")
+    if not key:  # online set, or auto under WANDB_MODE=online
+        raise ConfigError(f"tracking.mode={t.mode}: W&B goes online and has no API key configured; {advice}")
 
 
 def check_before_start(cfg: Config) -> None:

@@ -95,9 +95,12 @@ def wandb_key_problem(key: str) -> str | None:
 
 
 def wandb_mode(setting: str) -> str:
-    """tracking.mode as W&B takes it: `auto` is online where W&B has an API key (`wandb_api_key`), else offline."""
+    """tracking.mode as W&B takes it: `auto` is W&B's own WANDB_MODE where that is set (W&B lets the mode given to
+    wandb.init win over it), else online where W&B has an API key (`wandb_api_key`), else offline."""
     if setting != "auto":
         return setting
+    if (env := os.environ.get("WANDB_MODE")) in ("online", "offline", "disabled", "dryrun"):
+        return "offline" if env == "dryrun" else env
     return "online" if wandb_api_key() else "offline"
 
 
@@ -129,25 +132,31 @@ class Tracker:
         import wandb
 
         mode = wandb_mode(self.cfg.tracking.mode)
-        if mode == "offline" and self.cfg.tracking.mode == "auto":
-            log.warning(
-                "W&B runs offline: no API key (WANDB_API_KEY or `wandb login`); upload later with "
-                "`wandb sync %s/wandb/offline-run-*`",
-                self.run_dir,
-            )
         id_file = self.run_dir / "wandb_id"
         run_id = id_file.read_text().strip() if start_step and id_file.exists() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
-        run = wandb.init(
-            project=self.cfg.tracking.project,
-            entity=self.cfg.tracking.entity,
-            name=self.cfg.run.name,
-            id=run_id,
-            resume="allow",
-            dir=str(self.run_dir),
-            mode=mode,
-            config=self.cfg.model_dump(mode="json"),
-        )
+        if mode == "offline":  # a resumed run's part is an offline run directory of its own, with the same id
+            log.warning(
+                "W&B runs offline%s; upload later, every part of the run (resumed ones too) into one W&B run, with "
+                "`wandb sync --id %s %s/wandb/offline-run-*`",
+                ": no API key (WANDB_API_KEY or `wandb login`)" if self.cfg.tracking.mode == "auto" else "",
+                run_id,
+                self.run_dir,
+            )
+        try:
+            run = wandb.init(
+                project=self.cfg.tracking.project,
+                entity=self.cfg.tracking.entity,
+                name=self.cfg.run.name,
+                id=run_id,
+                resume="allow",
+                dir=str(self.run_dir),
+                mode=mode,
+                config=self.cfg.model_dump(mode="json"),
+            )
+        except Exception as e:  # W&B unreachable, or its service failed: the run goes on, metrics.jsonl keeps it all
+            log.warning("W&B did not start (%s: %s); this run logs to %s only", type(e).__name__, e, self.path)
+            return None
         if run.step > start_step + 1:  # W&B keeps what it had and has no rewind to offer outside a preview
             log.warning(
                 "W&B run %s already has steps up to %d: it keeps those and ignores this run's steps %d-%d; "
@@ -163,8 +172,7 @@ class Tracker:
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        if self.wandb is not None:
-            self.wandb.log(metrics | self._tables.pop(step, {}), step=step)
+        self._to_wandb("log", lambda run: run.log(metrics | self._tables.pop(step, {}), step=step))
         if self.bar is not None:
             postfix = {"reward": metrics.get("rollout/raw_reward"), "tok/s": metrics.get("perf/rollout_tok_per_s")}
             self.bar.set_postfix({k: f"{v:.3g}" for k, v in postfix.items() if v is not None}, refresh=False)
@@ -209,10 +217,21 @@ class Tracker:
         if rows:
             plot_curves(rows, self.run_dir / "curves.png")
             (self.run_dir / "report.md").write_text(make_report(self.cfg, rows))
-        if self.wandb is not None:
-            if rows:
-                self.wandb.summary.update(run_summary(rows))
-            self.wandb.finish(exit_code=1 if failed else 0)
+        if rows:
+            self._to_wandb("summarise", lambda run: run.summary.update(run_summary(rows)))
+        self._to_wandb("finish", lambda run: run.finish(exit_code=1 if failed else 0))
+
+    def _to_wandb(self, what: str, call) -> None:
+        """`call(run)` unless W&B is off or has failed: a W&B that fails (its service killed, the network gone) stops
+        W&B, not the run, which would lose the step's checkpoint to it; metrics.jsonl has every step."""
+        if self.wandb is None:
+            return
+        try:
+            call(self.wandb)
+        except Exception as e:
+            problem = f"{type(e).__name__}: {e}"
+            log.warning("W&B failed to %s (%s): no more W&B for this run; %s has every step", what, problem, self.path)
+            self.wandb = None
 
 
 def _plain(value):

@@ -228,7 +228,7 @@ def test_wandb_online_without_an_api_key_is_refused_before_anything_starts(tmp_p
         [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
     )
     assert out.stdout.strip().splitlines()[-1] == "rcs 2 0", out.stdout[-2000:] + out.stderr
-    refusal = "config error: tracking.mode=online: W&B has no API key configured; run `wandb login`, set WANDB_API_KEY"
+    refusal = "config error: tracking.mode=online: W&B goes online and has no API key configured; run `wandb login`"
     assert refusal in out.stderr and "tracking.mode=offline" in out.stderr, out.stderr
     assert not (tmp_path / "run").exists()
     # tracking.mode=auto goes online where a key is set: a malformed one failed as late, in the tracker
@@ -244,6 +244,15 @@ def test_wandb_online_without_an_api_key_is_refused_before_anything_starts(tmp_p
     )
     assert out.stdout.strip().splitlines()[-1] == "rc 2", out.stdout[-2000:] + out.stderr
     assert "config error: tracking.mode=auto: W&B cannot use its credentials" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("mode", ["offline", "auto"])
+def test_wandb_offline_without_the_wandb_package_is_refused_before_the_start(tmp_path, mode, monkeypatch, capsys):
+    """Only online was checked for the package: offline failed with ModuleNotFoundError once the actors were up."""
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what importlib reports for a package that is not installed
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    rc = main([TINY, "tracking.wandb=true", f"tracking.mode={mode}", f"run.dir={tmp_path / 'run'}", "--dry-run"])
+    assert rc == 2 and "tracking.wandb: true needs the wandb package" in capsys.readouterr().err
 
 
 def test_unknown_flag_is_an_argparse_exit_2(capsys):

@@ -113,6 +113,8 @@ print(wandb_mode("auto"))  # no key yet
 with open(os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:  # what `wandb login` writes
     f.write("machine api.wandb.ai\\n  login user\\n  password " + "k" * 40 + "\\n")
 print(wandb_mode("auto"))
+os.environ["WANDB_MODE"] = "offline"  # W&B's own setting: the mode given to wandb.init would override it
+print(wandb_mode("auto"))
 """
 
 
@@ -123,7 +125,47 @@ def test_auto_mode_goes_online_where_wandb_has_a_key(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | {"NETRC": str(netrc)}
     run = [sys.executable, "-c", AUTO_MODE, str(netrc)]
     out = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
-    assert out.stdout.split()[-2:] == ["offline", "online"], out.stdout + out.stderr[-2000:]
+    assert out.stdout.split()[-3:] == ["offline", "online", "offline"], out.stdout + out.stderr[-2000:]
+
+
+WANDB_FAILS = """
+import json, logging, sys
+import psutil
+from rlloop.config import load_config
+from rlloop.tracking import Tracker
+
+logging.basicConfig(level=logging.WARNING)
+overrides = ["tracking.progress=false", "tracking.wandb=true", "run.dir=" + sys.argv[2], "tracking.mode=" + sys.argv[3]]
+tracker = Tracker(load_config(sys.argv[1], overrides))
+print("started", tracker.wandb is not None)
+tracker.log(1, {"train/loss": 1.0})
+if sys.argv[4] == "kill":  # W&B's service process dies mid-run (the OOM killer, a crash)
+    for child in psutil.Process().children(recursive=True):
+        if "wandb" in " ".join(child.cmdline()):
+            child.kill()
+            child.wait()
+tracker.log(2, {"train/loss": 0.5})
+tracker.close()
+print("steps", [json.loads(line)["step"] for line in open(sys.argv[2] + "/metrics.jsonl")])
+"""
+
+
+@pytest.mark.parametrize("failure", ["unreachable", "killed"])
+def test_a_wandb_that_fails_stops_wandb_not_the_run(tmp_path, failure):
+    """wandb.init against an unreachable server, or W&B's service killed mid-run: either raised out of the tracker
+    and ended the run (at a save step before its checkpoint). In a fresh process: W&B keeps process-wide state."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env |= {"WANDB_API_KEY": "k" * 40, "NETRC": str(tmp_path / "no_netrc")}
+    if failure == "unreachable":
+        env |= {"WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_INIT_TIMEOUT": "3"}
+    mode, action = ("online", "none") if failure == "unreachable" else ("offline", "kill")
+    run = [sys.executable, "-c", WANDB_FAILS, TINY, str(tmp_path), mode, action]
+    out = subprocess.run(run, env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    lines = out.stdout.split("\n")
+    assert "started " + str(failure == "killed") in lines and "steps [1, 2]" in lines, out.stdout
+    said = "W&B did not start" if failure == "unreachable" else "W&B failed to log"
+    assert said in out.stderr and "metrics.jsonl" in out.stderr, out.stderr[-3000:]
 
 
 def test_wandb_run_is_continued_on_resume_and_new_for_a_run_from_step_0(tmp_path, monkeypatch):
