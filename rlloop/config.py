@@ -43,6 +43,16 @@ from weight_sync import SyncConfig
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
+FLOAT32_MAX = 3.4028234663852886e38  # np.finfo(np.float32).max: rewards are float32 arrays; past it one is inf
+
+
+def _within_float32(value: float) -> float:
+    if abs(value) > FLOAT32_MAX:
+        raise ValueError("rewards are float32: at most 3.4e38 in size")
+    return value
+
+
+Reward = Annotated[float, AfterValidator(_within_float32)]
 Prob = Annotated[float, Field(gt=0, le=1)]
 # Every timeout in the config: above 0 and at most 7 days, so that no wait overflows (threading's and Ray's waits
 # turn seconds into C integers: `reward.timeout_s=1e12` and `cluster.actor_timeout_s=1e308` overflowed) and no
@@ -196,8 +206,16 @@ class EvalSection(Section):
 class RewardSection(Section):
     fn: str = "dapo"  # dapo | math | package.module:function
     timeout_s: TimeoutS = 10.0
-    failure_reward: float = 0.0  # given to a sample whose reward function raised or timed out
+    # Given to a sample whose reward function raised or timed out; null: the built-in function's wrong-answer score
+    # (dapo -1, math 0), else 0. Above the wrong answers' score, a failed sample would get the group's best advantage.
+    failure_reward: Reward | None = None
     workers: PositiveInt = 2
+
+    @model_validator(mode="after")
+    def _failure_scores_as_wrong(self) -> RewardSection:
+        if self.failure_reward is None:
+            self.failure_reward = -1.0 if self.fn == "dapo" else 0.0
+        return self
 
 
 # The engine's own knobs (max_batch, buckets, steps_per_dispatch) come from rollout.EngineConfig; the model, dtype,
@@ -240,7 +258,7 @@ class GRPOSection(knobs_of(LossConfig)):
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, top the batch up
     max_sampling_rounds: PositiveInt = 3
     overlong_buffer: NonNegInt = 0  # DAPO overlong shaping: last L tokens before the max length are penalised
-    overlong_penalty: Annotated[float, Field(ge=0)] = 1.0
+    overlong_penalty: Annotated[Reward, Field(ge=0)] = 1.0
 
 
 # All of trainer.TrainerConfig but what other sections decide (the model, devices, sampling temperature, lengths, and

@@ -10,6 +10,7 @@ Built-ins:
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 from typing import Callable
 
@@ -140,11 +141,34 @@ def resolve(spec: str) -> Callable[[str, str], float]:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"reward.fn {spec!r}: expected 'package.module:function', with both parts")
+    if module_name.endswith(".py") or "/" in module_name:  # verl's custom_reward_function.path takes a file
+        raise ValueError(
+            f"reward.fn {spec!r}: give a module importable from the launch directory (my_rewards:fn for "
+            "my_rewards.py there, or on PYTHONPATH), not a file path"
+        )
     try:
         module = importlib.import_module(module_name)
-    except Exception as e:  # not only ImportError: the module's own code may raise (or not parse) on import
+    except (Exception, SystemExit) as e:  # the module's own code may raise, not parse, or parse argv and exit
         raise ValueError(f"reward.fn {spec!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward.fn {spec!r}: module {module_name!r} has no function {attr!r}")
+    check_signature(spec, fn)
     return fn
+
+
+def check_signature(spec: str, fn: Callable) -> None:
+    """A function that cannot be called as fn(response, answer) failed on every sample, found only once the engines
+    had started and generated (verl's compute_score(data_source, solution_str, ground_truth) is the usual one)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C function without one: taken on trust
+        return
+    try:
+        signature.bind("response", "answer")
+    except TypeError as e:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise ValueError(
+            f"reward.fn {spec!r}: is called as fn(response: str, answer: str) -> float, and {name}{signature} "
+            f"cannot be ({e})"
+        ) from None

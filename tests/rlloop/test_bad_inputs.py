@@ -53,6 +53,9 @@ def run(capsys, tmp_path, *args, named=(), config=TINY, kind="config") -> None:
 CONFIG = [  # (id, overrides of the tiny recipe, what the message names)
     ("timeout-inf", ["reward.timeout_s=inf"], ["reward.timeout_s: Input should be a finite number"]),
     ("failure-reward-nan", ["reward.failure_reward=nan"], ["reward.failure_reward: Input should be a finite number"]),
+    # finite, but inf in the float32 rewards: every advantage of its group NaN
+    ("failure-reward-huge", ["reward.failure_reward=1e39"], ["reward.failure_reward: rewards are float32"]),
+    ("overlong-penalty-huge", ["grpo.overlong_penalty=1e39"], ["grpo.overlong_penalty: rewards are float32"]),
     ("batch-over-ranks", ["rollout.prompts_per_step=3", "rollout.group_size=3", "cluster.train_chips=2"],
      ["rollout.prompts_per_step x rollout.group_size = 3 x 3 = 9", "cluster.train_chips x train.minibatches = 2 x 1"]),
     ("batch-over-minibatches", ["rollout.prompts_per_step=5", "rollout.group_size=2", "train.minibatches=4"],

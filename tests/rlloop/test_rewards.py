@@ -77,6 +77,29 @@ def test_resolve_errors_name_the_problem():
         resolve("tests.rlloop.reward_fns:missing")
 
 
+@pytest.mark.parametrize("fn", ["verl_style", "keyword_only", "response_only"])
+def test_a_function_that_cannot_be_called_with_response_and_answer_is_refused(fn):
+    """It failed on every sample, found only once the engines had started and generated."""
+    with pytest.raises(ValueError, match=rf"reward.fn .*:{fn}': is called as fn\(response: str, answer: str\)"):
+        resolve(f"tests.rlloop.reward_fns_wrong:{fn}")
+    assert resolve("tests.rlloop.reward_fns_wrong:with_defaults")("r", "a") == 1.0
+
+
+def test_a_module_that_exits_on_import_or_a_file_path_is_named():
+    with pytest.raises(ValueError, match="cannot import module 'tests.rlloop.reward_fns_exit_on_import': SystemExit"):
+        resolve("tests.rlloop.reward_fns_exit_on_import:score")
+    with pytest.raises(ValueError, match="not a file path"):
+        resolve("/home/me/my_reward.py:compute_score")
+
+
+@pytest.mark.parametrize("fn, failure", [("dapo", -1.0), ("math", 0.0), ("tests.rlloop.reward_fns:raises", 0.0)])
+def test_a_failed_sample_scores_as_a_wrong_answer_by_default(fn, failure):
+    """With dapo's -1 for a wrong answer and a failure reward of 0, a sample that timed out got its group's best
+    advantage."""
+    assert RewardSection(fn=fn).failure_reward == failure
+    assert RewardSection(fn=fn, failure_reward=0.5).failure_reward == 0.5
+
+
 def test_scorer_failures_get_the_failure_reward_and_are_counted():
     scorer = RewardScorer(RewardSection(fn="tests.rlloop.reward_fns:raises", failure_reward=-3.0, workers=1))
     try:
