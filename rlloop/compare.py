@@ -10,8 +10,10 @@ logged a non-finite value (NaN) is left out for all. The verdict per metric is
 
     distance = mean over shared steps of |mean_A - mean_B| / spread_B        within: distance <= --tolerance (2)
 
-`--out` writes the overlay (one panel per metric: each group's mean curve, its band of +-1 spread, and its runs
-faint). Ends with one JSON line: {metric: {"distance", "within"}}. Without --vs, it only draws the overlay.
+`--out` writes the overlay (default `compare.png` in the working directory; one panel per metric: each group's mean
+curve, its band of +-1 spread, and its runs faint). Ends with one JSON line: {metric: {"distance", "within"}}.
+Without --vs, it only draws the overlay. Exit status: 0 when every judged metric is within, 1 when one is OUTSIDE,
+2 for a bad argument (a run directory that is missing or holds no metrics).
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ DEFAULT_METRICS = ("rollout/raw_reward", "rollout/response_len/mean", "eval/*", 
 
 
 def load_group(run_dirs: list[str]) -> list[list[dict]]:
+    """Each run's metrics.jsonl rows; ValueError naming a directory that is missing or has none."""
     runs = []
     for d in run_dirs:
-        rows = read_metrics(Path(d) / "metrics.jsonl")
-        if not rows:
-            raise SystemExit(f"compare: {d} has no metrics.jsonl rows")
+        if not Path(d).is_dir():
+            raise ValueError(f"{d}: no such run directory")
+        if not (rows := read_metrics(Path(d) / "metrics.jsonl")):
+            raise ValueError(f"{d} has no metrics.jsonl rows")
         runs.append(rows)
     return runs
 
@@ -138,9 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--smooth {args.smooth}: at least 1 (1: no smoothing)")
     if not Path(args.out).resolve().parent.is_dir():
         p.error(f"--out {args.out}: {Path(args.out).resolve().parent} is not a directory")
-    a = load_group(args.runs)
+    try:
+        a, b = load_group(args.runs), load_group(args.vs) if args.vs else []
+    except ValueError as e:  # exit 2 like every bad argument: 1 says that the groups disagree
+        p.error(str(e))
     groups = {labels[0]: a}
-    b = load_group(args.vs) if args.vs else []
     if not expand(metrics, a + b):
         known = [k for k in expand(["*"], a + b) if k != "step"]
         p.error(f"--metrics {args.metrics!r} matches none of the runs' metrics: {', '.join(known)}")

@@ -232,7 +232,8 @@ def preflight(cfg: Config, dry_run: bool = False) -> tuple[Inputs | None, list[s
 
 
 def dry_run(cfg: Config, notes: list[str] = ()) -> None:
-    from rlloop.placement import plan_placement
+    from rlloop.placement import plan_placement, plan_settings
+    from rlloop.ray_session import local_ray
 
     print(to_yaml(cfg), end="")
     print("\n".join(f"# {note}" for note in notes or ["model, tokenizer and data: checked"]))
@@ -245,6 +246,15 @@ def dry_run(cfg: Config, notes: list[str] = ()) -> None:
         f"loop: {cfg.loop.mode}"
     )
     print("\n".join("# " + line for line in plan.describe().splitlines()))
+    if cfg.cluster.use_ray and cfg.cluster.device == "cpu" and local_ray(cfg):  # the Ray the run would start here
+        cores = len(os.sched_getaffinity(0))
+        need = plan.total().get("CPU", 0.0)
+        fits = (
+            "holds it"
+            if need <= cores
+            else f"cannot hold it: the run would stop at the start. {plan_settings(cfg.cluster)}"
+        )
+        print(f"# a local Ray on this host ({cores} CPUs; the plan needs {need:g}) {fits}")
     from rlloop.memory import plan_memory
 
     memory = plan_memory(cfg)

@@ -66,6 +66,7 @@ def test_a_nan_at_one_step_of_one_run_leaves_that_step_out(runs, tmp_path, capsy
         (["--metrics", "nope"], "matches none of the runs' metrics: rollout/raw_reward"),
         (["--out", "/nonexistent/c.png"], "/nonexistent is not a directory"),
         (["--smooth", "0"], "--smooth 0: at least 1"),
+        (["--vs", "/nonexistent/run"], "/nonexistent/run: no such run directory"),  # 1 was "the groups disagree"
     ],
 )
 def test_bad_arguments_exit_2_naming_them(runs, tmp_path, capsys, args, named):

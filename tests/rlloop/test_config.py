@@ -1,5 +1,6 @@
 """Config loading: inheritance, overrides, and bad input -> exit code 2 with the key path named."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -229,6 +230,17 @@ def test_dry_run_shows_every_engine(capsys):
     out = capsys.readouterr().out
     assert "rollout engine 0 {'CPU': 1.0, 'TPU': 1.0}" in out and "rollout engine 1 {'CPU': 1.0, 'TPU': 1.0}" in out
     assert "loop: async" in out
+
+
+def test_a_cpu_dry_run_says_whether_the_local_ray_holds_the_plan(capsys):
+    """It printed the plan of two trainer ranks, one CPU each beside the engine's, on a 2-core host, and the run then
+    stopped at the start: the README's fsdp comparison needs a `ray start` head with 3 CPUs there."""
+    cores = len(os.sched_getaffinity(0))
+    for ranks in (1, cores):  # the engine's CPU and then `cores` ranks': one more than the host has
+        assert main([TINY, f"cluster.train_chips={ranks}", "--dry-run"]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("# a local Ray on this host"))
+        assert f"({cores} CPUs; the plan needs {ranks + 1})" in line
+        assert ("cannot hold it" in line) == (ranks + 1 > cores), line
 
 
 def test_overlong_shaping_with_std_scaling_warns_unless_dynamic_sampling_pairs_it(caplog):
