@@ -132,7 +132,7 @@ def engines_throughput(model: Path, prompts_n: int, max_len: int, workdir: Path)
                 f"run.dir={workdir / f'engines-{engines}'}",
             ],
         )
-        # a Ray of its own, as rlloop.run starts one: never a `ray start` head found on the host; + 1 for the idle trainer
+        # a Ray of its own, as rlloop.run starts: never a `ray start` head on the host; + 1 for the idle trainer
         ray.init(address="local", num_cpus=os.cpu_count() + 1, include_dashboard=False, configure_logging=False)
         try:
             cluster = Cluster(cfg)
