@@ -53,6 +53,15 @@ def _within_float32(value: float) -> float:
 
 
 Reward = Annotated[float, AfterValidator(_within_float32)]
+
+
+def _top_k(k: int) -> int:  # the engine holds it as int32, and reads any value <= 0 as off
+    if not -1 <= k <= INT32_MAX:
+        raise ValueError(f"-1 (or 0) turns top-k off; otherwise the number of tokens kept, 1 to {INT32_MAX}")
+    return k
+
+
+TopK = Annotated[int, AfterValidator(_top_k)]  # -1 (or 0, as in HF): off; else sample from the k most likely tokens
 Prob = Annotated[float, Field(gt=0, le=1)]
 # Every timeout in the config: above 0 and at most 7 days, so that no wait overflows (threading's and Ray's waits
 # turn seconds into C integers: `reward.timeout_s=1e12` and `cluster.actor_timeout_s=1e308` overflowed) and no
@@ -201,6 +210,7 @@ class EvalSection(Section):
     max_prompts: PositiveInt | None = None
     temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0
     top_p: Prob | None = None  # None: rollout.top_p
+    top_k: TopK | None = None  # None: rollout.top_k (eval always stops at EOS, whatever rollout.ignore_eos says)
 
 
 class RewardSection(Section):
@@ -227,28 +237,31 @@ class RolloutSection(
     prompts_per_step: PositiveInt = 32
     group_size: int = 8  # >= 2 (_group_size)
     max_response_len: PositiveInt = 8192
-    # The trainer scores samples at this temperature; below GREEDY_BELOW the engine samples greedily (as vLLM does)
-    temperature: Annotated[float, Field(ge=GREEDY_BELOW, allow_inf_nan=False)] = 1.0
+    # The trainer scores samples at this temperature (_sampled); eval.temperature may be 0, greedy
+    temperature: Annotated[float, Field(allow_inf_nan=False)] = 1.0
     top_p: Prob = 1.0
-    top_k: int = -1  # -1 (or 0, as in HF): off; else sample from the k most likely tokens (_top_k)
+    top_k: TopK = -1
     ignore_eos: bool = False  # benchmarks: responses run past EOS to max_response_len (stop_token_ids still stop them)
     # Ids that end a response besides the EOS ids of the tokenizer and of generation_config.json (slime's
     # --rollout-stop-token-ids): e.g. <|im_end|> for a base model whose tokenizer's EOS is <|endoftext|>
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(max_length=MAX_STOP_IDS - 1)] = []
     compile_cache_dir: str | None = "~/.cache/rlloop/jax"  # XLA's persistent cache: later runs skip most warmup
 
+    @field_validator("temperature")
+    @classmethod
+    def _sampled(cls, t: float) -> float:  # the engine decodes greedily below GREEDY_BELOW, as vLLM does
+        if t < GREEDY_BELOW:
+            raise ValueError(
+                f"GRPO samples: at least {GREEDY_BELOW:g} (greedy decoding would give every sample of a group the same "
+                "response, and the trainer divides the logits by it); eval.temperature=0 evaluates greedily"
+            )
+        return t
+
     @field_validator("group_size")
     @classmethod
     def _group_size(cls, v: int) -> int:  # not Field(ge=2): the message says why
         if v < 2:
             raise ValueError("GRPO's advantage compares the samples of one prompt with each other: needs >= 2")
-        return v
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v: int) -> int:  # the engine holds it as int32, and reads any value <= 0 as off
-        if not -1 <= v <= INT32_MAX:
-            raise ValueError(f"-1 (or 0) turns top-k off; otherwise the number of tokens kept, 1 to {INT32_MAX}")
         return v
 
 

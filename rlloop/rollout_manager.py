@@ -109,17 +109,20 @@ class RolloutManager:
         self.unpublished: set[int] = set()  # steps that changed no weight (trained nothing, or a non-finite step)
         self.eval_name = cfg.eval.name or (Path(cfg.eval.path).stem if cfg.eval.path else None)
 
-    def sampling(self, seed: int, temperature: float | None = None, top_p: float | None = None) -> SamplingParams:
-        r = self.cfg.rollout
+    def sampling(self, seed: int, evaluating: bool = False) -> SamplingParams:
+        """The rollout's sampling, or with `evaluating` the eval section's: its temperature, and its top-p and top-k
+        where set; an evaluation always stops at EOS (rollout.ignore_eos is for benchmarks)."""
+        r, e = self.cfg.rollout, self.cfg.eval
+        ignore_eos = r.ignore_eos and not evaluating
         return SamplingParams(
-            temperature=r.temperature if temperature is None else temperature,
-            top_p=r.top_p if top_p is None else top_p,
-            top_k=r.top_k,
+            temperature=e.temperature if evaluating else r.temperature,
+            top_p=e.top_p if evaluating and e.top_p is not None else r.top_p,
+            top_k=e.top_k if evaluating and e.top_k is not None else r.top_k,
             max_new_tokens=r.max_response_len,
             # ignore_eos runs past the EOS ids, not past the ones asked for by name (as vLLM's and SGLang's)
-            stop_token_ids=tuple(r.stop_token_ids) if r.ignore_eos else self.stop_ids,
+            stop_token_ids=tuple(r.stop_token_ids) if ignore_eos else self.stop_ids,
             seed=seed,
-            ignore_eos=r.ignore_eos,
+            ignore_eos=ignore_eos,
         )
 
     def generate(
@@ -233,7 +236,7 @@ class RolloutManager:
         # the first max_prompts distinct rows that fit data.max_prompt_len (load_inputs checked that some do)
         fitting = filter(None, map(data.get, range(len(data))))
         prompts = list(itertools.islice(distinct(fitting), cfg.max_prompts or len(data)))
-        sampling = self.sampling(seed=self.cfg.run.seed, temperature=cfg.temperature, top_p=cfg.top_p)
+        sampling = self.sampling(seed=self.cfg.run.seed, evaluating=True)
         gen = self.generate(prompts, cfg.samples, sampling)
         return {f"eval/{self.eval_name}": float((gen.rewards > 0).mean())}
 

@@ -1,10 +1,11 @@
 """Reference rollout backend on `transformers.generate`: the baseline the JAX decoder is measured and checked against.
 
 It is deliberately plain: left-pad the prompts, run `model.generate` in batches, and read log-probs from the
-processed scores (`output_scores=True` returns the logits after temperature / top-k / top-p, i.e. the distribution
-that was actually sampled from). Sampling draws from torch's RNG seeded with `mix_seed(seed, SamplingParams.seed)`
-inside a forked RNG state, so a call is reproducible but, unlike the JAX sampler, a row's draw depends on the rest of
-its batch.
+processed scores (the logits after temperature / top-k / top-p, i.e. the distribution that was actually sampled
+from), one step at a time (`SampledLogprobs`): `output_scores=True` would keep every step's full-vocabulary scores,
+rows × steps × vocabulary floats (1.3 TB for 256 rows of 8,192 tokens over Qwen's 151,936). Sampling draws from
+torch's RNG seeded with `mix_seed(seed, SamplingParams.seed)` inside a forked RNG state, so a call is reproducible
+but, unlike the JAX sampler, a row's draw depends on the rest of its batch.
 """
 
 from __future__ import annotations
@@ -31,6 +32,27 @@ def numpy_to_torch(array: np.ndarray) -> torch.Tensor:
         if array.dtype.name == "bfloat16":
             return torch.from_numpy(array.view(np.uint16).view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(array)
+
+
+class SampledLogprobs(transformers.LogitsProcessor):
+    """The last of the logits processors: keeps each step's processed log-softmax until the next step (or `finish`)
+    shows which token was drawn from it, and only that token's log-prob. One step's scores in memory, never all."""
+
+    def __init__(self):
+        self.steps: list[torch.Tensor] = []
+        self._last: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self._last is not None:  # the token the previous step drew is now the last column
+            self.steps.append(self._last.gather(-1, input_ids[:, -1:])[:, 0])
+        self._last = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """[rows, steps] log-probs, the last step's read from the finished `sequences`."""
+        self.steps.append(self._last.gather(-1, sequences[:, -1:])[:, 0])
+        self._last = None
+        return torch.stack(self.steps, dim=1)
 
 
 class HFEngine(RolloutEngine):
@@ -119,28 +141,32 @@ class HFEngine(RolloutEngine):
             input_ids[r, width - len(prompt) :] = torch.tensor(prompt)
             attention_mask[r, width - len(prompt) :] = 1
         stop_ids = sampling.stop_ids(self.eos_token_ids)
-        kwargs = dict(
+        # The warpers are ours, in generate's own order (temperature, top-k, top-p), so that the recorder comes after
+        # them: generate puts a caller's processors before the warpers it builds. Its own are switched off (top_k=0,
+        # top_p=1.0; its top_k default is 50, a model's generation_config may set others).
+        recorder = SampledLogprobs()
+        processors = []
+        if not sampling.greedy:
+            processors.append(transformers.TemperatureLogitsWarper(sampling.temperature))
+            if sampling.top_k > 0:
+                processors.append(transformers.TopKLogitsWarper(sampling.top_k))
+            if sampling.top_p < 1.0:
+                processors.append(transformers.TopPLogitsWarper(sampling.top_p))
+        sequences = self.model.generate(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
             max_new_tokens=sampling.max_new_tokens,
             min_new_tokens=0,
             eos_token_id=list(stop_ids) or None,
             pad_token_id=self.pad_token_id,
-            output_scores=True,
-            return_dict_in_generate=True,
+            do_sample=not sampling.greedy,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            logits_processor=transformers.LogitsProcessorList([*processors, recorder]),
         )
-        if sampling.greedy:
-            kwargs.update(do_sample=False)
-        else:
-            # top_k=0 and top_p=1.0 switch HF's warpers off (its own top_k default is 50).
-            kwargs.update(
-                do_sample=True, temperature=sampling.temperature, top_k=max(sampling.top_k, 0), top_p=sampling.top_p
-            )
-        out = self.model.generate(
-            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), **kwargs
-        )
-        generated = out.sequences[:, width:].cpu()  # [rows, steps]
-        scores = torch.stack(out.scores, dim=1).float()  # [rows, steps, V]
-        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, generated.to(scores.device)[..., None])[..., 0]
-        logprobs = logprobs.cpu()
+        generated = sequences[:, width:].cpu()  # [rows, steps]
+        logprobs = recorder.finish(sequences).cpu()
 
         stops = set(stop_ids)
         completions = []

@@ -363,3 +363,20 @@ def test_rollout_stop_token_ids_end_responses_as_eos_does(setup):
             ("length", None),
         )
     assert any(c.finish_reason == "stop" for c in past_eos.completions)
+
+
+def test_evaluation_samples_with_its_own_settings_and_stops_at_eos(setup):
+    """eval took rollout.top_k and rollout.ignore_eos: a benchmark's ignore_eos ran every eval response past its end
+    of turn, and the reward read what came after."""
+    cluster, tok = setup
+    rollout_side = ["rollout.top_k=20", "rollout.ignore_eos=true", "rollout.top_p=0.9", "rollout.stop_token_ids=[7]"]
+    for eval_side, top_k, top_p in [(["eval.top_p=null"], 20, 0.9), (["eval.top_k=5", "eval.top_p=0.5"], 5, 0.5)]:
+        overrides = ["rollout.backend=hf", "cluster.use_ray=false", "eval.temperature=0.6", *rollout_side, *eval_side]
+        cfg = load_config(TINY, overrides)
+        data, _ = load_datasets(cfg, tok)
+        with closing(RolloutManager(cfg, cluster, tok, data)) as rollout:
+            train, evaluation = rollout.sampling(3), rollout.sampling(3, evaluating=True)
+        assert (train.temperature, train.top_k, train.top_p, train.ignore_eos) == (1.0, 20, 0.9, True)
+        assert train.stop_token_ids == (7,)  # under ignore_eos only the ids asked for by name stop it
+        assert (evaluation.temperature, evaluation.top_k, evaluation.top_p) == (0.6, top_k, top_p)
+        assert not evaluation.ignore_eos and set(evaluation.stop_token_ids) == {*rollout.stop_ids, 7}

@@ -251,3 +251,31 @@ def test_both_backends_give_the_same_greedy_completions(model_dir, sampling):
     assert [fields(c) for c in hf] == [fields(c) for c in jax_]
     for a, b in zip(hf, jax_):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+
+
+PEAK_MEMORY = """
+import resource, sys
+from rollout import EngineConfig, SamplingParams
+from rollout.hf_backend import HFEngine
+
+engine = HFEngine(EngineConfig(sys.argv[1], max_batch=4, max_seq_len=160))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+engine.generate([[5, 6, 7]], 4, SamplingParams(max_new_tokens=128, ignore_eos=True, top_k=20, top_p=0.9))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
+"""
+
+
+def test_generation_keeps_one_steps_scores_not_every_steps(tmp_path):
+    """With output_scores every step's full-vocabulary scores were kept, then stacked and log-softmaxed: ~4 copies of
+    rows x steps x vocabulary floats (1.3 TB for the recipe's 256 rows of 8,192 tokens over Qwen's vocabulary), an
+    out-of-memory kill the memory plan did not foresee. In a fresh process: peak RSS only grows."""
+    import subprocess
+    import sys
+
+    vocab = 151_936  # Qwen's
+    path = make_tiny_hf_model(tmp_path / "m", "qwen3", vocab_size=vocab)
+    run = [sys.executable, "-c", PEAK_MEMORY, str(path)]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    grew, scores = int(out.stdout.split()[-1]), 4 * 128 * vocab * 4
+    assert grew < scores / 2, f"peak memory grew by {grew / 2**20:.0f} MiB; all the scores are {scores / 2**20:.0f} MiB"
