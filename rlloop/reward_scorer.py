@@ -2,8 +2,11 @@
 
 A sample whose function raises, returns something other than a finite number (None, a string, NaN, inf; a bool counts
 as 1 or 0), kills its worker or exceeds `timeout_s` gets `failure_reward` and increments a counter; a stuck or dead
-worker is replaced (with whatever the function started) and the run goes on. Workers that die as they start, pool
-after pool, are a `RewardError`; so is a function that fails on `broken_after` samples in a row (a step's worth).
+worker is replaced (with whatever the function started) and the run goes on. Each worker is a process of its own that
+reports every sample as it finishes, so a sample's time limit runs from its own start, and a stuck one costs its own
+limit and its worker's restart: not its chunk-mates' results, nor the other workers' work, which goes on meanwhile.
+Workers that die as they start, again and again, are a `RewardError`; so is a function that fails on `broken_after`
+samples in a row (a step's worth).
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ import signal
 import sys
 import time
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from multiprocessing import connection, util
+from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Callable
 
 from rlloop.errors import RewardError
@@ -30,8 +34,8 @@ log = logging.getLogger(__name__)
 
 _resolved: dict[str, Callable] = {}
 MAX_CHUNK = 16  # samples per round trip to a reward worker
-WORKER_START_S = 120.0  # the most a new pool's workers are waited for before samples go out
-MAX_FAILED_STARTS = 3
+WORKER_START_S = 120.0  # the most a new worker is waited for (imports, the function's) before it counts as failed
+MAX_FAILED_STARTS = 3  # per worker: starts in a row that failed, over all workers, before a RewardError
 FLOAT32_MAX = 3.4028234663852886e38  # np.finfo(np.float32).max: past it a reward is inf in the rollout's arrays
 
 
@@ -41,23 +45,9 @@ def _load(spec: str) -> Callable:
     return _resolved[spec]
 
 
-def _score_chunk(spec: str, pairs: list[tuple[str, str]]) -> list[tuple[bool, object]]:
-    """In a worker: (True, value) or (False, 'Error: message') per (response, answer), so that one raising sample
-    fails alone. A function that calls sys.exit() or raises KeyboardInterrupt fails its sample too: the worker's,
-    not the run's."""
-    outcomes = []
-    for response, answer in pairs:
-        try:
-            outcomes.append((True, _load(spec)(response, answer)))
-        except BaseException as e:
-            outcomes.append((False, f"{type(e).__name__}: {e}"))
-    return outcomes
-
-
 def _start_worker(spec: str) -> None:
-    """A new worker's first job: import the function (and return nothing, since it need not pickle); for `math`,
-    math-verify too, which the function imports at its first call (~1.5 s: a short reward.timeout_s failed every
-    sample, each new pool paying the import again)."""
+    """A new worker's first job: import the function; for `math`, math-verify too, which the function imports at its
+    first call (~1.5 s: a short reward.timeout_s failed every sample, each new worker paying the import again)."""
     if _load(spec) is math_reward:
         math_reward("\\boxed{1}", "1")
 
@@ -65,8 +55,10 @@ def _start_worker(spec: str) -> None:
 def init_worker(parent: int) -> None:
     """A reward worker's first acts. It leads a process group of its own, so that killing the group at a timeout also
     ends what the function started (a code-execution reward's subprocess lived on after the run). And it asks the
-    kernel for SIGKILL when its parent dies: a SIGKILLed driver runs no cleanup, and its pool's workers would
-    otherwise live on, each holding a core's worth of imports (Linux only)."""
+    kernel for SIGKILL when the *thread* that started it exits (PR_SET_PDEATHSIG follows the thread, not the process):
+    a SIGKILLed driver runs no cleanup, and its workers would otherwise live on, each holding a core's worth of imports
+    (Linux only). Workers started by a thread that has since ended are gone too: the scorer starts new ones, blaming
+    no sample (a sample running when its worker was killed from outside is run once more)."""
     os.setsid()
     if sys.platform != "linux":
         return
@@ -75,6 +67,62 @@ def init_worker(parent: int) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the parent died before the request was in place
         os._exit(0)
+
+
+def serve(conn: connection.Connection, spec: str, parent: int) -> None:
+    """A reward worker's life: start, say so (None), then score the chunks it is sent, answering each sample as soon as
+    it is done (`_outcome`): the driver times each sample from the previous one's answer, and keeps the answers of a
+    chunk whose later sample hangs. Ends, quietly, when the driver hangs up."""
+    init_worker(parent)
+    try:
+        _start_worker(spec)
+    except BaseException:  # each sample raises it again, and fails with its message
+        pass
+    try:
+        conn.send(None)
+        while True:
+            spec, pairs = conn.recv()
+            for response, answer in pairs:
+                conn.send_bytes(_outcome(spec, response, answer))
+    except (EOFError, OSError):  # the driver has closed the scorer, or is gone
+        return
+
+
+def _outcome(spec: str, response: str, answer: str) -> bytes:
+    """One sample's answer, pickled: (True, value) or (False, why). A function that calls sys.exit() or raises
+    KeyboardInterrupt fails its sample: the worker's, not the run's; so does a value that does not pickle."""
+    try:
+        outcome = (True, _load(spec)(response, answer))
+    except BaseException as e:
+        outcome = (False, f"raised {type(e).__name__}: {e}")
+    try:
+        return ForkingPickler.dumps(outcome)
+    except Exception as e:
+        return ForkingPickler.dumps((False, f"returned a {type(outcome[1]).__name__} that does not pickle ({e})"))
+
+
+@dataclass
+class _Worker:
+    """A worker process, the pipe to it and the samples sent to it that it has not answered yet (the first is
+    running)."""
+
+    proc: multiprocessing.process.BaseProcess
+    conn: connection.Connection
+    deadline: float  # starting: when it counts as failed; busy: when its running sample has run past the limit
+    ready: bool = False
+    job: deque[int] = field(default_factory=deque)
+
+
+def _stop(workers: list[_Worker]) -> None:
+    """Kill the workers, each with its group (what the function started: init_worker), and reap them."""
+    while workers:
+        worker = workers.pop()
+        try:
+            os.killpg(worker.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # gone, or not yet its group's leader
+            worker.proc.kill()
+        worker.proc.join()
+        worker.conn.close()
 
 
 class RewardScorer:
@@ -88,46 +136,40 @@ class RewardScorer:
         self.errors = 0  # raised, returned a non-number, or killed its worker
         self.timeouts = 0
         self.last_failure = ""  # what the latest failed sample did
-        self._pool: ProcessPoolExecutor | None = None
-        self._failed_starts = 0  # pools in a row whose workers died as they started
-        self._sample_s: float | None = None  # seconds per sample of the last round trip, chunk size follows it
+        self.worker_starts = 0  # worker processes started so far
+        self._workers: list[_Worker] = []
+        # Non-daemonic workers (a function may start processes of its own) are joined, forever, at the interpreter's
+        # exit: an unclosed scorer's are killed first, by multiprocessing's exit hook (weakref.finalize's runs later
+        # where anything made a finalize before multiprocessing was imported, as pytest does).
+        util.Finalize(self, _stop, (self._workers,), exitpriority=0)
+        self._failed_starts = 0  # worker starts in a row that died or hung before their first sample
 
-    def _get_pool(self) -> ProcessPoolExecutor:
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(
-                self.cfg.workers,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=init_worker,
-                initargs=(os.getpid(),),
+    def _start(self) -> _Worker:
+        """A new worker, starting: its time limits run once it says it is ready (`serve`), since a spawned worker
+        imports the driver's modules again (~1 s, more on a busy host), which a short reward.timeout_s took for a hang,
+        again and again, failing every sample."""
+        ctx = multiprocessing.get_context("spawn")
+        ours, theirs = ctx.Pipe()
+        proc = ctx.Process(target=serve, args=(theirs, self.cfg.fn, os.getpid()), name="rlloop-reward")
+        proc.start()
+        theirs.close()  # the worker's end is its own now: its death is an EOF here
+        self.worker_starts += 1
+        return _Worker(proc, ours, time.monotonic() + WORKER_START_S)
+
+    def _discard(self, worker: _Worker) -> None:
+        self._workers.remove(worker)
+        _stop([worker])
+
+    def _failed_start(self) -> None:
+        self._failed_starts += 1
+        if self._failed_starts >= MAX_FAILED_STARTS * self.cfg.workers:  # else new workers forever, none scoring
+            _stop(self._workers)
+            raise RewardError(
+                f"reward.fn {self.cfg.fn}: the reward worker processes died (or hung) as they started, "
+                f"{self._failed_starts} in a row. A script that starts a run must guard it with "
+                "`if __name__ == '__main__':` (each worker imports the script again); else the host may be out of "
+                "memory"
             )
-            # Start the workers and import the function before any sample's time limit runs: a spawned worker
-            # imports the driver's modules again (~1 s, more on a busy host), which a short reward.timeout_s took for
-            # a hang, again and again, failing every sample.
-            starts = [self._pool.submit(_start_worker, self.cfg.fn) for _ in range(self.cfg.workers)]
-            done, _ = wait(starts, timeout=WORKER_START_S)
-            if any(isinstance(f.exception(), BrokenProcessPool) for f in done):
-                self._kill_pool()
-                self._failed_starts += 1
-                if self._failed_starts == MAX_FAILED_STARTS:  # else new pools forever, no sample ever scored
-                    raise RewardError(
-                        f"reward.fn {self.cfg.fn}: the reward worker processes died as they started, "
-                        f"{MAX_FAILED_STARTS} pools in a row. A script that starts a run must guard it with "
-                        "`if __name__ == '__main__':` (each worker imports the script again); else the host may be "
-                        "out of memory"
-                    )
-                return self._get_pool()
-            self._failed_starts = 0
-        return self._pool
-
-    def _kill_pool(self) -> None:
-        if self._pool is not None:
-            for proc in list(getattr(self._pool, "_processes", {}).values()):
-                try:  # the worker's group: what the function started too (init_worker)
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):  # gone, or not yet its group's leader
-                    proc.kill()
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
 
     @property
     def failures(self) -> int:
@@ -140,6 +182,14 @@ class RewardScorer:
         if self.errors == 1:  # once per scorer: the counter (rollout/reward_failures) tracks the rest
             log.warning("reward.fn %s %s; such samples get reward.failure_reward", self.cfg.fn, why)
         return self.cfg.failure_reward
+
+    def _time_out(self) -> None:
+        self.timeouts += 1
+        self.last_failure = f"ran past reward.timeout_s={self.cfg.timeout_s}"
+        if self.timeouts == 1:
+            log.warning(
+                "reward.fn %s ran past reward.timeout_s=%s; its worker is killed", self.cfg.fn, self.cfg.timeout_s
+            )
 
     def _accept(self, value) -> float:
         # A str is refused even when it parses ("1.5"): the contract is a number, and a function returning text
@@ -154,44 +204,11 @@ class RewardScorer:
             return self._fail(f"returned {number}")
         return number
 
-    def _settle(self, job: list[int], fut, results: list[float], retry: deque, suspects: deque, alone: bool) -> bool:
-        """Record a finished job's rewards in `results`; True if its pool broke. A chunk that failed as a whole (its
-        results would not unpickle) goes back to `retry` one sample at a time, so that the culprit alone gets the
-        failure reward. A dead worker (os._exit, a segfault, the OOM killer) breaks every job in flight in its pool,
-        and which sample killed it is not known: each goes to `suspects`, to run again `alone`, where a sample that
-        kills its worker is the culprit."""
-        try:
-            outcomes = fut.result()
-        except Exception as e:
-            broken = isinstance(e, BrokenProcessPool)
-            if broken and not alone:
-                suspects.extend([i] for i in job)
-            elif len(job) > 1:
-                retry.extend([i] for i in job)
-            elif broken:
-                results[job[0]] = self._fail("killed its worker process")
-            else:
-                results[job[0]] = self._fail(f"raised {type(e).__name__}: {e}")
-            return broken
-        for i, (ok, value) in zip(job, outcomes):
-            results[i] = self._accept(value) if ok else self._fail(f"raised {value}")
-        return False
-
-    def _may_send(self, waiting, suspects: deque, inflight: dict) -> bool:
-        """Whether another job goes out now: a suspect only into an empty pool, and nothing beside it."""
-        if any(alone for *_, alone in inflight.values()):
-            return False
-        if suspects:
-            return not inflight
-        return bool(waiting) and len(inflight) < self.cfg.workers
-
     def _chunk_size(self, remaining: int) -> int:
-        """Samples for the next round trip: as many as the last ones suggest take ~10 % of one sample's time limit (the
-        chunk's limit), one until there is a measurement, and few enough that every worker gets some."""
-        if self._sample_s is None:
-            return 1
-        fit = int(0.1 * self.cfg.timeout_s / max(self._sample_s, 1e-6))
-        return max(1, min(MAX_CHUNK, fit, -(-remaining // (2 * self.cfg.workers))))
+        """Samples for the next round trip: many, so that a worker seldom waits for its next sample (one by one, 128
+        samples' round trips through a process pool were half of a tiny rollout), and few enough that every worker
+        gets some. Each sample has its own time limit, whatever the chunk's size."""
+        return max(1, min(MAX_CHUNK, -(-remaining // (2 * self.cfg.workers))))
 
     def score(self, responses: list[str], answers: list[str]) -> list[float]:
         """A reward per response; a RewardError once `broken_after` samples in a row have failed."""
@@ -210,61 +227,76 @@ class RewardScorer:
         return results
 
     def _score(self, responses: list[str], answers: list[str]) -> list[float]:
-        # Samples go out in chunks: a round trip to a worker costs ~0.3 ms, which for 128 samples one by one was
-        # half of a tiny rollout. At most `workers` chunks in flight, so each one in flight is really running and its
-        # deadline (one sample's `timeout_s`; chunks are sized to take a tenth of it) is its own. A chunk that runs
-        # past it comes back one sample at a time, each with that limit, so only a sample that is itself too slow
-        # times out.
+        # Samples go out in chunks, at most one per worker, each answered sample by sample (`serve`): a sample's limit
+        # runs from the previous one's answer. A sample past it is a timeout; its worker is killed and replaced, and
+        # the rest of its chunk goes out again, while the other workers go on with theirs.
         results: list[float] = [self.cfg.failure_reward] * len(responses)
-        pending = deque(range(len(responses)))  # not sent yet
-        jobs: deque[list[int]] = deque()  # sent before and to be sent again as they are: retries, survivors of a kill
-        suspects: deque[list[int]] = deque()  # in flight when a worker died: each runs again alone (`_settle`)
-        inflight: dict = {}  # future -> (sample indices, sent at, deadline, alone)
-        while pending or jobs or suspects or inflight:
-            pool, broken, expired = self._get_pool(), False, []
-            while self._may_send(pending or jobs, suspects, inflight):
-                queue = suspects or jobs
-                job = queue.popleft() if queue else [pending.popleft() for _ in range(self._chunk_size(len(pending)))]
-                try:
-                    fut = pool.submit(_score_chunk, self.cfg.fn, [(responses[i], answers[i]) for i in job])
-                except BrokenProcessPool:  # a worker died between calls (the OOM killer, a thread the fn left)
-                    (suspects if queue is suspects else jobs).appendleft(job)
-                    broken = True
-                    break
-                now = time.monotonic()
-                inflight[fut] = (job, now, now + self.cfg.timeout_s, queue is suspects)
-            if inflight and not broken:
-                first_deadline = min(deadline for _, _, deadline, _ in inflight.values())
-                timeout = max(0.0, first_deadline - time.monotonic())
-                done, _ = wait(inflight, timeout=timeout, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    job, sent, _, alone = inflight.pop(fut)
-                    self._sample_s = (time.monotonic() - sent) / len(job)
-                    broken |= self._settle(job, fut, results, jobs, suspects, alone)
-                now = time.monotonic()
-                expired = [fut for fut, (_, _, deadline, _) in inflight.items() if deadline <= now]
-                for fut in expired:
-                    job, _, _, _ = inflight.pop(fut)
-                    if len(job) > 1:
-                        jobs.extend([i] for i in job)
-                        continue
-                    self.timeouts += 1
-                    self.last_failure = f"ran past reward.timeout_s={self.cfg.timeout_s}"
-                    if self.timeouts == 1:
-                        log.warning(
-                            "reward.fn %s ran past reward.timeout_s=%s; its worker is killed",
-                            self.cfg.fn,
-                            self.cfg.timeout_s,
-                        )
-            if expired or broken:  # kill the stuck or dead pool; restart the samples caught in it
-                caught = [job for job, _, _, _ in inflight.values()]
-                if broken:  # their futures fail with the pool: any of them may have killed it
-                    suspects.extend([i] for job in caught for i in job)
-                else:
-                    jobs.extendleft(caught)
-                inflight.clear()
-                self._kill_pool()
+        todo = deque(range(len(responses)))  # to send; what a killed worker had not done goes back to the front
+        died_once: set[int] = set()  # running when their worker died: each runs once more, in case it was not them
+        for worker in [w for w in self._workers if w.job or w.proc.exitcode is not None]:
+            self._discard(worker)  # dead while idle (no sample to blame), or busy still with an interrupted call
+        while todo or any(w.job for w in self._workers):
+            # Once the function has hung, one more worker than `workers` is kept started, idle, to take a killed one's
+            # place at once: a restart (~1 s of imports, more for a heavy driver) costs as much as a short limit.
+            while len(self._workers) < self.cfg.workers + (self.timeouts > 0):
+                self._workers.append(self._start())
+            for worker in list(self._workers):
+                busy = sum(bool(w.job) for w in self._workers)
+                if worker.ready and not worker.job and todo and busy < self.cfg.workers:
+                    self._send(
+                        worker, [todo.popleft() for _ in range(self._chunk_size(len(todo)))], todo, responses, answers
+                    )
+            waits = [w.conn for w in self._workers] + [w.proc.sentinel for w in self._workers]
+            deadline = min((w.deadline for w in self._workers), default=0.0)  # none left: each died as it was sent work
+            connection.wait(waits, max(0.0, deadline - time.monotonic()))
+            for worker in list(self._workers):
+                self._collect(worker, results, todo, died_once)
         return results
 
+    def _send(self, worker: _Worker, job: list[int], todo: deque, responses: list[str], answers: list[str]) -> None:
+        try:
+            worker.conn.send((self.cfg.fn, [(responses[i], answers[i]) for i in job]))
+        except OSError:  # it died since its last answer (BrokenPipeError): no sample to blame
+            todo.extendleft(reversed(job))
+            self._discard(worker)
+            return
+        worker.job.extend(job)
+        worker.deadline = time.monotonic() + self.cfg.timeout_s
+
+    def _collect(self, worker: _Worker, results: list[float], todo: deque, died_once: set[int]) -> None:
+        """Record what `worker` has answered; replace it if it died or its running sample is past the limit."""
+        dead = worker.proc.exitcode is not None  # looked at first: what it sent before it died is read below
+        while worker.conn.poll():
+            try:
+                message = worker.conn.recv()
+            except (EOFError, OSError):
+                dead = True
+                break
+            except Exception as e:  # the value pickled there and does not unpickle here
+                message = (False, f"returned a value that does not unpickle ({type(e).__name__}: {e})")
+            if not worker.ready:  # its first message: started
+                worker.ready, worker.deadline, self._failed_starts = True, math.inf, 0
+                continue
+            ok, value = message
+            sample = worker.job.popleft()
+            results[sample] = self._accept(value) if ok else self._fail(value)
+            worker.deadline = time.monotonic() + self.cfg.timeout_s if worker.job else math.inf
+        if not dead and time.monotonic() < worker.deadline:
+            return
+        if worker.job and dead:  # the OOM killer, a segfault, os._exit: most likely its running sample
+            sample = worker.job.popleft()
+            if sample in died_once:
+                results[sample] = self._fail("killed its worker process")
+            else:
+                died_once.add(sample)
+                worker.job.appendleft(sample)
+        elif worker.job:
+            worker.job.popleft()
+            self._time_out()
+        todo.extendleft(reversed(worker.job))
+        self._discard(worker)
+        if not worker.ready:
+            self._failed_start()
+
     def close(self) -> None:
-        self._kill_pool()
+        _stop(self._workers)

@@ -104,3 +104,12 @@ def informative_quarter(response: str, answer: str) -> float:
     """DAPO's reward for a quarter of the prompts (answers divisible by 4); 0 for every sample of the rest, so that
     dynamic sampling drops about three groups in four."""
     return dapo_reward(response, answer) if answer.isdigit() and int(answer) % 4 == 0 else 0.0
+
+
+def counted(response: str, answer: str) -> float:
+    """Writes "PID RESPONSE" to the file `answer` at each call, then hangs on responses that start with "hang"."""
+    with open(answer, "a") as f:
+        f.write(f"{os.getpid()} {response}\n")
+    if response.startswith("hang"):
+        time.sleep(60)
+    return 1.0

@@ -537,7 +537,7 @@ def scorer(reward_modules):
     from rlloop.config import RewardSection
     from rlloop.reward_scorer import RewardScorer
 
-    # After the hang kills the pool, its neighbours wait for a fresh worker (spawn, imports): 3 s holds on a busy host.
+    # The hang costs its 3 s and a fresh worker; its neighbours' limits run from that worker's start, not before it.
     s = RewardScorer(RewardSection(fn="bad_rewards:score", timeout_s=3.0, failure_reward=-7.0, workers=1))
     yield s
     s.close()
