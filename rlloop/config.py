@@ -34,6 +34,7 @@ from pydantic import (
 from rlloop.config_checks import check_across_sections
 from rlloop.config_errors import ConfigError, describe
 from rlloop.config_files import read_config
+from rlloop.rewards import FLOAT32_MAX
 from rollout import EngineConfig
 from rollout.buckets import default_prefill_buckets
 from rollout.types import GREEDY_BELOW, INT32_MAX, MAX_STOP_IDS, DType
@@ -43,7 +44,6 @@ from weight_sync import SyncConfig
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
-FLOAT32_MAX = 3.4028234663852886e38  # np.finfo(np.float32).max: rewards are float32 arrays; past it one is inf
 
 
 def _within_float32(value: float) -> float:

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 # rollout/engine_restarts are counted by `train` across the clusters it rebuilds.)
 RUN_TOTALS = (
     "rollout/reward_failures",
+    "rollout/reward_timeouts",
     "rollout/stale_groups_dropped",
     "rollout/zero_std_groups_dropped",
     "sync/refused",

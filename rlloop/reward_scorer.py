@@ -25,7 +25,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Callable
 
 from rlloop.errors import RewardError
-from rlloop.rewards import math_reward, resolve
+from rlloop.rewards import FLOAT32_MAX, math_reward, resolve
 
 if TYPE_CHECKING:  # the reward workers import this module: they need no config (pydantic, the components' configs)
     from rlloop.config import RewardSection
@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 _resolved: dict[str, Callable] = {}
 MAX_CHUNK = 16  # samples per round trip to a reward worker
 WORKER_START_S = 120.0  # the most a new worker is waited for (imports, the function's) before it counts as failed
+MAX_FAILURE_KINDS_LOGGED = 10  # distinct kinds of failure warned of, each once
 MAX_FAILED_STARTS = 3  # per worker: starts in a row that failed, over all workers, before a RewardError
-FLOAT32_MAX = 3.4028234663852886e38  # np.finfo(np.float32).max: past it a reward is inf in the rollout's arrays
 
 
 def _load(spec: str) -> Callable:
@@ -135,6 +135,7 @@ class RewardScorer:
         self.failed_in_a_row = 0  # since the last call in which a sample scored
         self.errors = 0  # raised, returned a non-number, or killed its worker
         self.timeouts = 0
+        self._warned: set[str] = set()  # the kinds of failure logged
         self.last_failure = ""  # what the latest failed sample did
         self.worker_starts = 0  # worker processes started so far
         self._workers: list[_Worker] = []
@@ -179,7 +180,11 @@ class RewardScorer:
     def _fail(self, why: str) -> float:
         self.errors += 1
         self.last_failure = why
-        if self.errors == 1:  # once per scorer: the counter (rollout/reward_failures) tracks the rest
+        # Each kind of failure once ("raised KeyError", "returned nan"): the counters (rollout/reward_failures) track
+        # the rest, and a new kind later in the run is not lost behind the first
+        kind = why.split(":")[0][:60]
+        if kind not in self._warned and len(self._warned) < MAX_FAILURE_KINDS_LOGGED:
+            self._warned.add(kind)
             log.warning("reward.fn %s %s; such samples get reward.failure_reward", self.cfg.fn, why)
         return self.cfg.failure_reward
 

@@ -14,6 +14,8 @@ import inspect
 import re
 from typing import Callable
 
+FLOAT32_MAX = 3.4028234663852886e38  # np.finfo(np.float32).max: the rollout keeps rewards in float32, past it inf
+
 # --- DAPO (verl/utils/reward_score/math_dapo.py, Minerva normalisation) ---------------------------------------------
 SUBSTITUTIONS = [
     ("an ", ""),

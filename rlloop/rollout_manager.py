@@ -245,6 +245,7 @@ class RolloutManager:
         return {
             "data/dropped_prompts": self.data.dropped,
             "rollout/reward_failures": self.scorer.failures,
+            "rollout/reward_timeouts": self.scorer.timeouts,
             "rollout/engine_restarts": self.cluster.restarts,
         }
 

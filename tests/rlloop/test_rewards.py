@@ -100,14 +100,18 @@ def test_a_failed_sample_scores_as_a_wrong_answer_by_default(fn, failure):
     assert RewardSection(fn=fn, failure_reward=0.5).failure_reward == 0.5
 
 
-def test_scorer_failures_get_the_failure_reward_and_are_counted():
+def test_scorer_failures_get_the_failure_reward_and_are_counted(caplog):
     scorer = RewardScorer(RewardSection(fn="tests.rlloop.reward_fns:raises", failure_reward=-3.0, workers=1))
     try:
-        assert scorer.score(["ok", "boom", "fine"], ["1", "1", "1"]) == [1.0, -3.0, 1.0]
-        assert scorer.errors == 1
-        scorer.cfg = scorer.cfg.model_copy(update={"fn": "tests.rlloop.reward_fns:not_a_number"})
-        assert scorer.score(["a"], ["1"]) == [-3.0]
-        assert scorer.errors == 2
+        with caplog.at_level("WARNING", logger="rlloop.reward_scorer"):
+            assert scorer.score(["ok", "boom", "fine", "boom"], ["1"] * 4) == [1.0, -3.0, 1.0, -3.0]
+            assert scorer.errors == 2
+            scorer.cfg = scorer.cfg.model_copy(update={"fn": "tests.rlloop.reward_fns:not_a_number"})
+            assert scorer.score(["a"], ["1"]) == [-3.0]
+            assert scorer.errors == 3
+        # each kind once: a new kind later in the run was never logged (only the first failure was)
+        warned = [r.getMessage() for r in caplog.records]
+        assert len(warned) == 2 and "raised RuntimeError" in warned[0] and "instead of a number" in warned[1], warned
     finally:
         scorer.close()
 
