@@ -94,6 +94,7 @@ def test_local_run_resumes_exactly_where_it_stopped(tmp_path, mode):
         "sync/version",
         "rollout/weight_version",
         "rollout/reward_failures",
+        "rollout/reward_timeouts",
     ):
         assert [m[key] for m in a] == [m[key] for m in b], key  # one process, fp32 CPU: bit for bit
     assert 0 < b[1]["rollout/reward_failures"] < b[3]["rollout/reward_failures"]

@@ -596,7 +596,7 @@ def test_reward_failures_are_counted_in_the_rollout_metrics(reward_modules, tmp_
     samples = [json.loads(line) for line in (tmp_path / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
     odd = [len(s["response"]) % 2 == 1 for s in samples]
     assert 0 < sum(odd) < len(samples) == 2 * cfg.rollout.group_size  # some of each
-    assert row["rollout/reward_failures"] == sum(odd)
+    assert row["rollout/reward_failures"] == sum(odd) and row["rollout/reward_timeouts"] == 0  # NaN is no timeout
     assert [s["raw_reward"] for s in samples] == [cfg.reward.failure_reward if o else 0.5 for o in odd]
     assert "train/loss" in row
     every = load_config(TINY, [*overrides, "reward.fn=nan_rewards:every", f"run.dir={tmp_path / 'every'}"])
