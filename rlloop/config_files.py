@@ -1,10 +1,13 @@
 """Reading a run config: YAML files, each merged over the file it `inherit`s from, then dotted command-line overrides,
-into one plain dict (OmegaConf). Relative paths in a file resolve against that file's directory when they exist
-there, so `examples/grpo_dapo_tiny.yaml` works from any working directory. rlloop.config validates the result."""
+into one plain dict (OmegaConf). Sections merge key by key; a mapping-valued setting (data.chat_template_kwargs,
+cluster.*_resources, cluster.*_runtime_env) is one value, which a child file or an override replaces as a whole.
+Relative paths in a file resolve against that file's directory when they exist there, so
+`examples/grpo_dapo_tiny.yaml` works from any working directory. rlloop.config validates the result."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import get_origin
 
 import yaml
 from omegaconf import OmegaConf
@@ -50,7 +53,7 @@ def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
             node[section][name] = str((path.parent / value).resolve())
     parent = node.pop("inherit", None)
     if parent is None:
-        return node
+        return _merge({}, node, mapping_settings())  # its null mappings read as {}
     if not isinstance(parent, str):
         raise ConfigError(f"inherit: expected a file path, got {parent!r}")
     base = _load_yaml(path.parent / parent, seen + (path,))
@@ -61,10 +64,36 @@ def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
                 f"got {type(value).__name__} {value!r:.60}"
             )
     try:
-        return OmegaConf.to_container(OmegaConf.merge(base, node))
+        return _merge(base, node, mapping_settings())
     except Exception as e:  # OmegaConf's errors, TypeError for containers it cannot merge
         reason = " ".join(str(e).split()) or type(e).__name__
         raise ConfigError(f"{path}: cannot merge it over {path.parent / parent}: {reason}") from None
+
+
+def mapping_settings() -> tuple[str, ...]:
+    """The settings whose value is a mapping: the `dict[...]` fields of rlloop.config's sections."""
+    from rlloop.config import Config  # here, not above: rlloop.config reads its files through this module
+
+    return tuple(
+        f"{section}.{name}"
+        for section, field in Config.model_fields.items()
+        for name, setting in field.annotation.model_fields.items()
+        if get_origin(setting.annotation) is dict
+    )
+
+
+def _merge(base: dict, over: dict, whole: tuple[str, ...]) -> dict:
+    """`over` merged into `base`, section by section and key by key, except the `whole` settings that `over` sets:
+    those replace `base`'s value as a whole (OmegaConf would merge the mappings: `{}` could never clear one), and a
+    null reads as `{}`. Both dicts are the caller's own, changed in place."""
+    for key in whole:
+        section, name = key.split(".")
+        if isinstance(over.get(section), dict) and name in over[section]:
+            if over[section][name] is None:
+                over[section][name] = {}
+            if isinstance(base.get(section), dict):
+                base[section].pop(name, None)
+    return OmegaConf.to_container(OmegaConf.merge(base, over))
 
 
 def _no_null_sections(node: dict, where: str) -> None:
@@ -92,17 +121,22 @@ def _check_override(item: str) -> None:
 def read_config(path: Path, overrides: list[str] = ()) -> dict:
     """The plain dict of `path` (following `inherit:`) with the `a.b=c` overrides applied, one at a time so that an
     error names the override that caused it. Raises ConfigError; the keys are validated by rlloop.config."""
-    merged = OmegaConf.create(_load_yaml(path))
+    merged = _load_yaml(path)
     for item in overrides:
         _check_override(item)
+        key = item.split("=", 1)[0]
+        # the mapping settings at or under `key` are replaced; `cluster.rollout_resources.node_a=1` sets one entry
+        whole = tuple(s for s in mapping_settings() if f"{s}.".startswith(f"{key}."))
         try:
-            override = OmegaConf.from_dotlist([item])
-            merged = OmegaConf.merge(merged, override)
+            override = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
+            _no_null_sections(override, f"override {item!r}")
+            merged = _merge(merged, override, whole)
+        except ConfigError:
+            raise
         except Exception as e:  # OmegaConf's errors, and yaml's or TypeError for values it cannot parse or merge
             reason = " ".join(str(e).split()) or type(e).__name__
             raise ConfigError(f"override {item!r}: {reason}") from None
-        _no_null_sections(OmegaConf.to_container(override), f"override {item!r}")
     try:
-        return OmegaConf.to_container(merged, resolve=True)
+        return OmegaConf.to_container(OmegaConf.create(merged), resolve=True)
     except OmegaConfBaseException as e:  # e.g. an ${interpolation} that points nowhere
         raise ConfigError(f"config: {' '.join(str(e).split())}") from None

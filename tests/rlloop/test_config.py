@@ -296,3 +296,40 @@ def test_an_empty_section_does_not_reset_the_inherited_one(tmp_path):
     path = write(tmp_path, f"inherit: {TINY}\ntrain:\n  # lr: 1.0e-5\n")
     with pytest.raises(ConfigError, match=r"c\.yaml: train: a section cannot be null"):
         load_config(path, ["train.lr=1e-4"])
+
+
+def test_a_mapping_setting_is_replaced_as_a_whole(tmp_path):
+    """A child file or an override sets a mapping-valued setting as one value (OmegaConf merged the mappings, so
+    `{}` could not clear one nor a new one drop an inherited key); null reads as {}; sections still merge."""
+    base = write(
+        tmp_path,
+        f"inherit: {TINY}\ndata:\n  chat_template_kwargs: {{enable_thinking: false}}\ncluster:\n"
+        "  rollout_resources: {node_a: 0.01}\n  rollout_runtime_env: {py_executable: /opt/jax/bin/python}\n",
+        "base.yaml",
+    )
+    child = write(
+        tmp_path,
+        "inherit: base.yaml\ndata:\n  chat_template_kwargs: {}\ncluster:\n  rollout_resources: {node_b: 1}\n"
+        "  rollout_runtime_env:\n",
+        "child.yaml",
+    )
+    cfg = load_config(child)
+    assert (cfg.data.chat_template_kwargs, cfg.cluster.rollout_resources, cfg.cluster.rollout_runtime_env) == (
+        {},
+        {"node_b": 1},
+        {},
+    )
+    assert cfg.data.max_prompt_len == load_config(TINY).data.max_prompt_len  # the section merged
+    cfg = load_config(
+        base,
+        [
+            "data.chat_template_kwargs={}",
+            "cluster.rollout_runtime_env={pip: [numpy]}",
+            "cluster={rollout_resources: null}",  # a section's override replaces the mappings it names
+        ],
+    )
+    assert cfg.data.chat_template_kwargs == {} and cfg.cluster.rollout_runtime_env == {"pip": ["numpy"]}
+    assert cfg.cluster.rollout_resources == {} and cfg.cluster.device == "cpu"
+    # a key inside the mapping sets that entry only
+    cfg = load_config(base, ["cluster.rollout_resources.node_b=1"])
+    assert cfg.cluster.rollout_resources == {"node_a": 0.01, "node_b": 1}
