@@ -1,6 +1,7 @@
 """The run config's checks across sections: what no single section can see wrong (a mode and the knob it needs, the
-chips and the roles on them, the batch and its splits, the buckets and the lengths), run once every section is valid,
-so that a bad combination exits 2 naming its keys before any actor starts."""
+chips and the roles on them, the batch and its splits, the buckets and the lengths), and the cluster's Ray settings
+that Ray itself would refuse only once the actors start, run once every section is valid, so that a bad combination
+exits 2 naming its keys before any actor starts."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ log = logging.getLogger("rlloop.config")
 
 def check_across_sections(cfg: Config) -> None:
     """ValueError naming the keys of the first combination of settings that cannot run."""
-    for check in (_modes_and_loss, _without_ray, _colocated, _chips_per_engine, _batch_and_buckets, _components):
+    checks = (_modes_and_loss, _without_ray, _colocated, _chips_per_engine, _batch_and_buckets, _components, _ray_envs)
+    for check in checks:
         check(cfg)
     _unused_eval_settings(cfg)
     _lr_schedule(cfg)
@@ -206,3 +208,25 @@ def _unused_eval_settings(cfg: Config) -> None:
         unused.append(f"run.eval_every={cfg.run.eval_every}")
     if unused:
         log.warning("no eval.path, so no evaluation runs: %s set but unused", ", ".join(unused))
+
+
+def _ray_envs(cfg: Config) -> None:
+    """cluster.*_runtime_env as Ray reads it when the actors are created, after Ray has started: refused here."""
+    for role in ("rollout", "trainer"):
+        key, env = f"cluster.{role}_runtime_env", getattr(cfg.cluster, f"{role}_runtime_env")
+        env_vars = env.get("env_vars", {})
+        if not isinstance(env_vars, dict):  # rlloop puts its own env_vars under the user's (placement.actor_options)
+            raise ValueError(f"{key}.env_vars: expected a mapping of names to strings, got {env_vars!r:.60}")
+        for name, value in env_vars.items():
+            if not isinstance(value, str):  # YAML reads 1, true, 0.5 as numbers and booleans
+                raise ValueError(
+                    f"{key}.env_vars.{name}: an environment variable is a string, got {value!r}; quote it: "
+                    f"{{{name}: '{value}'}}"
+                )
+        if env:
+            from ray.runtime_env import RuntimeEnv  # here: a config without a runtime_env imports no Ray
+
+            try:
+                RuntimeEnv(**env)
+            except Exception as e:  # Ray's TypeError / ValueError, whatever a runtime_env plugin raises
+                raise ValueError(f"{key}: Ray refuses it as a runtime_env: {' '.join(str(e).split())}") from None

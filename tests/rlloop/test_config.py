@@ -333,3 +333,27 @@ def test_a_mapping_setting_is_replaced_as_a_whole(tmp_path):
     # a key inside the mapping sets that entry only
     cfg = load_config(base, ["cluster.rollout_resources.node_b=1"])
     assert cfg.cluster.rollout_resources == {"node_a": 0.01, "node_b": 1}
+
+
+RAY_SETTINGS = [  # what Ray refused only when it created the actors, after it had started
+    (
+        "cluster.trainer_runtime_env={env_vars: {OMP_NUM_THREADS: 1}}",
+        "cluster.trainer_runtime_env.env_vars.OMP_NUM_THREADS: an environment variable is a string, got 1; quote it",
+    ),
+    ("cluster.rollout_runtime_env={env_vars: null}", "cluster.rollout_runtime_env.env_vars: expected a mapping"),
+    (
+        "cluster.rollout_runtime_env={pip: 5}",
+        "cluster.rollout_runtime_env: Ray refuses it as a runtime_env: runtime_env['pip'] must be of type str",
+    ),
+]
+
+
+@pytest.mark.parametrize("override,named", RAY_SETTINGS, ids=["env-var-a-number", "env-vars-null", "pip-a-number"])
+def test_ray_settings_ray_would_refuse_exit_2_naming_the_key(override, named, capsys):
+    assert main([TINY, override, "--dry-run"]) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_a_runtime_env_ray_takes_passes():
+    env = "{py_executable: /opt/jax/bin/python, env_vars: {OMP_NUM_THREADS: '1'}, pip: [numpy]}"
+    assert load_config(TINY, [f"cluster.rollout_runtime_env={env}"]).cluster.rollout_runtime_env["pip"] == ["numpy"]
