@@ -14,6 +14,9 @@ from rlloop.config_errors import describe
 from rollout.buckets import validate_buckets
 
 TPU_CHIPS_PER_ACTOR = (1, 2, 4, 8)  # what Ray's TPU accelerator manager grants one actor
+# Resources Ray defines itself (and accelerator_type:<kind>): the placement plan sets CPU and the chips, so one of
+# these in cluster.*_resources replaced (or, colocated, added to) the plan's counts without a word
+RAY_OWN_RESOURCES = ("CPU", "GPU", "TPU", "memory", "object_store_memory")
 
 if TYPE_CHECKING:
     from rlloop.config import Config
@@ -23,7 +26,15 @@ log = logging.getLogger("rlloop.config")
 
 def check_across_sections(cfg: Config) -> None:
     """ValueError naming the keys of the first combination of settings that cannot run."""
-    checks = (_modes_and_loss, _without_ray, _colocated, _chips_per_engine, _batch_and_buckets, _components, _ray_envs)
+    checks = (
+        _modes_and_loss,
+        _without_ray,
+        _colocated,
+        _chips_per_engine,
+        _batch_and_buckets,
+        _components,
+        _ray_settings,
+    )
     for check in checks:
         check(cfg)
     _unused_eval_settings(cfg)
@@ -210,9 +221,17 @@ def _unused_eval_settings(cfg: Config) -> None:
         log.warning("no eval.path, so no evaluation runs: %s set but unused", ", ".join(unused))
 
 
-def _ray_envs(cfg: Config) -> None:
-    """cluster.*_runtime_env as Ray reads it when the actors are created, after Ray has started: refused here."""
+def _ray_settings(cfg: Config) -> None:
+    """cluster.*_resources and cluster.*_runtime_env as Ray reads them when the actors are created, after Ray has
+    started: refused here."""
     for role in ("rollout", "trainer"):
+        key, resources = f"cluster.{role}_resources", getattr(cfg.cluster, f"{role}_resources")
+        if own := [name for name in resources if name in RAY_OWN_RESOURCES or name.startswith("accelerator_type:")]:
+            raise ValueError(
+                f"{key}: {', '.join(own)}: Ray's own resources, which the placement plan sets from cluster.device, "
+                f"cluster.cpus_per_actor and the chip counts; {key} adds node labels (custom resources), e.g. "
+                "{node_a: 0.01} with `ray start --resources='{\"node_a\": 1}'` on that node"
+            )
         key, env = f"cluster.{role}_runtime_env", getattr(cfg.cluster, f"{role}_runtime_env")
         env_vars = env.get("env_vars", {})
         if not isinstance(env_vars, dict):  # rlloop puts its own env_vars under the user's (placement.actor_options)

@@ -345,10 +345,18 @@ RAY_SETTINGS = [  # what Ray refused only when it created the actors, after it h
         "cluster.rollout_runtime_env={pip: 5}",
         "cluster.rollout_runtime_env: Ray refuses it as a runtime_env: runtime_env['pip'] must be of type str",
     ),
+    # a built-in resource replaced the plan's count (GPU: 2 chips became 1), or was added to it when colocated
+    ("cluster.rollout_resources={GPU: 1}", "cluster.rollout_resources: GPU: Ray's own resources, which the placement"),
+    ("cluster.trainer_resources={CPU: 4, node_a: 1}", "cluster.trainer_resources: CPU: Ray's own resources"),
+    ("cluster.trainer_resources={accelerator_type:A100: 0.01}", "accelerator_type:A100: Ray's own resources"),
 ]
 
 
-@pytest.mark.parametrize("override,named", RAY_SETTINGS, ids=["env-var-a-number", "env-vars-null", "pip-a-number"])
+@pytest.mark.parametrize(
+    "override,named",
+    RAY_SETTINGS,
+    ids=["env-var-a-number", "env-vars-null", "pip-a-number", "GPU", "CPU", "accelerator-type"],
+)
 def test_ray_settings_ray_would_refuse_exit_2_naming_the_key(override, named, capsys):
     assert main([TINY, override, "--dry-run"]) == 2
     assert named in capsys.readouterr().err
