@@ -32,7 +32,7 @@ from pydantic import (
 )
 
 from rlloop.config_checks import check_across_sections
-from rlloop.config_errors import ConfigError, describe
+from rlloop.config_errors import ConfigError, describe, flow_mapping_hint
 from rlloop.config_files import read_config
 from rlloop.rewards import FLOAT32_MAX
 from rollout import EngineConfig
@@ -197,6 +197,8 @@ class DataSection(Section):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _not_the_calls_own(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if odd := [k for k in v if not k.isidentifier()]:  # the template reads each as a variable
+            raise ValueError(f"{odd[0]!r} is not a name a template can read{flow_mapping_hint(odd[0], v[odd[0]])}")
         if own := sorted(set(v) & TEMPLATE_CALL_ARGS):
             raise ValueError(f"{', '.join(own)}: rlloop sets it (the prompt is rendered with a generation prompt)")
         return v

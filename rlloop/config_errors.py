@@ -15,6 +15,17 @@ class ConfigError(Exception):
     """A config problem; the message names the key path. `rlloop.run` exits with code 2 on it."""
 
 
+def flow_mapping_hint(key, value) -> str:
+    """How to write the mapping that YAML read as `{key: null}` when `key` holds a colon: `{a:b}`, with no space after
+    the colon (Hydra's and JSON's habit), is YAML for the one key 'a:b' with no value."""
+    if not (isinstance(key, str) and ":" in key and value is None):
+        return ""
+    name, _, written = key.partition(":")
+    return (
+        f" (YAML reads {{{key}}} as the key {key!r} with no value: put a space after the colon, {{{name}: {written}}})"
+    )
+
+
 def known_keys(root: type[BaseModel], loc: tuple) -> list[str]:
     """The keys the section at `loc` (a path of field names from `root`) accepts; [] when it is not a section."""
     cls: type = root
@@ -30,17 +41,19 @@ def describe(err: dict, root: type[BaseModel], prefix: str = "") -> str:
     """One line per pydantic error of validating `root`: the key path, then what is wrong (a model-level check names
     its keys itself)."""
     loc = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
+    got = err.get("input")
     if err["type"] == "extra_forbidden":
         known = known_keys(root, (prefix, *err["loc"][:-1]) if prefix else err["loc"][:-1])
         close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else (f"; known keys here: {', '.join(known)}" if known else "")
-        return f"{loc}: unknown key{hint}"
+        return f"{loc}: unknown key{hint}{flow_mapping_hint(err['loc'][-1], got)}"
     if err["type"] == "missing":
         return f"{loc}: required key is missing"
-    got, msg = err.get("input"), err["msg"].removeprefix("Value error, ")
+    msg = err["msg"].removeprefix("Value error, ")
     shown = isinstance(got, (str, int, float, list, tuple)) or got is None
     # A section's own check (a value_error at the section's path, or at no path) gets the whole section as input:
     # nothing worth echoing; a mapping where a value belongs is worth saying.
     mapping = isinstance(got, dict) and loc and err["type"] != "value_error"
     suffix = f", got {got!r}" if shown else (", got a mapping" if mapping else "")
-    return (f"{loc}: " if loc else "") + msg + suffix
+    hint = flow_mapping_hint(err["loc"][-1], got) if err["loc"] else ""
+    return (f"{loc}: " if loc else "") + msg + suffix + hint

@@ -365,3 +365,26 @@ def test_ray_settings_ray_would_refuse_exit_2_naming_the_key(override, named, ca
 def test_a_runtime_env_ray_takes_passes():
     env = "{py_executable: /opt/jax/bin/python, env_vars: {OMP_NUM_THREADS: '1'}, pip: [numpy]}"
     assert load_config(TINY, [f"cluster.rollout_runtime_env={env}"]).cluster.rollout_runtime_env["pip"] == ["numpy"]
+
+
+FLOW_MAPPINGS = [  # `{a:b}`, no space after the colon, is YAML for {"a:b": null}: the setting passed, meaning nothing
+    (
+        "data.chat_template_kwargs={enable_thinking:false}",
+        "data.chat_template_kwargs: 'enable_thinking:false' is not a name a template can read (YAML reads "
+        "{enable_thinking:false} as the key 'enable_thinking:false' with no value: put a space after the colon, "
+        "{enable_thinking: false})",
+    ),
+    ("data.chat_template_kwargs={enable-thinking: false}", "'enable-thinking' is not a name a template can read"),
+    (
+        "cluster.rollout_resources={node_a:1}",
+        "cluster.rollout_resources.node_a:1: Input should be a valid number, got None (YAML reads {node_a:1} as the "
+        "key 'node_a:1' with no value: put a space after the colon, {node_a: 1})",
+    ),
+]
+
+
+@pytest.mark.parametrize("override,named", FLOW_MAPPINGS, ids=["no-space", "not-a-name", "resources-no-space"])
+def test_a_flow_mapping_without_a_space_after_the_colon_is_refused_with_the_fix(override, named, capsys):
+    assert main([TINY, override, "--dry-run"]) == 2
+    assert named in capsys.readouterr().err
+    assert load_config(TINY, ["data.chat_template_kwargs={enable_thinking: false}"])  # with the space
