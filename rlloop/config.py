@@ -96,7 +96,8 @@ class Section(BaseModel):
     def _no_booleans_for_numbers(cls, value, info):
         """pydantic's lax mode reads True as 1: `train.lr=on` (YAML's boolean) would train at lr 1.0."""
         types = _types_in(cls.model_fields[info.field_name].annotation)
-        if isinstance(value, bool) and types & {int, float} and bool not in types:
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(item, bool) for item in items) and types & {int, float} and bool not in types:
             raise ValueError("expected a number, not a boolean (YAML reads yes/no/on/off as booleans)")
         return value
 

@@ -388,3 +388,19 @@ def test_a_flow_mapping_without_a_space_after_the_colon_is_refused_with_the_fix(
     assert main([TINY, override, "--dry-run"]) == 2
     assert named in capsys.readouterr().err
     assert load_config(TINY, ["data.chat_template_kwargs={enable_thinking: false}"])  # with the space
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("train.betas=[0.9, no]", "train.betas"),  # beta2 0
+        ("rollout.stop_token_ids=[yes]", "rollout.stop_token_ids"),  # token 1 ends every response
+        ("rollout.prefill_buckets=[true]", "rollout.prefill_buckets"),
+        ("cluster.rollout_resources={node_a: on}", "cluster.rollout_resources"),
+        ("run.profile_steps=[on]", "run.profile_steps"),
+    ],
+)
+def test_booleans_inside_lists_and_mappings_are_not_numbers(override, key):
+    """pydantic reads True as 1 and False as 0 in a list or a mapping as it does alone."""
+    with pytest.raises(ConfigError, match=rf"{key}: expected a number, not a boolean \(YAML reads yes/no/on/off"):
+        load_config(TINY, [override])
