@@ -7,12 +7,24 @@ section accepts), so a typo in a YAML file or an override says what was meant.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from pydantic import BaseModel
 
 
 class ConfigError(Exception):
     """A config problem; the message names the key path. `rlloop.run` exits with code 2 on it."""
+
+
+@contextmanager
+def path_errors(key: str, path) -> Iterator[None]:
+    """What the OS answers a look-up of `path` (a part over 255 bytes: ENAMETOOLONG; a directory it may not enter) as
+    a ConfigError naming `key`, not a traceback from whichever check touched the path first."""
+    try:
+        yield
+    except OSError as e:
+        raise ConfigError(f"{key}: {path}: {e.strerror or e}") from None
 
 
 def flow_mapping_hint(key, value) -> str:

@@ -13,7 +13,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlloop.config_errors import ConfigError
+from rlloop.config_errors import ConfigError, path_errors
 
 PATH_KEYS = ("model.path", "model.tokenizer", "data.path", "eval.path")
 
@@ -49,8 +49,10 @@ def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     for key in PATH_KEYS:
         section, name = key.split(".")
         value = (node.get(section) or {}).get(name) if isinstance(node.get(section), dict) else None
-        if isinstance(value, str) and not Path(value).is_absolute() and (path.parent / value).exists():
-            node[section][name] = str((path.parent / value).resolve())
+        if isinstance(value, str) and not Path(value).is_absolute():
+            with path_errors(f"{path}: {key}", value):
+                if (path.parent / value).exists():
+                    node[section][name] = str((path.parent / value).resolve())
     parent = node.pop("inherit", None)
     if parent is None:
         return _merge({}, node, mapping_settings())  # its null mappings read as {}

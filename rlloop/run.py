@@ -11,6 +11,7 @@ cleaning up: continue with --resume.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.util
 import json
 import logging
@@ -24,6 +25,7 @@ from functools import partial
 from pathlib import Path
 
 from rlloop.config import Config, ConfigError, load_config, to_yaml
+from rlloop.config_errors import path_errors
 from rlloop.data import Inputs
 from rlloop.tracking import log_to_terminal
 
@@ -133,10 +135,14 @@ def can_make_dirs_in(directory: Path) -> bool:
 
 def check_makeable(key: str, directory: Path) -> None:
     """ConfigError naming `key` unless `directory` exists or can be made: its nearest existing parent must be a
-    directory this process can make directories in."""
-    nearest = next(p for p in [directory, *directory.parents] if p.exists())  # "." for a relative one
-    if not nearest.is_dir() or not can_make_dirs_in(nearest):
-        raise ConfigError(f"{key} {directory} cannot be made there: {nearest} is not a directory it can write to")
+    directory this process can make directories in, and no part still to be made longer than its file system allows."""
+    with path_errors(key, directory):
+        nearest = next(p for p in [directory, *directory.parents] if p.exists())  # "." for a relative one
+        if not nearest.is_dir() or not can_make_dirs_in(nearest):
+            raise ConfigError(f"{key} {directory} cannot be made there: {nearest} is not a directory it can write to")
+        longest = max(len(os.fsencode(part)) for part in directory.relative_to(nearest).parts or ("",))
+        if longest > os.pathconf(nearest, "PC_NAME_MAX"):  # what mkdir would answer, once the run had started
+            raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG))
 
 
 def check_wandb(cfg: Config) -> None:
@@ -182,7 +188,13 @@ def check_before_start(cfg: Config) -> None:
 
 
 def check_paths(cfg: Config) -> None:
-    """The run directory and a disk sync directory can be made, and are absolute in a Ray job."""
+    """The paths the run reads can be looked up; the run directory and a disk sync directory can be made, and are
+    absolute in a Ray job."""
+    read = {"model.path": cfg.model.path, "model.tokenizer": cfg.model.tokenizer, "data.path": cfg.data.path}
+    for key, path in (read | {"eval.path": cfg.eval.path, "run.replay": cfg.run.replay}).items():
+        if path is not None:
+            with path_errors(key, path):
+                Path(path).exists()  # a hub id is a path that does not exist
     check_makeable("run.dir", cfg.run_dir)
     if cfg.sync.transport == "disk" and cfg.sync.dir is not None:  # else <run dir>/sync
         check_makeable("sync.dir", Path(cfg.sync.dir))

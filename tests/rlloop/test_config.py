@@ -404,3 +404,22 @@ def test_booleans_inside_lists_and_mappings_are_not_numbers(override, key):
     """pydantic reads True as 1 and False as 0 in a list or a mapping as it does alone."""
     with pytest.raises(ConfigError, match=rf"{key}: expected a number, not a boolean \(YAML reads yes/no/on/off"):
         load_config(TINY, [override])
+
+
+LONG = "a" * 300  # past the 255 bytes a path part may have: the OS answers ENAMETOOLONG
+LONG_PATHS = [
+    ("run.dir", ["run.dir={tmp}/{{name}}", f"run.name={LONG}"]),
+    ("run.dir", [f"run.dir={{tmp}}/not-yet/{LONG}/run"]),  # only mkdir, once the run had started, found it
+    ("sync.dir", ["sync.transport=disk", f"sync.dir={{tmp}}/{LONG}"]),
+    ("model.path", [f"model.path={{tmp}}/{LONG}"]),
+    ("data.path", [f"data.path={{tmp}}/{LONG}.jsonl"]),
+    ("eval.path", [f"eval.path={{tmp}}/{LONG}"]),
+    ("run.replay", ["run.debug=train-only", f"run.replay={{tmp}}/{LONG}"]),
+]
+
+
+@pytest.mark.parametrize("key,overrides", LONG_PATHS, ids=[f"{k}-{i}" for i, (k, _) in enumerate(LONG_PATHS)])
+def test_a_path_part_too_long_is_a_config_error_naming_the_key(key, overrides, tmp_path, capsys):
+    assert main([TINY, *[o.format(tmp=tmp_path) for o in overrides], "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"config error: {key}: {tmp_path}/" in err and err.rstrip().endswith(": File name too long"), err
