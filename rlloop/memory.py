@@ -37,8 +37,8 @@ def model_shape(path: str) -> ModelConfig | None:
     if os.path.isdir(path):
         try:
             return ModelConfig.from_dir(path)
-        except (ValueError, KeyError, json.JSONDecodeError):
-            return None  # reported as a model error when the model loads
+        except (ValueError, KeyError, TypeError, AttributeError, OSError):  # `[]`, a field of the wrong type
+            return None  # reported as a model error naming model.path by rlloop.model.check_model
     try:
         from huggingface_hub import try_to_load_from_cache
 
@@ -52,8 +52,8 @@ def model_shape(path: str) -> ModelConfig | None:
     try:
         with open(cached) as f:
             return ModelConfig.from_hf_dict(json.load(f))
-    except (ValueError, KeyError, OSError):  # a family the JAX engine has no decoder for (the hf backend runs it)
-        return None
+    except (ValueError, KeyError, TypeError, AttributeError, OSError):  # a family the JAX engine has no decoder for
+        return None  # (the hf backend runs it), or a config.json not of the shape ModelConfig reads
 
 
 @dataclass

@@ -138,7 +138,7 @@ def check_model(cfg: Config) -> dict:
         except (ValueError, TypeError) as e:
             raise ModelError(f"model.path: {where}: {e}") from None
         _check_engine_tp(cfg, shape, where)
-    built = _as_transformers_builds_it(hf)
+    built = _as_transformers_builds_it(hf, where)
     if knob := unapplied_logit_scaling(built):
         raise ModelError(
             f"model.path: {where} sets {knob}={getattr(built, knob)}, a scaling of the logits that the trainer's "
@@ -170,16 +170,20 @@ def check_model(cfg: Config) -> dict:
     return hf
 
 
-def _as_transformers_builds_it(hf: dict):
+def _as_transformers_builds_it(hf: dict, where: str):
     """config.json as the trainer's model will see it (transformers resolves settings such as Qwen2's
-    `use_sliding_window` there); a model_type transformers does not know (remote code) as written."""
+    `use_sliding_window` there); a model_type transformers does not know (remote code) as written. A field transformers
+    refuses (`"head_dim": null`) is a ModelError: the trainer's model would not load."""
     import transformers
 
     hf = copy.deepcopy(hf)  # transformers fills in the dicts it is given (rope_scaling)
     try:
-        return transformers.AutoConfig.for_model(**hf)
-    except (ValueError, KeyError, TypeError):
-        return transformers.PretrainedConfig(**hf)
+        try:
+            return transformers.AutoConfig.for_model(**hf)
+        except (ValueError, KeyError, TypeError):
+            return transformers.PretrainedConfig(**hf)
+    except Exception as e:  # huggingface_hub's StrictDataclassError for a field's type, and whatever a config raises
+        raise ModelError(f"model.path: {where}: transformers cannot read it: {' '.join(str(e).split())}") from None
 
 
 def load_tokenizer(model: ModelSection):

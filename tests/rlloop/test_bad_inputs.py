@@ -338,6 +338,13 @@ MODEL_CASES = [  # (id, how to break a copy d of the tiny model, overrides (defa
     ("tp-does-not-split-kv-heads", lambda d: None, ["model.path={d}", "cluster.rollout_chips=4"],
      ["cluster.rollout_chips=4 over cluster.rollout_engines=1 gives each engine 4 chips", "num_key_value_heads=2",
       "e.g. cluster.rollout_engines=2"]),
+    # tracebacks of the memory plan (a list has no .get) and of transformers' config class (a field's type)
+    ("config-json-a-list", lambda d: (d / "config.json").write_text("[]"), [],
+     ["model.path: ", "config.json: expected a JSON object, got list"]),
+    ("config-json-null-head-dim",
+     lambda d: (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()),
+                                                          "head_dim": None})), [],
+     ["model.path: ", "config.json: transformers cannot read it:", "'head_dim' expected int, got NoneType"]),
 ]
 # fmt: on
 
