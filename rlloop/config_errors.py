@@ -12,6 +12,12 @@ from contextlib import contextmanager
 
 from pydantic import BaseModel
 
+# What YAML (and so a file or an override) makes of text it reads as another type
+TEXT_HINT = (
+    "YAML reads yes/no/on/off as booleans, leading-zero numbers as octal (0123 is 83) and an empty value as null; "
+    "quote it"
+)
+
 
 class ConfigError(Exception):
     """A config problem; the message names the key path. `rlloop.run` exits with code 2 on it."""
@@ -62,10 +68,14 @@ def describe(err: dict, root: type[BaseModel], prefix: str = "") -> str:
     if err["type"] == "missing":
         return f"{loc}: required key is missing"
     msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "value_error" and loc and msg.split(" ", 1)[0] in known_keys(root, loc.split(".")):
+        return f"{loc}.{msg}"  # a section's own check names its key bare: "profile_steps [40] go past steps=30"
     shown = isinstance(got, (str, int, float, list, tuple)) or got is None
     # A section's own check (a value_error at the section's path, or at no path) gets the whole section as input:
     # nothing worth echoing; a mapping where a value belongs is worth saying.
     mapping = isinstance(got, dict) and loc and err["type"] != "value_error"
     suffix = f", got {got!r}" if shown else (", got a mapping" if mapping else "")
     hint = flow_mapping_hint(err["loc"][-1], got) if err["loc"] else ""
+    if err["type"] in ("string_type", "literal_error") and (got is None or isinstance(got, (bool, int, float))):
+        hint += f" ({TEXT_HINT})"  # a text field YAML turned into something else
     return (f"{loc}: " if loc else "") + msg + suffix + hint

@@ -24,6 +24,10 @@ def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     by = f" (inherited by {seen[-1]})" if seen else ""
     if path.is_dir():
         raise ConfigError(f"config file {path}{by} is a directory; expected a YAML file (examples/grpo_dapo.yaml)")
+    if path.exists() and not path.is_file():  # /dev/null, a pipe: not "not found"
+        raise ConfigError(
+            f"config file {path}{by} is not a regular file; expected a YAML file (examples/grpo_dapo.yaml)"
+        )
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}{by}")
     if path in seen:

@@ -53,7 +53,8 @@ def error_label(e: Exception) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rlloop.run", description=__doc__.split("\n\n")[0])
     p.add_argument("config", help="YAML recipe, e.g. examples/grpo_dapo.yaml")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=2e-6 rollout.group_size=4")
+    # default=[]: without it, parse_intermixed_args calls the overrides required when no argument is given
+    p.add_argument("overrides", nargs="*", default=[], help="dotted overrides, e.g. train.lr=2e-6 rollout.group_size=4")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and placement plan, then exit")
     p.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
     p.add_argument(

@@ -423,3 +423,31 @@ def test_a_path_part_too_long_is_a_config_error_naming_the_key(key, overrides, t
     assert main([TINY, *[o.format(tmp=tmp_path) for o in overrides], "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert f"config error: {key}: {tmp_path}/" in err and err.rstrip().endswith(": File name too long"), err
+
+
+def test_no_arguments_asks_for_the_config_only(capsys):
+    with pytest.raises(SystemExit) as e:
+        main([])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.rstrip().endswith("the following arguments are required: config"), err
+
+
+def test_a_config_that_is_not_a_regular_file_is_not_called_missing(capsys):
+    assert main(["/dev/null", "--dry-run"]) == 2
+    assert "config error: config file /dev/null is not a regular file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "text,overrides,named",
+    [
+        ("", ["tracking.mode=off"], "tracking.mode: Input should be 'auto', 'online', 'offline' or 'disabled', got "),
+        ("run:\n  name: 0123\n", [], "run.name: Input should be a valid string, got 83"),  # YAML 1.1's octal
+        ("", ["run.name="], "run.name: Input should be a valid string, got None"),
+    ],
+    ids=["off", "octal", "empty"],
+)
+def test_text_that_yaml_read_as_another_type_says_to_quote_it(text, overrides, named, tmp_path, capsys):
+    assert main([write(tmp_path, f"inherit: {TINY}\n{text}"), *overrides, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "(YAML reads yes/no/on/off as booleans, leading-zero numbers as octal" in err, err
+    assert err.rstrip().endswith("quote it)"), err

@@ -56,4 +56,4 @@ def test_a_trace_that_cannot_be_written_is_a_warning_not_a_failed_call(tmp_path,
 
 def test_profile_steps_past_the_run_is_a_config_error(tmp_path, capsys):
     assert main([TINY, f"run.dir={tmp_path}", "run.steps=3", "run.profile_steps=[2,4]"]) == 2
-    assert "run: profile_steps [2, 4] go past steps=3" in capsys.readouterr().err
+    assert "run.profile_steps [2, 4] go past steps=3" in capsys.readouterr().err
