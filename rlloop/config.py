@@ -184,8 +184,11 @@ TEMPLATE_CALL_ARGS = frozenset(
 
 
 class DataSection(Section):
-    path: PathStr  # hub id, parquet/jsonl file, or a directory of them
+    path: PathStr  # hub id, parquet/jsonl file, or a directory of them (a hub snapshot)
+    # As datasets.load_dataset takes them: the split (a single file is "train"; slices such as "train[:1000]"), and
+    # the subset of a hub id or snapshot whose README declares several configs (TRL's dataset_config, datasets' name)
     split: str = "train"
+    subset: str | None = None
     prompt_key: str = "prompt"  # a chat-message list (DAPO) or a plain string
     answer_key: str = "reward_model.ground_truth"
     max_prompt_len: PositiveInt = 1024
@@ -208,7 +211,8 @@ class DataSection(Section):
 class EvalSection(Section):
     path: PathStr | None = None  # None: no evaluation
     name: str | None = None  # logged as eval/<name>; default: the file or dataset name
-    split: str = "train"
+    split: str = "train"  # and subset: as data.split and data.subset
+    subset: str | None = None
     samples: PositiveInt = 16  # completions per prompt; the score is mean accuracy
     max_prompts: PositiveInt | None = None
     temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0

@@ -119,7 +119,7 @@ class PromptData:
 
     def __init__(self, cfg: DataSection, tokenizer, *, seed: int = 0, key: str = "data.path"):
         """The rows of `cfg.path`, in an order seeded by `seed` (run.seed); `key` is the config key errors name."""
-        self.rows = load_rows(cfg.path, cfg.split, key)
+        self.rows = load_rows(cfg.path, cfg.split, key, cfg.subset)
         check_columns(self.rows, cfg.prompt_key, cfg.answer_key, cfg.path, key)
         self.cfg, self.tokenizer, self.seed, self.key = cfg, tokenizer, seed, key
         self.epoch, self.position, self.dropped = 0, 0, 0
@@ -279,7 +279,9 @@ def load_datasets(cfg: Config, tokenizer) -> tuple[PromptData, PromptData | None
         return train, None
     # The training data's columns and length limit; the file's order, and too-long prompts left out
     held_out = cfg.data.model_copy(
-        update=dict(path=cfg.eval.path, split=cfg.eval.split, on_long_prompt="drop", shuffle=False)
+        update=dict(
+            path=cfg.eval.path, split=cfg.eval.split, subset=cfg.eval.subset, on_long_prompt="drop", shuffle=False
+        )
     )
     return train, PromptData(held_out, tokenizer, key="eval.path")
 

@@ -64,7 +64,7 @@ def test_a_directory_holding_several_splits_gives_the_one_asked_for(tmp_path, to
     (tmp_path / "snap" / "README.md").write_text("a dataset card")
     assert len(PromptData(DataSection(path=str(tmp_path / "snap")), tok)) == 6
     assert len(PromptData(DataSection(path=str(tmp_path / "snap"), split="test"), tok)) == 4
-    with pytest.raises(DataError, match="no 'validation' split in it"):
+    with pytest.raises(DataError, match=r"snap has no 'validation' split \(it has train, test\)"):
         PromptData(DataSection(path=str(tmp_path / "snap"), split="validation"), tok)
     assert len(PromptData(DataSection(path=str(ASSETS / "data")), tok)) == len(TRAIN.read_text().splitlines()) == 336
     datasets.DatasetDict(train=datasets.Dataset.from_pandas(df)).save_to_disk(tmp_path / "saved")

@@ -1,0 +1,155 @@
+"""Which rows a source gives: a hub snapshot's configs and splits, `data.subset`, `data.split` on a file, repeated
+prompts (`data.dedup`), literal dotted column names, and the errors for what cannot be read as asked."""
+
+import logging
+import tracemalloc
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from transformers import AutoTokenizer
+
+from rlloop.config import DataSection, load_config
+from rlloop.data import PromptData, load_datasets
+from rlloop.errors import DataError
+from rlloop.tiny import ASSETS, make_rows
+
+TINY = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(ASSETS / "model")
+
+
+def frame(n: int, first: int = 0) -> pd.DataFrame:
+    """n rows in the DAPO schema, prompts "first + 0" ... with answers first + 1 ...: each distinct."""
+    return pd.DataFrame(make_rows([(i, 1) for i in range(first, first + n)], "train"))
+
+
+def answers(section: DataSection, tok) -> list[str]:
+    data = PromptData(section.model_copy(update=dict(shuffle=False)), tok)
+    return [p.answer for p in data.next_batch(len(data))]
+
+
+def snapshot(root: Path, files: dict[str, pd.DataFrame], readme: str | None = None) -> Path:
+    for name, rows in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        rows.to_parquet(root / name)
+    if readme is not None:
+        (root / "README.md").write_text(readme)
+    return root
+
+
+def test_a_snapshots_readme_configs_say_which_files_are_which_split(tmp_path, tok, caplog):
+    """The README declares data/dapo-math.parquet train and data/aime-2024.parquet test (names that say no split):
+    the directory trained on both, AIME included. As datasets reads it: train alone, and one line says which files
+    each split has."""
+    readme = (
+        "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: data/dapo-math.parquet\n"
+        "  - split: test\n    path: data/aime-2024.parquet\n---\n"
+    )
+    d = snapshot(tmp_path, {"data/dapo-math.parquet": frame(6), "data/aime-2024.parquet": frame(3, first=100)}, readme)
+    caplog.set_level(logging.INFO, logger="rlloop")
+    assert answers(DataSection(path=str(d)), tok) == [str(i + 1) for i in range(6)]
+    assert "split 'train' of train: data/dapo-math.parquet; test: data/aime-2024.parquet" in caplog.text
+    assert answers(DataSection(path=str(d), split="test"), tok) == ["101", "102", "103"]
+
+
+def test_a_snapshot_of_several_subsets_needs_data_subset(tmp_path, tok):
+    """open-r1/DAPO-Math-17k-Processed declares configs all, en and cn (all = en + cn): the directory read all three,
+    each prompt twice. Now it names data.subset and the subsets; eval.subset picks the eval set's."""
+    configs = "".join(
+        f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train-*\n" for c in ("all", "en", "cn")
+    )
+    d = snapshot(
+        tmp_path / "openr1",
+        {"all/train-00000-of-00001.parquet": frame(5), "en/train-00000-of-00001.parquet": frame(3)}
+        | {"cn/train-00000-of-00001.parquet": frame(2, first=3)},
+        f"---\nconfigs:\n{configs}---\n",
+    )
+    with pytest.raises(
+        DataError, match=r"openr1 has several subsets \(configs\): set data.subset to one of all, en, cn"
+    ):
+        PromptData(DataSection(path=str(d)), tok)
+    with pytest.raises(
+        DataError, match=r"data.subset 'fr': .*openr1 has no such subset \(config\); it has all, en, cn"
+    ):
+        PromptData(DataSection(path=str(d), subset="fr"), tok)
+    assert answers(DataSection(path=str(d), subset="cn"), tok) == ["4", "5"]
+    assert len(PromptData(DataSection(path=str(d), subset="all"), tok)) == 5
+    cfg = load_config(TINY, [f"eval.path={d}", "eval.subset=en"])
+    _, held_out = load_datasets(cfg, tok)
+    assert [p.answer for p in held_out.next_batch(3)] == ["1", "2", "3"]
+    with pytest.raises(DataError, match=r"eval.path .*openr1 has several subsets .* set eval.subset to one of"):
+        load_datasets(load_config(TINY, [f"eval.path={d}"]), tok)
+
+
+def test_files_that_no_name_puts_in_a_split_are_refused_not_dropped(tmp_path, tok):
+    """dapo-math-17k.parquet next to my_extra_train.parquet: datasets reads the file whose name says "train" and drops
+    the DAPO file unsaid (10 rows to train on, not 210); next to hard-test.parquet there was no train split at all."""
+    extra = snapshot(tmp_path / "extra", {"dapo-math-17k.parquet": frame(20), "my_extra_train.parquet": frame(2)})
+    with pytest.raises(
+        DataError,
+        match=r"extra: its file names put my_extra_train.parquet in a split \(train\), and "
+        r"dapo-math-17k.parquet in none, which would be left out.*set data.path to one file",
+    ):
+        PromptData(DataSection(path=str(extra)), tok)
+    held_out = snapshot(tmp_path / "held", {"dapo-math-17k.parquet": frame(20), "hard-test.parquet": frame(2)})
+    with pytest.raises(
+        DataError, match=r"put hard-test.parquet in a split \(test\), and dapo-math-17k.parquet in none"
+    ):
+        PromptData(DataSection(path=str(held_out)), tok)
+
+
+def test_a_directory_whose_names_say_no_split_is_read_whole_with_a_warning(tmp_path, tok, caplog):
+    """verl's data/ folder holds dapo-math-17k.parquet and its eval set aime-2024.parquet: as datasets reads it, both
+    are "train"; that is said, naming the files, rather than training on AIME unsaid."""
+    verl = snapshot(tmp_path / "data", {"dapo-math-17k.parquet": frame(20), "aime-2024.parquet": frame(3, first=50)})
+    assert len(PromptData(DataSection(path=str(verl)), tok)) == 23
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("rlloop")]
+    assert len(warned) == 1
+    assert "of train: aime-2024.parquet, dapo-math-17k.parquet; no file name says a split" in warned[0]
+
+
+def test_data_split_of_a_single_file_is_read_as_datasets_reads_it(tmp_path, tok):
+    """A file is one split, "train": a slice of it reads that slice (it read the whole file), another split is an
+    error naming data.split (it read the whole file too)."""
+    path = tmp_path / "d.parquet"
+    frame(10).to_parquet(path)
+    assert answers(DataSection(path=str(path), split="train[:3]"), tok) == ["1", "2", "3"]
+    assert answers(DataSection(path=str(path), split="train[80%:]"), tok) == ["9", "10"]
+    with pytest.raises(DataError, match=r"data.split 'test': .*d.parquet \(a single file\) has no 'test' split"):
+        PromptData(DataSection(path=str(path), split="test"), tok)
+    with pytest.raises(DataError, match=r"data.subset 'en': a single file .* has no subsets"):
+        PromptData(DataSection(path=str(path), subset="en"), tok)
+
+
+def test_a_blank_file_is_found_empty_without_reading_it_whole(tmp_path, tok):
+    """Whether a jsonl file has any text was found by reading it whole (2.3 GB for DAPO-Math-17k's 1.2 GB)."""
+    path = tmp_path / "blank.jsonl"
+    path.write_text("\n" * (32 << 20))
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError, match="blank.jsonl: no rows"):
+            PromptData(DataSection(path=str(path)), tok)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < (8 << 20)
+
+
+def test_an_unreachable_hub_dataset_says_to_download_it(tok):
+    with pytest.raises(
+        DataError, match=r"could not load from the Hugging Face hub .*download it first .* set data.path"
+    ):
+        PromptData(DataSection(path="BytedTsinghua-SIA/DAPO-Math-17k"), tok)
+
+
+def test_two_snapshots_of_one_name_give_their_own_rows(tmp_path, tok):
+    """datasets caches a directory whose README declares configs by its name and config alone: a second snapshot of
+    that name (another revision, or new files in the same place) gave the first one's rows."""
+    readme = "---\nconfigs:\n- config_name: en\n  data_files:\n  - split: train\n    path: en/train-*\n---\n"
+    for n, revision in ((3, "a"), (5, "b")):
+        d = snapshot(tmp_path / revision / "snap", {"en/train-00000-of-00001.parquet": frame(n)}, readme)
+        assert len(PromptData(DataSection(path=str(d), subset="en"), tok)) == n
