@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +35,10 @@ class Prompt:
 
 
 def get_field(row: dict, dotted: str):
+    """`row[dotted]`, a column of that literal name (pandas.json_normalize writes `reward_model.ground_truth`), or else
+    the nested field the dotted path names; None when there is neither."""
+    if dotted in row:
+        return row[dotted]
     value = row
     for part in dotted.split("."):
         if not isinstance(value, dict) or part not in value:
@@ -46,6 +51,8 @@ def check_columns(rows, prompt_key: str, answer_key: str, source: str, label: st
     if len(rows) == 0:
         raise DataError(f"{label} {source}: no rows")
     for key, what in ((prompt_key, "prompt_key"), (answer_key, "answer_key")):
+        if key in rows.column_names:  # a literal dotted name first, as get_field reads it
+            continue
         # By the schema, not the first row: a column that is null in row 0 exists and is a row-level problem.
         node = rows.features
         for part in key.split("."):
@@ -59,6 +66,11 @@ def check_columns(rows, prompt_key: str, answer_key: str, source: str, label: st
             )
 
 
+def top_columns(keys: Iterable[str], column_names: list[str]) -> list[str]:
+    """The columns that hold these keys: a literal dotted column name, or else the top of the nested path."""
+    return sorted({key if key in column_names else key.split(".")[0] for key in keys})
+
+
 def to_messages(prompt) -> list[dict]:
     if isinstance(prompt, str) and prompt.strip():
         return [{"role": "user", "content": prompt}]
@@ -66,13 +78,15 @@ def to_messages(prompt) -> list[dict]:
         isinstance(prompt, list)
         and prompt
         and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt)
-        and any(m["content"].strip() for m in prompt)  # a system message may be blank, not every message
+        # the last turn, the user's, asks the question: a system message may be blank, not that one (a conversion
+        # that read the wrong field left only the system prompt)
+        and prompt[-1]["content"].strip()
     ):
         return [{"role": m.get("role") or "user", "content": m["content"]} for m in prompt]
     shown = repr(prompt)[:80]
     raise DataError(
-        "prompt must be a non-empty string or a list of chat messages ({'role': ..., 'content': str}), got "
-        f"{type(prompt).__name__} {shown}"
+        "prompt must be a non-empty string or a list of chat messages ({'role': ..., 'content': str}) whose last "
+        f"(the user's turn) is not blank, got {type(prompt).__name__} {shown}"
     )
 
 
@@ -196,7 +210,7 @@ class PromptData:
         bound exceeds the limit are tokenized (DAPO-Math-17k's 1.8 M rows take seconds, not a tokenizer pass), unless
         the tokenizer cannot encode every text (no byte fallback, no unknown token: the tiny one), where every row is:
         one with a character it lacks ended the run at the step that drew it."""
-        columns = sorted({key.split(".")[0] for key in (self.cfg.prompt_key, self.cfg.answer_key)})
+        columns = top_columns((self.cfg.prompt_key, self.cfg.answer_key), self.rows.column_names)
         index, fits, shortest = 0, 0, None
         every_row = not encodes_any_text(self.tokenizer)
         for batch in self.rows.select_columns(columns).iter(batch_size=4096):

@@ -1,6 +1,7 @@
 """Which rows a source gives: a hub snapshot's configs and splits, `data.subset`, `data.split` on a file, repeated
 prompts (`data.dedup`), literal dotted column names, and the errors for what cannot be read as asked."""
 
+import json
 import logging
 import tracemalloc
 from pathlib import Path
@@ -137,6 +138,30 @@ def test_a_blank_file_is_found_empty_without_reading_it_whole(tmp_path, tok):
     finally:
         tracemalloc.stop()
     assert peak < (8 << 20)
+
+
+def test_a_literal_dotted_column_name_is_read(tmp_path, tok):
+    """pandas.json_normalize writes `reward_model.ground_truth` as one column: it was "not found", in an error that
+    listed it among the columns."""
+    flat = pd.json_normalize(make_rows([(1, 2), (3, 4)], "train"), max_level=1)
+    assert "reward_model.ground_truth" in flat.columns
+    flat.to_parquet(tmp_path / "flat.parquet")
+    data = PromptData(DataSection(path=str(tmp_path / "flat.parquet"), shuffle=False), tok)
+    data.validate()
+    assert [p.answer for p in data.next_batch(2)] == ["3", "7"]
+
+
+def test_a_blank_user_message_is_an_error_even_after_a_system_prompt(tmp_path, tok):
+    """A system prompt with a blank user turn (a conversion that read the wrong field) passed: the policy was asked
+    nothing."""
+    rows = make_rows([(1, 2), (3, 4)], "train")
+    rows[1]["prompt"] = [{"role": "system", "content": "Answer with Answer: $Answer"}, {"role": "user", "content": " "}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(
+        DataError, match=r"d.jsonl: row 1 \(0-based\), data.prompt_key 'prompt': .*whose last \(the user"
+    ):
+        PromptData(DataSection(path=str(path)), tok).validate()
 
 
 def test_an_unreachable_hub_dataset_says_to_download_it(tok):
