@@ -194,6 +194,9 @@ class DataSection(Section):
     max_prompt_len: PositiveInt = 1024
     on_long_prompt: Literal["drop", "error"] = "drop"  # dropped prompts are counted in the log
     shuffle: bool = True  # a new seeded order of the rows every epoch (run.seed); false: the file's order
+    # Each distinct (prompt, answer) once, the first row of it: the hub's DAPO-Math-17k repeats each prompt ~100x
+    # (slime and Miles train on a deduplicated copy); false: every row, repeats too
+    dedup: bool = True
     # More arguments for the tokenizer's chat template, eval prompts' too: {enable_thinking: false} turns Qwen3's
     # thinking off (TRL's chat_template_kwargs, verl's data.apply_chat_template_kwargs)
     chat_template_kwargs: dict[str, Any] = {}

@@ -3,17 +3,19 @@
 A source is a Hugging Face hub id, a local parquet/jsonl file, or a directory of such files (rlloop/data_files.py
 reads it). Rows carry a prompt
 (`prompt`: a chat-message list as in DAPO-Math-17k, or a plain string) and an answer (`reward_model.ground_truth`).
-Prompts are tokenized lazily, batch by batch (DAPO-Math-17k has 1.8 M rows), in an order fixed by (seed, epoch), so
-the position alone is enough to resume. Prompts longer than `max_prompt_len` are dropped and counted, or are an
-error, as configured.
+A row repeating an earlier row's prompt and answer is left out (`data.dedup`: the hub's DAPO-Math-17k is 17,398
+prompts, each ~103 times). Prompts are tokenized lazily, batch by batch (DAPO-Math-17k has 1.8 M rows), in an order
+fixed by (seed, epoch), so the position alone is enough to resume. Prompts longer than `max_prompt_len` are dropped
+and counted, or are an error, as configured.
 """
 
 from __future__ import annotations
 
 import logging
 import numbers
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -128,25 +130,81 @@ def encodes_any_text(tokenizer) -> bool:
     return True
 
 
+T = TypeVar("T")
+
+
+def prompt_identity(prompt: Prompt) -> tuple:
+    """What the policy sees and what it is scored against: the prompt's token ids and its answer."""
+    return tuple(prompt.token_ids), prompt.answer
+
+
+def distinct(items: Iterable[T], key: Callable[[T], Hashable] = prompt_identity) -> Iterator[T]:
+    """Each item once: the first of those with its key (for prompts, the first of the rows with its tokens and
+    answer)."""
+    seen = set()
+    for item in items:
+        if (k := key(item)) not in seen:
+            seen.add(k)
+            yield item
+
+
 class PromptData:
     """Seeded, resumable batches of tokenized prompts."""
 
     def __init__(self, cfg: DataSection, tokenizer, *, seed: int = 0, key: str = "data.path"):
-        """The rows of `cfg.path`, in an order seeded by `seed` (run.seed); `key` is the config key errors name."""
+        """The rows of `cfg.path` (each distinct prompt once, with `cfg.dedup`), in an order seeded by `seed`
+        (run.seed); `key` is the config key errors name."""
         self.rows = load_rows(cfg.path, cfg.split, key, cfg.subset)
         check_columns(self.rows, cfg.prompt_key, cfg.answer_key, cfg.path, key)
         self.cfg, self.tokenizer, self.seed, self.key = cfg, tokenizer, seed, key
+        self._columns = top_columns((cfg.prompt_key, cfg.answer_key), self.rows.column_names)
+        self._kept = self._distinct_rows() if cfg.dedup else np.arange(len(self.rows))  # source row indices
+        log.info(
+            "%s %s: %d rows, %s",
+            key,
+            cfg.path,
+            len(self.rows),
+            f"{len(self._kept)} distinct (prompt, answer) pairs" if cfg.dedup else "data.dedup off: repeats kept",
+        )
         self.epoch, self.position, self.dropped = 0, 0, 0
         self._order = self._make_order()
         self._template_bytes: dict[tuple, int] = {}  # roles -> the chat template's bytes around them
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self._kept)
 
     def _make_order(self) -> np.ndarray:
+        """This epoch's order of the kept rows (positions in them, as `get` takes)."""
         if not self.cfg.shuffle:
-            return np.arange(len(self.rows))
-        return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.rows))
+            return np.arange(len(self))
+        return np.random.default_rng([self.seed, self.epoch]).permutation(len(self))
+
+    def _iter_rows(self, indices: np.ndarray | None = None) -> Iterator[tuple[int, dict]]:
+        """(source index, the prompt and answer columns) of each row, or of those at `indices`, in file order."""
+        rows = self.rows.select_columns(self._columns)
+        if indices is None:
+            indices = np.arange(len(self.rows))
+        elif len(indices) < len(self.rows):
+            rows = rows.select(indices)
+        at = iter(indices)
+        for batch in rows.iter(batch_size=4096):
+            for values in zip(*(batch[c] for c in self._columns)):
+                yield int(next(at)), dict(zip(self._columns, values))
+
+    def _distinct_rows(self) -> np.ndarray:
+        """The source index of the first row of each distinct (prompt, answer) pair, in file order: deterministic, so
+        a resumed run has the same rows. A prompt's messages stand for the prompt the chat template renders from them
+        (rendering 1.8 M rows would take minutes); a row that does not parse is kept, for validate() to name."""
+
+        def identity(item: tuple[int, dict]) -> Hashable:
+            index, row = item
+            try:
+                messages, answer = self._parse_row(index, row)
+            except DataError:
+                return index
+            return tuple((m["role"], m["content"]) for m in messages), answer
+
+        return np.fromiter((index for index, _ in distinct(self._iter_rows(), identity)), dtype=np.int64)
 
     def _parse_row(self, index: int, row: dict) -> tuple[list[dict], str]:
         """(messages, answer) of `row`; a DataError naming the row and the column otherwise."""
@@ -194,8 +252,10 @@ class PromptData:
             f"data.max_prompt_len={self.cfg.max_prompt_len} (data.on_long_prompt: error)"
         )
 
-    def get(self, index: int) -> Prompt | None:
-        """Row `index` tokenized, or None when it is too long and the policy is to drop it."""
+    def get(self, position: int) -> Prompt | None:
+        """The kept row at `position` (0 to len(self) - 1; with data.dedup off, the row of that index) tokenized, or
+        None when it is too long and the policy is to drop it. Its `index`, as errors name it, is the source row's."""
+        index = int(self._kept[position])
         messages, ids, answer = self._parse(index)
         if len(ids) > self.cfg.max_prompt_len:
             if self.cfg.on_long_prompt == "error":
@@ -210,34 +270,31 @@ class PromptData:
         bound exceeds the limit are tokenized (DAPO-Math-17k's 1.8 M rows take seconds, not a tokenizer pass), unless
         the tokenizer cannot encode every text (no byte fallback, no unknown token: the tiny one), where every row is:
         one with a character it lacks ended the run at the step that drew it."""
-        columns = top_columns((self.cfg.prompt_key, self.cfg.answer_key), self.rows.column_names)
-        index, fits, shortest = 0, 0, None
+        fits, shortest = 0, None
         every_row = not encodes_any_text(self.tokenizer)
-        for batch in self.rows.select_columns(columns).iter(batch_size=4096):
-            for values in zip(*(batch[c] for c in columns)):
-                messages, _ = self._parse_row(index, dict(zip(columns, values)))
-                if not every_row and self._token_bound(index, messages) <= self.cfg.max_prompt_len:
-                    fits += 1
-                else:
-                    tokens = len(self._encode(index, messages))
-                    if tokens > self.cfg.max_prompt_len and self.cfg.on_long_prompt == "error":
-                        raise self._too_long(index, tokens)
-                    fits += tokens <= self.cfg.max_prompt_len
-                    shortest = tokens if shortest is None else min(shortest, tokens)
-                index += 1
+        for index, row in self._iter_rows(self._kept):
+            messages, _ = self._parse_row(index, row)
+            if not every_row and self._token_bound(index, messages) <= self.cfg.max_prompt_len:
+                fits += 1
+            else:
+                tokens = len(self._encode(index, messages))
+                if tokens > self.cfg.max_prompt_len and self.cfg.on_long_prompt == "error":
+                    raise self._too_long(index, tokens)
+                fits += tokens <= self.cfg.max_prompt_len
+                shortest = tokens if shortest is None else min(shortest, tokens)
         if not fits:
             raise DataError(
-                f"{self.key} {self.cfg.path}: every prompt (all {index} rows) is longer than data.max_prompt_len="
+                f"{self.key} {self.cfg.path}: every prompt (all {len(self)} rows) is longer than data.max_prompt_len="
                 f"{self.cfg.max_prompt_len} tokens (the shortest has {shortest}); raise data.max_prompt_len "
                 "(and rollout.prefill_buckets with it) or shorten the prompts"
             )
-        if fits < index:  # each is counted in data/dropped_prompts as it is drawn; the eval's, nowhere else
+        if fits < len(self):  # each is counted in data/dropped_prompts as it is drawn; the eval's, nowhere else
             log.warning(
                 "%s %s: %d of its %d prompts are longer than data.max_prompt_len=%d tokens and are left out",
                 self.key,
                 self.cfg.path,
-                index - fits,
-                index,
+                len(self) - fits,
+                len(self),
                 self.cfg.max_prompt_len,
             )
 
@@ -268,14 +325,20 @@ class PromptData:
             "position": self.position,
             "dropped": self.dropped,
             "seed": self.seed,
-            "rows": len(self.rows),
+            "rows": len(self),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("rows", len(self.rows)) != len(self.rows):  # a position in other data means nothing here
+        if state.get("rows", len(self)) != len(self):  # a position in other data means nothing here
+            repeats = (
+                " (every row, repeats too: a checkpoint from before data.dedup; resume it with data.dedup=false)"
+                if len(self) < len(self.rows) == state["rows"]
+                else ""
+            )
             raise DataError(
-                f"{self.key} {self.cfg.path} has {len(self.rows)} rows, and the checkpoint's position is in data of "
-                f"{state['rows']}: resume with the data the run was trained on, or start a new run (another run.dir)"
+                f"{self.key} {self.cfg.path} has {len(self)} rows, and the checkpoint's position is in data of "
+                f"{state['rows']}{repeats}: resume with the data the run was trained on, or start a new run (another "
+                "run.dir)"
             )
         self.seed, self.epoch, self.position, self.dropped = (
             state["seed"],

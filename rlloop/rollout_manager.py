@@ -14,7 +14,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +22,7 @@ import numpy as np
 
 from rlloop.advantages import group_advantages, overlong_penalty, zero_std_groups
 from rlloop.config import Config
-from rlloop.data import Prompt, PromptData
+from rlloop.data import Prompt, PromptData, distinct
 from rlloop.engine_shares import engine_metrics
 from rlloop.model import stop_token_ids
 from rlloop.profiling import profile_dir
@@ -251,15 +251,6 @@ class RolloutManager:
 
     def close(self) -> None:
         self.scorer.close()
-
-
-def distinct(prompts: Iterable[Prompt]) -> Iterator[Prompt]:
-    """Each prompt once: the first of the rows with its tokens and answer."""
-    seen = set()
-    for p in prompts:
-        if (key := (tuple(p.token_ids), p.answer)) not in seen:
-            seen.add(key)
-            yield p
 
 
 def sampling_seed(run_seed: int, step: int, round_: int = 0) -> int:

@@ -140,6 +140,33 @@ def test_a_blank_file_is_found_empty_without_reading_it_whole(tmp_path, tok):
     assert peak < (8 << 20)
 
 
+def test_repeated_prompts_are_trained_on_once_and_resume_in_the_same_order(tmp_path, tok, caplog):
+    """The hub's DAPO-Math-17k is 17,398 prompts, each ~103 times: an epoch drew the same prompt many times. Each
+    distinct (prompt, answer) is now kept once (its first row), and a resume draws what the run would have."""
+    rows = make_rows([(i, 1) for i in range(7)] * 4 + [(0, 1), (1, 1)], "train")  # 30 rows, 7 distinct
+    rows[29]["reward_model"]["ground_truth"] = "99"  # a prompt again, with another answer
+    path = tmp_path / "d.parquet"
+    pd.DataFrame(rows).to_parquet(path)
+    caplog.set_level(logging.INFO, logger="rlloop")
+    section = DataSection(path=str(path))
+    data = PromptData(section, tok, seed=3)
+    assert "d.parquet: 30 rows, 8 distinct (prompt, answer) pairs" in caplog.text
+    epoch = data.next_batch(8)
+    assert sorted(p.index for p in epoch) == [0, 1, 2, 3, 4, 5, 6, 29]  # each pair's first row
+    # as the eval reads its rows: by position, in file order
+    assert [(p.index, p.answer) for p in map(data.get, range(len(data)))][-2:] == [(6, "7"), (29, "99")]
+    drawn = data.next_batch(5)
+    trained = PromptData(section, tok, seed=3)
+    trained.next_batch(10)
+    resumed = PromptData(section, tok, seed=3)
+    resumed.load_state_dict(json.loads(json.dumps(trained.state_dict())))
+    assert [p.index for p in resumed.next_batch(3)] == [p.index for p in drawn[2:]]
+    every = PromptData(section.model_copy(update=dict(dedup=False)), tok, seed=3)
+    assert len(every) == 30
+    with pytest.raises(DataError, match=r"has 8 rows, .* in data of 30 \(.*resume it with data.dedup=false\)"):
+        PromptData(section, tok).load_state_dict(every.state_dict())
+
+
 def test_a_literal_dotted_column_name_is_read(tmp_path, tok):
     """pandas.json_normalize writes `reward_model.ground_truth` as one column: it was "not found", in an error that
     listed it among the columns."""
