@@ -15,6 +15,7 @@ import logging
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -116,6 +117,7 @@ class Cluster:
         self.trainers = [TrainerWorker(**rank)] if self.with_trainers else []
         for t in self.trainers:
             t.setup()
+        self._trainers_give_way()
 
     # ------------------------------------------------------------------ Ray
     def _start(self, cfg: Config, engine: dict, ranks: list[dict], engine_restarts: RestartCount | None) -> None:
@@ -170,6 +172,15 @@ class Cluster:
         rank0 = self.trainers[:1]
         master = self._call_all(rank0, "rendezvous", [()], start=True)[0] if len(self.trainers) > 1 else None
         self._call_all(self.trainers, "setup", [(master,)] * len(self.trainers), start=True)
+        self._trainers_give_way()
+
+    def _trainers_give_way(self) -> None:
+        """Colocated, the trainer ranks start asleep (state on the host, their allocator's cache emptied): the
+        engines' warmup and first generation would otherwise find the chips holding the ranks' state, and the memory
+        of loading the model whole before sharding it, which the memory plan gives the engine. Every train step wakes
+        them first (`start_train_step`)."""
+        if self.cfg.cluster.colocate and self.trainers:
+            self._call_all(self.trainers, "sleep", [()] * len(self.trainers), start=True)
 
     def _give_current_weights(self, e: int, engine) -> int:
         """Load the trainer's current weights into `engine`, engine e rebuilt after a death: it has the checkpoint's.
@@ -299,7 +310,8 @@ class Cluster:
     def push_weights(self, version: int) -> dict[str, float]:
         """Rank 0 publishes `version` (the other ranks join the export's gather under fsdp); the engines take it at
         their next pull."""
-        pushed = self._call_all(self.trainers, "push_weights", [(version,)] * len(self.trainers))
+        with self._trainers_awake():
+            pushed = self._call_all(self.trainers, "push_weights", [(version,)] * len(self.trainers))
         return (pushed[0] if pushed else None) or {}
 
     def sync_metrics(self) -> dict[str, float]:
@@ -318,10 +330,28 @@ class Cluster:
         return {**self.push_weights(version), **self.pull_weights()}
 
     def save(self, path: str) -> None:
-        self._call_all(self.trainers, "save", [(path,)] * len(self.trainers))
+        with self._trainers_awake():
+            self._call_all(self.trainers, "save", [(path,)] * len(self.trainers))
 
     def load(self, path: str) -> None:
-        self._call_all(self.trainers, "load", [(path,)] * len(self.trainers), start=True)
+        with self._trainers_awake():
+            self._call_all(self.trainers, "load", [(path,)] * len(self.trainers), start=True)
+
+    @contextmanager
+    def _trainers_awake(self):
+        """Colocated on accelerators, what the trainer ranks do outside a train step (a checkpoint's save or load, a
+        push) runs on their state on the chips, as in a step: their collectives (fsdp's gathers) reduce device
+        tensors. The engines make room first and come back after."""
+        if not (self.cfg.cluster.colocate and self.cfg.cluster.device != "cpu" and self.trainers):
+            yield
+            return
+        self.pool.call("sleep")
+        self._call_all(self.trainers, "wake", [()] * len(self.trainers))
+        try:
+            yield
+        finally:
+            self._call_all(self.trainers, "sleep", [()] * len(self.trainers))
+            self.pool.call("wake")
 
     def close(self) -> None:
         """Stop the workers (gracefully first, so shared memory is released), then Ray if we started it. The heap

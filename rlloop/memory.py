@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rlloop.config import Config, ConfigError
@@ -22,6 +22,8 @@ from rollout.cost import cache_dtype, engine_memory, kv_bytes_per_token, param_c
 from rollout.model_config import ModelConfig
 from rollout.weight_table import copies_tied_head
 from trainer.memory import ITEMSIZE, trainer_memory
+
+MAX_RANKS = 256  # searched for the fewest fsdp ranks whose shares fit
 
 GB = 1e9
 
@@ -89,18 +91,22 @@ def plan_memory(cfg: Config) -> MemoryPlan | None:
     head_copy = copies_tied_head(shape, c.device)
     kv_item = ITEMSIZE[cache_dtype(cfg.model.dtype, c.device)]
     engine = engine_memory(shape, item, engine_cfg.max_batch, engine_cfg.max_seq_len, engine_cfg.tp, head_copy, kv_item)
-    trainer = trainer_memory(
-        trainer_cfg,
-        param_count(shape),
-        shape.hidden_size,
-        shape.intermediate_size,
-        shape.num_layers,
-        shape.vocab_size,
-        c.train_chips,
-        shape.q_size,
-        shape.kv_size,
-        longest_sample=cfg.data.max_prompt_len + cfg.rollout.max_response_len,
-    )
+
+    def per_rank(trainer_cfg, ranks: int) -> dict[str, int]:
+        return trainer_memory(
+            trainer_cfg,
+            param_count(shape),
+            shape.hidden_size,
+            shape.intermediate_size,
+            shape.num_layers,
+            shape.vocab_size,
+            ranks,
+            shape.q_size,
+            shape.kv_size,
+            longest_sample=cfg.data.max_prompt_len + cfg.rollout.max_response_len,
+        )
+
+    trainer = per_rank(trainer_cfg, c.train_chips)
     device, source = device_memory(cfg)
     plan = MemoryPlan(engine, trainer, device, source, {})
     if device is None:
@@ -135,11 +141,20 @@ def plan_memory(cfg: Config) -> MemoryPlan | None:
             f"{(engine['total'] - usable) / GB:.1f} GB; {fix}"
         )
     if ranks and trainer["total"] > device:
+        fsdp = replace(trainer_cfg, parallel="fsdp")
+        samples = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+        splits = [n for n in range(c.train_chips + 1, MAX_RANKS + 1) if samples % (n * cfg.train.minibatches) == 0]
+        fits = next((n for n in splits if per_rank(fsdp, n)["total"] <= device), None)
+        shard = f"shard over {fits} ranks" if fits else "shard over more ranks"
+        shard += " (cluster.train_chips with train.parallel: fsdp)"
+        if trainer["state"] > device:  # no micro-batch size helps: the parameters, masters, gradients and AdamW
+            fix = f"its state alone ({trainer['state'] / GB:.1f} GB) does not fit: {shard}"
+        else:
+            checkpointing = "" if cfg.train.gradient_checkpointing else "set train.gradient_checkpointing: true, "
+            fix = f"lower train.micro_batch_tokens, {checkpointing}or {shard}"
         plan.fixes["trainer"] = (
             f"trainer: {trainer['total'] / GB:.1f} GB per rank exceeds {device / GB:.1f} GB by "
-            f"{(trainer['total'] - device) / GB:.1f} GB; lower train.micro_batch_tokens, "
-            f"{'' if cfg.train.gradient_checkpointing else 'set train.gradient_checkpointing: true, '}"
-            f"or shard over more ranks (cluster.train_chips with train.parallel: fsdp)"
+            f"{(trainer['total'] - device) / GB:.1f} GB; {fix}"
         )
     return plan
 

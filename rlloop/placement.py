@@ -25,9 +25,11 @@ FORWARDED_ENV = (
     "HF_HOME",
     "HF_TOKEN",
     "WANDB_MODE",
-    "JAX_PLATFORMS",
     "PYTHONPATH",
 )
+# The JAX platform of each device (a GPU's is found: cuda or rocm), set for the actors, never the driver's: a driver
+# started with JAX_PLATFORMS=cpu (it never starts JAX itself) had a TPU engine generate on the host's CPU, silently
+JAX_PLATFORM = {"tpu": "tpu", "cpu": "cpu"}
 
 RESOURCE = {"tpu": "TPU", "gpu": "GPU", "cpu": None}
 
@@ -208,11 +210,12 @@ def actor_env(cfg: Config, threads: int, rollout: bool, cores: range) -> dict[st
     # An actor's progress bars (transformers' "Loading weights", a download's) reach the driver's terminal line by
     # line, through the run's own bar; the driver says what the actors do (rlloop.loop)
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if platform := JAX_PLATFORM.get(cfg.cluster.device):
+        env["JAX_PLATFORMS"] = platform
     if cfg.cluster.device == "cpu":
         # A CPU "chip" is cores of its own (its bundle's): XLA and torch size their pools from the cores a process
         # may run on, so without pinning every actor spreads over every core and they slow each other down.
         env[CPU_AFFINITY_ENV] = ",".join(map(str, cores))
-        env["JAX_PLATFORMS"] = "cpu"
         if rollout:
             env["XLA_FLAGS"] = cpu_engine_xla_flags(engine_tp(cfg), len(cores))
     if cfg.cluster.device == "gpu" and rollout:

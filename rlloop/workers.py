@@ -239,12 +239,16 @@ class TrainerWorker:
         self.updated = False  # whether the last train step changed the weights (a non-finite one applies nothing)
 
     def rendezvous(self) -> tuple[str, int]:
-        """Rank 0's address and a free port there, for torch.distributed's env:// rendezvous."""
+        """Rank 0's address and a free port there, for torch.distributed's env:// rendezvous. The address is the
+        node's as Ray knows it: the host name's often resolves to a loopback one (Debian's 127.0.1.1), which ranks on
+        other nodes cannot reach."""
         import socket
+
+        import ray
 
         with socket.socket() as s:
             s.bind(("", 0))
-            return socket.gethostbyname(socket.gethostname()), s.getsockname()[1]
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def setup(self, master: tuple[str, int] | None = None) -> None:
         """Build the trainer; with several ranks this blocks until all have joined the process group."""

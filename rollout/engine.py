@@ -132,7 +132,13 @@ class JaxEngine:
         self.cache, self._host_params = self._new_cache(), None
 
     def device_bytes(self) -> int:
-        """Bytes of live JAX arrays on this process's devices (what release() gives back)."""
+        """Bytes JAX holds on this process's devices: where the device reports its allocator's figures (GPU, TPU),
+        the larger of what is in use and what its pool keeps (a pooling allocator keeps what release() freed, unless
+        JAX runs with XLA_PYTHON_CLIENT_ALLOCATOR=platform: counting live arrays would show memory given back that
+        the trainer cannot have); elsewhere the live arrays'."""
+        stats = [d.memory_stats() for d in jax.local_devices()]
+        if all(stats):
+            return sum(max(s.get("bytes_in_use", 0), s.get("pool_bytes", 0)) for s in stats)
         return sum(a.nbytes for a in jax.live_arrays())
 
     def _decode_dispatch(self, state: DecodeState, b: int):

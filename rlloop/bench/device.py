@@ -14,8 +14,9 @@ Five parts, each reported even when another fails (its error is recorded instead
   trainer  one torch Trainer step in bf16 on the same shapes on cuda (cpu without a GPU): seconds, tokens/s, MFU
            against a measured torch matmul peak, peak device memory
   tiny     the embedded example for a few steps with cluster.device=gpu and cluster.colocate=true (one GPU holds
-           both roles: the offload path runs for real), in this process where Ray is not installed; reward and
-           compiles from its metrics.jsonl
+           both roles: the offload path runs for real), in a process of its own where Ray is not installed (its JAX
+           with the allocator that hands memory back); reward, compiles and the engine's device bytes while the
+           trainer trains (its allocator's pool included) from its metrics.jsonl
   nccl     two trainer ranks over nccl (fsdp) when the host has two GPUs: both ranks' loss, equal
 """
 
@@ -25,6 +26,8 @@ import argparse
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -214,12 +217,21 @@ def bench_trainer(path: Path, args) -> dict:
 def bench_tiny(args, workdir: Path) -> dict:
     from rlloop.config import load_config
     from rlloop.loop import train
+    from rlloop.placement import jax_gpu_env
 
     overrides = [f"run.dir={workdir / 'tiny'}", f"run.steps={args.tiny_steps}", "run.save_every=0"]
     overrides += ["run.eval_every=0", "tracking.progress=false"]
     # Without Ray (a GPU image it is not installed on: rlloop/bench/device_requirements.txt) the example's engine and
-    # trainer run in this process, colocated all the same.
+    # trainer run in one process, colocated all the same: a process of its own, since the engine must hand memory
+    # back to the trainer, which JAX's pooling allocator, started by the parts before, would keep.
     with_ray = not args.quick and importlib.util.find_spec("ray") is not None
+    colocated_env = jax_gpu_env(colocated=True)
+    if not (with_ray or args.quick) and any(os.environ.get(k) != v for k, v in colocated_env.items()):
+        argv = [sys.executable, "-m", "rlloop.bench", "device", "--parts", "tiny", f"--tiny-steps={args.tiny_steps}"]
+        child = subprocess.run(argv, env=os.environ | colocated_env, capture_output=True, text=True, timeout=1800)
+        if child.returncode:
+            raise RuntimeError(f"the tiny part's process failed:\n{child.stderr[-3000:]}")
+        return json.loads(child.stdout.strip().splitlines()[-1])["tiny"]
     overrides.append("cluster.colocate=true")
     if not with_ray:
         overrides.append("cluster.use_ray=false")

@@ -87,6 +87,17 @@ def test_a_trainer_that_does_not_fit_names_its_keys(capsys):
     assert "set train.gradient_checkpointing: true" in capsys.readouterr().err
 
 
+def test_a_trainer_whose_state_alone_does_not_fit_is_told_how_many_ranks_do():
+    """It was told to lower train.micro_batch_tokens, which cannot help: the state (parameters, fp32 masters,
+    gradients, AdamW) is what does not fit. The rank count named is the fewest whose plan fits and that splits the
+    batch (3 would fit, and does not split 256 samples)."""
+    over = ["cluster.device_memory_gb=32", "rollout.max_batch=8", "train.micro_batch_tokens=1024"]
+    fix = plan_memory(load_config(REAL, over)).fixes["trainer"]
+    assert "its state alone (32.2 GB) does not fit: shard over 4 ranks" in fix and "micro_batch_tokens" not in fix
+    four = plan_memory(load_config(REAL, [*over, "cluster.train_chips=4"]))
+    assert "trainer" not in four.fixes and four.trainer["total"] <= 32e9
+
+
 def test_a_debug_mode_plans_only_the_role_it_starts():
     """--debug train-only starts no engine and rollout-only no trainer: the absent role's memory refused the run."""
     small = ["cluster.device_memory_gb=40", "rollout.max_batch=16"]  # the trainer does not fit, the engine does

@@ -264,3 +264,15 @@ def test_a_cpu_engine_of_two_chips_gets_the_cores_of_both():
     assert [plan.bundles[b] for b in plan.rollout_bundles] == [{"CPU": 4.0}]
     assert [plan.bundles[b] for b in plan.trainer_bundles] == [{"CPU": 2.0}, {"CPU": 2.0}]
     assert [plan.cores(b) for b in range(3)] == [range(0, 4), range(4, 6), range(6, 8)]
+
+
+@pytest.mark.parametrize("device, platform", [("tpu", "tpu"), ("cpu", "cpu"), ("gpu", None)])
+def test_an_actor_runs_jax_on_its_device_whatever_the_driver_s_jax_platforms(monkeypatch, device, platform):
+    """The driver's JAX_PLATFORMS was forwarded: started with JAX_PLATFORMS=cpu, it had a TPU engine generate on
+    the host's CPU without a word. A GPU's platform is left to JAX to find (cuda or rocm)."""
+    from rlloop.placement import actor_env
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu" if device != "cpu" else "tpu")
+    cfg = load_config(REAL, [f"cluster.device={device}"])
+    for rollout in (True, False):
+        assert actor_env(cfg, 1, rollout=rollout, cores=range(1)).get("JAX_PLATFORMS") == platform
