@@ -32,7 +32,7 @@ def samples(seed: int, rows: int = 6) -> TrainBatch:
     return TrainBatch(prompts, responses, advantages)
 
 
-def trl_trainer(tmp_path, loss_type: str, level: str):
+def trl_trainer(tmp_path, loss_type: str, level: str, model: Path = TINY_MODEL, beta: float = 0.0):
     from datasets import Dataset
     from transformers import AutoTokenizer
 
@@ -47,7 +47,9 @@ def trl_trainer(tmp_path, loss_type: str, level: str):
             importance_sampling_level=level,
             epsilon=EPS_LOW,
             epsilon_high=EPS_HIGH,
-            beta=0.0,
+            beta=beta,
+            # rlloop's KL term is verl's kl_loss: β·k3 per token, not weighted by the ratio as TRL's default is
+            use_bias_correction_kl=False,
             num_generations=2,
             per_device_train_batch_size=2,
             max_completion_length=MAX_COMPLETION,
@@ -55,7 +57,7 @@ def trl_trainer(tmp_path, loss_type: str, level: str):
             model_init_kwargs={"dtype": torch.float32},
         )
         return trl.GRPOTrainer(
-            model=str(TINY_MODEL),
+            model=str(model),
             reward_funcs=lambda completions, **_: [0.0] * len(completions),
             args=args,
             train_dataset=Dataset.from_list([{"prompt": "1+1"}] * 2),
@@ -63,15 +65,17 @@ def trl_trainer(tmp_path, loss_type: str, level: str):
         )
 
 
-def trl_loss_and_grads(trainer, batch: TrainBatch, old: list[list[float]]):
+def trl_loss_and_grads(trainer, batch: TrainBatch, old: list[list[float]], ref: list[list[float]] | None = None):
     rows = len(batch)
     completion_ids = torch.zeros(rows, MAX_COMPLETION, dtype=torch.long)
     completion_mask = torch.zeros(rows, MAX_COMPLETION, dtype=torch.long)
-    old_logps = torch.zeros(rows, MAX_COMPLETION)
+    old_logps, ref_logps = torch.zeros(rows, MAX_COMPLETION), torch.zeros(rows, MAX_COMPLETION)
     for i, (response, lp) in enumerate(zip(batch.responses, old)):
         completion_ids[i, : len(response)] = torch.tensor(response)
         completion_mask[i, : len(response)] = 1
         old_logps[i, : len(response)] = torch.tensor(lp)
+        if ref is not None:
+            ref_logps[i, : len(response)] = torch.tensor(ref[i], dtype=torch.float32)
     inputs = {
         "prompt_ids": torch.tensor(batch.prompts),
         "prompt_mask": torch.ones(rows, PROMPT_LEN, dtype=torch.long),
@@ -80,7 +84,7 @@ def trl_loss_and_grads(trainer, batch: TrainBatch, old: list[list[float]]):
         "advantages": torch.tensor(batch.advantages, dtype=torch.float32),
         "old_per_token_logps": old_logps,
         "num_items_in_batch": completion_mask.sum().float(),  # dapo's normaliser: the batch's completion tokens
-    }
+    } | ({"ref_per_token_logps": ref_logps} if ref is not None else {})
     model = trainer.model.eval()  # eval: one minibatch's loss, no gradient-accumulation scaling
     model.zero_grad(set_to_none=True)
     loss = trainer._compute_loss(model, inputs)
@@ -117,5 +121,40 @@ def test_loss_and_gradient_equal_trls_compute_loss(tmp_path, loss_type, level):
     assert got_grads.keys() == want_grads.keys()
     for name, want in want_grads.items():
         # fp32 rounding of two op orders: ~1e-7 of the tensor's scale (elementwise, tiny entries differ relatively)
+        err = (got_grads[name] - want).abs().max().item()
+        assert err <= 1e-6 * want.abs().max().item(), f"{name}: max |difference| {err:.3g}"
+
+
+@pytest.mark.parametrize("loss_type, level", [("dapo", "token"), ("grpo", "sequence")])
+def test_the_kl_term_equals_trls_without_its_ratio_weighting(tmp_path, loss_type, level):
+    """β·k3 against a reference the policy has moved away from (one large step), as TRL computes it with
+    use_bias_correction_kl=False (its default weights each token's KL by the ratio; verl's kl_loss does not)."""
+    import shutil
+
+    batch, rng = samples(seed=3), np.random.default_rng(4)
+    mover = Trainer(TrainerConfig(TINY_MODEL, lr=3e-2, max_grad_norm=1e9))
+    mover.train_step(samples(seed=9))
+    moved = tmp_path / "moved"
+    mover.save(str(moved))
+    for f in TINY_MODEL.iterdir():  # the tokenizer, for TRL's processing class
+        if not (moved / f.name).exists():
+            shutil.copy(f, moved / f.name)
+    beta = 0.04
+    loss_cfg = LossConfig(
+        loss_agg=loss_type, importance_level=level, clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, kl_coef=beta
+    )
+    ours = Trainer(TrainerConfig(TINY_MODEL, loss=loss_cfg, max_response_len=MAX_COMPLETION, skip_zero_advantage=False))
+    ours.load(str(moved))  # the policy moved; its reference stays model.path's
+    ref = Trainer(TrainerConfig(TINY_MODEL)).compute_logprobs(batch.prompts, batch.responses)
+    current = ours.compute_logprobs(batch.prompts, batch.responses)
+    old = [(np.asarray(lp, np.float64) + rng.normal(rng.normal(0, 0.3), 0.4, len(lp))).tolist() for lp in current]
+
+    got_grads, got_metrics = ours.compute_gradients(batch, old)
+    trl_side = trl_trainer(tmp_path / "trl", loss_type, level, model=moved, beta=beta)
+    want_loss, want_grads = trl_loss_and_grads(trl_side, batch, old, ref=[r.tolist() for r in ref])
+
+    assert got_metrics["train/kl_loss"] > 1e-3  # the reference is away from the policy: the term acts
+    assert got_metrics["train/loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
+    for name, want in want_grads.items():
         err = (got_grads[name] - want).abs().max().item()
         assert err <= 1e-6 * want.abs().max().item(), f"{name}: max |difference| {err:.3g}"
