@@ -147,6 +147,14 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return None
 
 
+def one_line(e: BaseException) -> str:
+    """An error as one line: a Ray actor's (RayTaskError) is its whole remote traceback, whose cause says what failed
+    (a full disk shows as torch's "iostream error ... unexpected pos", errno-less: hence the free space beside it)."""
+    cause = getattr(e, "cause", None) or e
+    lines = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {lines[-1]}" if lines else type(cause).__name__
+
+
 def save_checkpoint(run_dir: Path, step: int, state: dict, save_trainer, keep: int | None = 2) -> Path:
     """`save_trainer(path)` writes the trainer's state into `path`; `state` is the loop's (JSON). The newest `keep`
     checkpoints stay (None: all). A write that fails is a CheckpointError; a trainer rank that dies mid-save is its
@@ -169,7 +177,10 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, save_trainer, keep: i
             raise
         previous = _completed(run_dir)
         kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
-        raise CheckpointError(f"writing checkpoint {final} failed ({e}); {kept}; rerun with --resume") from e
+        free = shutil.disk_usage(final.parent).free / 1e9
+        raise CheckpointError(
+            f"writing checkpoint {final} failed ({one_line(e)}; {free:.2f} GB free there); {kept}; rerun with --resume"
+        ) from e
     _remove(final)
     tmp.rename(final)
     for old in _completed(run_dir):

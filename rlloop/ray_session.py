@@ -13,12 +13,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 from contextlib import contextmanager
 
 import psutil
 
 from rlloop.config import Config
+from rlloop.errors import ClusterError
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,21 @@ def local_ray(cfg: Config) -> bool:
     return ray_address(cfg) is None
 
 
+def check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """A head at `host:port` must answer: ray.init retries an unreachable one for minutes, printing only Ray's
+    "Failed to connect to GCS" warnings. Other forms (ray://, auto) are Ray's to resolve."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or "/" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ClusterError(
+            f"no Ray head answers at {address} (cluster.address or RAY_ADDRESS): {e}; start one there (`ray start "
+            "--head`), or leave both unset to start a local Ray"
+        ) from None
+
+
 def _no_token_notice(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
 
@@ -81,6 +98,8 @@ def start_ray(cfg: Config) -> bool:
     address = ray_address(cfg)
     if address is None:
         reap_orphaned_agents()
+    else:
+        check_reachable(address)
     log.info("starting a local Ray" if address is None else f"connecting to Ray at {address}")
     # Ray's notice that the local Ray it starts has token authentication on (its default since 2.5x) is not the
     # user's to act on: the driver starts that Ray and stops it at the end
@@ -94,9 +113,12 @@ def start_ray(cfg: Config) -> bool:
             log_to_driver=True,
             configure_logging=False,
         )
-    except BaseException:  # Ctrl-C midway: a local Ray half started must not outlive the driver
+    except BaseException as e:  # Ctrl-C midway: a local Ray half started must not outlive the driver
         if address is None and ray.is_initialized():
             ray.shutdown()
+        if isinstance(e, Exception):  # a head that refuses us (its token authentication), a local start timed out
+            where = f"the Ray at {address} (cluster.address or RAY_ADDRESS)" if address else "a local Ray"
+            raise ClusterError(f"cannot start or join {where}: {type(e).__name__}: {e}") from e
         raise
     if callable(on_sigterm) and threading.current_thread() is threading.main_thread():
         # ray.init installs a handler that aborts the driver on SIGTERM; keep the caller's (rlloop.run's: unwind and

@@ -39,6 +39,24 @@ def test_a_full_disk_mid_save_keeps_the_previous_checkpoint(small_disk):
     assert not list((small_disk / "checkpoints").glob("*.tmp"))  # the half-written one is gone
 
 
+def test_a_save_that_fails_in_an_actor_is_one_line_naming_its_cause_and_the_free_space(tmp_path):
+    """A trainer rank's write failing on a full disk reached the user as Ray's remote traceback (20 lines, colour
+    codes), whose cause, torch's errno-less "iostream error", never says the disk is full."""
+    from ray.exceptions import RayTaskError
+
+    def save_in_an_actor(path):
+        remote = "Traceback (most recent call last):\n  File ...\nRuntimeError: basic_ios::clear: iostream error"
+        raise RayTaskError(
+            "TrainerWorker.save", remote, RuntimeError("basic_ios::clear: iostream error")
+        ).as_instanceof_cause()
+
+    with pytest.raises(CheckpointError) as e:
+        save_checkpoint(tmp_path, 2, {"data": {}}, save_in_an_actor)
+    message = str(e.value)
+    assert "\n" not in message and "\x1b" not in message, message
+    assert "failed (RuntimeError: basic_ios::clear: iostream error; " in message and " GB free there)" in message
+
+
 def test_a_trainer_dying_mid_save_is_left_for_the_loop_to_heal(tmp_path):
     """A death is not a failed write: it reaches the loop as TrainerDied (which rebuilds the cluster from the previous
     checkpoint), not as the CheckpointError that ends the run, and the half-written checkpoint is gone."""

@@ -276,3 +276,21 @@ def test_an_actor_runs_jax_on_its_device_whatever_the_driver_s_jax_platforms(mon
     cfg = load_config(REAL, [f"cluster.device={device}"])
     for rollout in (True, False):
         assert actor_env(cfg, 1, rollout=rollout, cores=range(1)).get("JAX_PLATFORMS") == platform
+
+
+def test_a_cluster_address_where_no_ray_answers_is_one_clear_error(tmp_path):
+    """ray.init retried it for minutes (ten, once), printing only Ray's "Failed to connect to GCS" warnings."""
+    import socket
+
+    from rlloop.errors import ClusterError
+    from rlloop.ray_session import start_ray
+
+    with socket.socket() as s:  # a port nobody listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = load_config(REAL, [f"cluster.address=127.0.0.1:{port}", f"run.dir={tmp_path}"])
+    with pytest.raises(
+        ClusterError, match=rf"no Ray head answers at 127.0.0.1:{port} \(cluster.address or RAY_ADDRESS"
+    ):
+        start_ray(cfg)
+    assert not ray.is_initialized()
