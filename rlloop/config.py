@@ -41,6 +41,7 @@ from rlloop.config_types import (
     component_kwargs,
     knobs_of,
 )
+from rlloop.rewards import wrong_answer_score
 from rollout import EngineConfig
 from rollout.buckets import default_prefill_buckets
 from rollout.types import GREEDY_BELOW, INT32_MAX, MAX_STOP_IDS, DType
@@ -160,15 +161,16 @@ class EvalSection(Section):
 class RewardSection(Section):
     fn: str = "dapo"  # dapo | math | package.module:function
     timeout_s: TimeoutS = 10.0
-    # Given to a sample whose reward function raised or timed out; null: the built-in function's wrong-answer score
-    # (dapo -1, math 0), else 0. Above the wrong answers' score, a failed sample would get the group's best advantage.
+    # Given to a sample whose reward function raised or timed out; null: a built-in's wrong-answer score (dapo -1,
+    # math 0; rlloop.rewards.wrong_answer_score), else 0. Above the wrong answers', a failed sample would get the
+    # group's best advantage: set it for a function of your own that scores wrong answers below 0.
     failure_reward: Reward | None = None
     workers: PositiveInt = 2
 
     @model_validator(mode="after")
     def _failure_scores_as_wrong(self) -> RewardSection:
         if self.failure_reward is None:
-            self.failure_reward = -1.0 if self.fn == "dapo" else 0.0
+            self.failure_reward = wrong_answer_score(self.fn)
         return self
 
 

@@ -132,6 +132,14 @@ def math_reward(response: str, answer: str) -> float:
 
 
 BUILTIN = {"dapo": dapo_reward, "math": math_reward}
+WRONG_ANSWER = {dapo_reward: -1.0, math_reward: 0.0}  # each built-in's score for a wrong answer
+
+
+def wrong_answer_score(spec: str) -> float:
+    """What `reward.fn` gives a wrong answer, known for the built-ins (by name or by module path); 0 for others."""
+    module, _, attr = spec.partition(":")
+    fn = BUILTIN.get(spec) or (globals().get(attr) if module == __name__ else None)
+    return WRONG_ANSWER.get(fn, 0.0)
 
 
 def resolve(spec: str) -> Callable[[str, str], float]:

@@ -8,7 +8,8 @@
 A version is written under `.tmp-...` and renamed into place, so a reader on any host sees a whole version or none.
 Its manifest names the sender that wrote it (WRITER's id), and a reader takes versions of the current sender only:
 a sender whose directory was taken over (by a rebuilt trainer's, or by another run given the same run id and
-directory) gets an error at its next push, and what it may still have renamed into place is refused.
+directory) gets an error at its next push, and a version it may still have renamed into place is passed over by the
+readers and removed by the current sender's next push.
 The reader verifies everything before handing anything out: the manifest's own checksum (and that it is byte for
 byte the canonical JSON), the safetensors header's checksum, and each tensor's checksum, shape and extent. Together
 these cover every byte of both files. It maps the file and hands out read-only views (zero copy). Old versions
@@ -75,8 +76,18 @@ def _map_safetensors(path: Path, header_xxh3: int) -> tuple[dict, np.ndarray]:
     return json.loads(header[8:]), np.frombuffer(mapped, np.uint8)[8 + n :]
 
 
-def _read_manifest(path: Path, version: int, writer: str) -> tuple[Manifest, int]:
-    """The manifest of `version` in `path`, verified, and the checksum it holds of its safetensors file's header."""
+def _writer_of(vdir: Path, version: int) -> str | None:
+    """The sender a version's manifest names, once the manifest verifies; None where it does not (pruned, or
+    corrupt: then the version is read, and refused, as any other)."""
+    try:
+        return _read_manifest(vdir / MANIFEST, version)[2]
+    except (OSError, CorruptVersion):
+        return None
+
+
+def _read_manifest(path: Path, version: int) -> tuple[Manifest, int, str]:
+    """The manifest of `version` in `path`, verified, the checksum it holds of its safetensors file's header, and
+    the sender that wrote it."""
     raw = path.read_bytes()
     try:
         doc = json.loads(raw)
@@ -86,15 +97,10 @@ def _read_manifest(path: Path, version: int, writer: str) -> tuple[Manifest, int
         raise CorruptVersion(f"unreadable manifest: {exc}") from exc
     if not ok:
         raise CorruptVersion("manifest checksum mismatch")
-    if body["writer"] != writer:
-        raise CorruptVersion(
-            f"v{version} was written by sender {body['writer']}, not by {path.parent.parent}'s current one ({writer}):"
-            " two senders share the directory (two runs with the same run id and sync dir?)"
-        )
     manifest = Manifest.from_json(_canonical(body["manifest"]))
     if manifest.version != version:
         raise CorruptVersion(f"directory v{version} holds a manifest for version {manifest.version}")
-    return manifest, body["safetensors_header_xxh3"]
+    return manifest, body["safetensors_header_xxh3"], body["writer"]
 
 
 def _verified_blobs(manifest: Manifest, header: dict, data: np.ndarray) -> dict[str, np.ndarray]:
@@ -187,8 +193,12 @@ class DiskSender(Sender):
         except BaseException:  # a full disk: nothing half-written stays to block the version's next try
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        for old in _versions(self.run_dir)[: -self.keep]:
-            shutil.rmtree(self.run_dir / f"v{old:012d}", ignore_errors=True)
+        if self._ours():  # a sender replaced in the meantime prunes nothing: the versions are the new one's
+            for v in _versions(self.run_dir):  # a replaced sender's, renamed into place after our start: not kept
+                if v != manifest.version and _writer_of(self.run_dir / f"v{v:012d}", v) not in (self._epoch, None):
+                    shutil.rmtree(self.run_dir / f"v{v:012d}", ignore_errors=True)
+            for old in _versions(self.run_dir)[: -self.keep]:
+                shutil.rmtree(self.run_dir / f"v{old:012d}", ignore_errors=True)
         return (final / WEIGHTS).stat().st_size + (final / MANIFEST).stat().st_size
 
     def _take_keyframe_request(self) -> bool:
@@ -215,12 +225,17 @@ class DiskReceiver(Receiver):
                 self._writer_restarted()
             self._writer = writer
         versions = [v for v in _versions(self.run_dir) if at_most is None or v <= at_most]
-        return versions[-1] if versions else None
+        # the newest of the current sender's: a replaced one's may have landed after it took over
+        return next(
+            (v for v in reversed(versions) if _writer_of(self.run_dir / f"v{v:012d}", v) in (writer, None)), None
+        )
 
     def _read(self, version: int) -> Message | None:
         vdir = self.run_dir / f"v{version:012d}"
         try:
-            manifest, header_xxh3 = _read_manifest(vdir / MANIFEST, version, self._writer)
+            manifest, header_xxh3, writer = _read_manifest(vdir / MANIFEST, version)
+            if writer != self._writer:  # replaced since we looked: a newer sender's, or a replaced one's
+                return None
             header, data = _map_safetensors(vdir / WEIGHTS, header_xxh3)
             blobs = _verified_blobs(manifest, header, data)
         except FileNotFoundError:

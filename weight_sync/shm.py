@@ -204,8 +204,6 @@ class ShmSender(Sender):
         else:
             pid = int(np.fromfile(ctl_path, np.uint64, count=2)[_PID_F])
             raise ValueError(f"run_id {run_id!r} already has a live shm sender (pid {pid}); use another run_id")
-        for i in (0, 1):
-            segment_path(run_id, f"buf{i}").unlink(missing_ok=True)
         # Built under a temporary name, locked, then renamed into place: nobody sees an unlocked, live control file.
         # Locked on the descriptor that creates it, before anything else: another process's remove_stale_segments
         # must never find our file unlocked (it would take it for a dead writer's and unlink it).
@@ -228,6 +226,8 @@ class ShmSender(Sender):
             raise ValueError(f"run_id {run_id!r} already has a live shm sender; use another run_id") from None
         finally:
             tmp.unlink()
+        for i in (0, 1):  # a dead writer's, not yet swept: ours from here on (only now: a refused start removes none)
+            segment_path(run_id, f"buf{i}").unlink(missing_ok=True)
         self._maps: list[mmap.mmap | None] = [None, None]
         self._closed = False
         # Removes the segments of a sender dropped without close(), once collected or at exit; it holds no reference

@@ -92,7 +92,15 @@ def test_a_module_that_exits_on_import_or_a_file_path_is_named():
         resolve("/home/me/my_reward.py:compute_score")
 
 
-@pytest.mark.parametrize("fn, failure", [("dapo", -1.0), ("math", 0.0), ("tests.rlloop.reward_fns:raises", 0.0)])
+@pytest.mark.parametrize(
+    "fn, failure",
+    [
+        ("dapo", -1.0),
+        ("rlloop.rewards:dapo_reward", -1.0),  # the same function by its path: it defaulted to 0, above -1
+        ("math", 0.0),
+        ("tests.rlloop.reward_fns:raises", 0.0),
+    ],
+)
 def test_a_failed_sample_scores_as_a_wrong_answer_by_default(fn, failure):
     """With dapo's -1 for a wrong answer and a failure reward of 0, a sample that timed out got its group's best
     advantage."""

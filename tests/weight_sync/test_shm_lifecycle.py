@@ -381,3 +381,24 @@ def test_a_sender_reserves_both_buffers_at_the_start_or_says_the_shared_memory_i
         for version in (1, 2):  # versions of about that size fit what was reserved: no remap
             sender.push({"w": np.full((1 << 20) // 4 - 64, version, np.float32)}, version)
         assert [os.stat(segment_path(run_id, f"buf{i}")).st_blocks * 512 for i in (0, 1)] == reserved
+
+
+def test_a_sender_refused_at_its_start_leaves_the_live_senders_buffers(run_id, monkeypatch):
+    """A second sender that missed the live one's control segment in its check removed the live one's buffers before
+    it was refused: the live one went on writing into unlinked pages, and a receiver that started later (a restarted
+    engine) never saw a version again."""
+    live = make_sender(SyncConfig(run_id=run_id, transport="shm", delta=False))
+    try:
+        live.push({"w": np.full(8, 1.0, np.float32)}, 1)
+        ctl, real_exists = segment_path(run_id, "ctl"), Path.exists
+        monkeypatch.setattr(Path, "exists", lambda p: False if p == ctl else real_exists(p))  # the check misses it
+        with pytest.raises(ValueError, match="already has a live shm sender"):
+            make_sender(SyncConfig(run_id=run_id, transport="shm", delta=False))
+        monkeypatch.undo()
+        for version in (2, 3):  # 3 goes to version 1's buffer, which the refused sender removed
+            live.push({"w": np.full(8, float(version), np.float32)}, version)
+        with make_receiver(SyncConfig(run_id=run_id, transport="shm", delta=False)) as late:
+            assert late.pull() is not None, "a receiver started after the refusal sees no version"
+            assert late.version == 3
+    finally:
+        live.close()

@@ -272,24 +272,29 @@ def test_a_closed_disk_sender_leaves_no_versions_behind_unless_another_took_over
     assert not (tmp_path / run_id).exists()
 
 
-def test_a_replaced_disk_sender_cannot_publish_and_its_versions_are_refused(run_id, tmp_path):
+def test_a_replaced_disk_sender_cannot_publish_and_its_versions_are_passed_over(run_id, tmp_path):
     """Two senders of one directory (a rebuilt trainer's beside the dead one's, or two runs with the same run id and
-    sync dir): the replaced one's pushes fail, and a version it renamed into place before it could notice is refused,
-    never loaded as the current sender's."""
+    sync dir): the replaced one's pushes fail, and a version it renamed into place before it could notice is never
+    loaded, nor does it stand in the way of the current sender's lower-numbered versions (it held every receiver
+    until the new numbering passed it, and took a place among those kept)."""
     first, receiver = _pair("disk", run_id, tmp_path)
     first.push({"w": np.full(8, 1.0, np.float32)}, 1)
     second, _ = _pair("disk", run_id, tmp_path)
     second.push({"w": np.full(8, 2.0, np.float32)}, 1)
     with pytest.raises(RuntimeError, match="another weight sender took .* over"):
         first.push({"w": np.full(8, 3.0, np.float32)}, 5)
-    assert sorted(p.name for p in (tmp_path / run_id).iterdir() if p.name.startswith("v")) == ["v000000000001"]
+    versions = lambda: sorted(p.name for p in (tmp_path / run_id).iterdir() if p.name.startswith("v"))  # noqa: E731
+    assert versions() == ["v000000000001"]
     # the race the check cannot close: the first sender's rename lands just after the second took over
     first._check_still_writer = lambda: None
     first.push({"w": np.full(8, 3.0, np.float32)}, 5)
-    assert receiver.pull() is None and receiver.refused == 1
-    second.push({"w": np.full(8, 6.0, np.float32)}, 6)
     version, got = receiver.pull()
-    assert version == 6 and (got["w"] == 6.0).all()
+    assert version == 1 and (got["w"] == 2.0).all() and receiver.refused == 0
+    for v in (2, 3):
+        second.push({"w": np.full(8, float(v), np.float32)}, v)
+        version, got = receiver.pull()
+        assert version == v and (got["w"] == v).all()
+    assert versions() == ["v000000000002", "v000000000003"]  # the slipped-in one removed, keep=2 of the second's
     second.close()
 
 
