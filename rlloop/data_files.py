@@ -33,6 +33,13 @@ def _first_text(file: Path) -> bytes:
     return b""
 
 
+def _empty_json(file: Path) -> bool:
+    try:
+        return file.stat().st_size < 1 << 20 and json.loads(file.read_bytes()) in ([], {})
+    except ValueError:
+        return False
+
+
 def _bad_json_line(file: Path) -> str | None:
     """Where a JSON(-lines) file that `datasets` refused is broken, as 'line N: problem', if one line is to blame."""
     if _first_text(file) == b"[":  # one JSON array: the parser knows the line
@@ -89,6 +96,8 @@ def _unreadable(error: Exception, files: list[Path], fmt: str, path, key: str) -
         if where:
             return DataError(f"{key} {f} {where}")
     if fmt == "parquet" and _parquet_rows(files) == 0:  # readable, but pyarrow refuses zero-row batches
+        return DataError(f"{key} {path}: no rows")
+    if fmt == "json" and all(map(_empty_json, files)):  # `[]` or `{}`: datasets says "corresponds to no data"
         return DataError(f"{key} {path}: no rows")
     reason = " ".join(str(error.__cause__ or error).split())[:300]
     return DataError(f"{key} {path}: cannot read as {fmt} ({reason}); is it a broken or truncated file?")

@@ -419,6 +419,7 @@ DATA = [  # (id, files: name -> text | bytes | None (a directory) | a list of ro
     ("missing-nested-answer", {"d.jsonl": rows(**NO_ANSWER)}, [],
      ["column 'reward_model.ground_truth' (data.answer_key) not found"]),
     ("blank-lines-only", {"d.jsonl": "\n  \n\n"}, [], ["d.jsonl: no rows (empty file)"]),
+    ("empty-json-array", {"d.json": "[]"}, [], ["d.json: no rows"]),  # was "cannot read as json ... broken?"
     ("zero-row-parquet", {"d.parquet": pd.DataFrame({"prompt": [], "x": []}).to_parquet()}, [], ["d.parquet: no rows"]),
     ("int-prompt", {"d.jsonl": rows(r0={"prompt": 5})}, [],
      ["row 0 (0-based), data.prompt_key 'prompt'", "list of chat messages", "got int 5"]),
