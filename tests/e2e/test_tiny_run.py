@@ -68,6 +68,7 @@ def test_local_run_resumes_exactly_where_it_stopped(tmp_path, mode):
     weights in both runs (the resumed one has no older)."""
     common = [
         "reward.fn=tests.rlloop.reward_fns:fails_on_odd_length",
+        "reward.failure_reward=-1.0",  # below exact's 0 for a wrong answer: the failures make groups informative
         f"loop.mode={mode}",
         "rollout.backend=hf",
         "cluster.use_ray=false",

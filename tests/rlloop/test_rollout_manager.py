@@ -79,7 +79,7 @@ def test_dynamic_sampling_trains_exactly_prompts_per_step_groups_when_it_has_mor
     over-samples by the fraction kept and ends with more than a step takes; the step trains on exactly
     rollout.prompts_per_step of them, and counts those it leaves."""
     cfg, (samples, metrics) = run_collect(
-        setup, [*DYNAMIC_PAIRS, "reward.fn=tests.rlloop.reward_fns:fails_on_odd_length"]
+        setup, [*DYNAMIC_PAIRS, "reward.fn=tests.rlloop.reward_fns:fails_on_odd_length", "reward.failure_reward=-1"]
     )
     assert len(samples.prompts) == metrics["rollout/groups_kept"] == 12
     assert len(samples.completions) == 12 * cfg.rollout.group_size
