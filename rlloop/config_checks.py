@@ -38,6 +38,7 @@ def check_across_sections(cfg: Config) -> None:
     for check in checks:
         check(cfg)
     _unused_eval_settings(cfg)
+    _settings_the_mode_ignores(cfg)
     _lr_schedule(cfg)
     if not cfg.run.save_every and cfg.run.debug != "rollout-only":
         log.warning("run.save_every=0: no checkpoint is written, so the trained policy is not kept (nor resumable)")
@@ -219,6 +220,19 @@ def _unused_eval_settings(cfg: Config) -> None:
         unused.append(f"run.eval_every={cfg.run.eval_every}")
     if unused:
         log.warning("no eval.path, so no evaluation runs: %s set but unused", ", ".join(unused))
+
+
+def _settings_the_mode_ignores(cfg: Config) -> None:
+    """Settings another one makes idle, said rather than silently ignored (like the eval settings above)."""
+    idle = []
+    if "dir" in cfg.sync.model_fields_set and cfg.sync.transport != "disk":
+        idle.append(f"sync.dir (only sync.transport=disk reads it; this run's is {cfg.sync.transport})")
+    if cfg.cluster.address and not cfg.cluster.use_ray:
+        idle.append("cluster.address (cluster.use_ray=false: no Ray is joined)")
+    if "max_staleness" in cfg.loop.model_fields_set and cfg.loop.mode != "fully_async":
+        idle.append(f"loop.max_staleness (only loop.mode=fully_async admits by it; this run's is {cfg.loop.mode})")
+    for what in idle:
+        log.warning("%s: set but unused", what)
 
 
 def _ray_settings(cfg: Config) -> None:

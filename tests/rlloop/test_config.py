@@ -267,6 +267,26 @@ def test_eval_settings_without_eval_path_warn_that_they_are_unused(caplog):
     assert "no eval.path" not in caplog.text
 
 
+@pytest.mark.parametrize(
+    "overrides, idle",
+    [
+        (["sync.dir=/tmp/sync"], "sync.dir (only sync.transport=disk reads it; this run's is shm): set but unused"),
+        (["cluster.address=10.0.0.1:6379", "cluster.use_ray=false"], "cluster.address (cluster.use_ray=false"),
+        (["loop.max_staleness=3"], "loop.max_staleness (only loop.mode=fully_async admits by it; this run's is sync)"),
+    ],
+)
+def test_a_setting_another_makes_idle_warns(caplog, overrides, idle):
+    """They passed silently (an unwritable sync.dir too), as the eval settings without eval.path once did."""
+    with caplog.at_level("WARNING", logger="rlloop.config"):
+        load_config(TINY, overrides)
+    assert idle in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rlloop.config"):
+        used = ["sync.transport=disk", "sync.dir=/tmp/sync", "loop.mode=fully_async", "loop.max_staleness=2"]
+        load_config(TINY, used)
+    assert "set but unused" not in caplog.text
+
+
 def test_lr_schedule_settings_that_would_do_nothing_warn(caplog):
     with caplog.at_level("WARNING", logger="rlloop.config"):
         load_config(TINY, ["train.min_lr_ratio=0.1"])  # lr_decay: constant
