@@ -137,8 +137,7 @@ WRONG_ANSWER = {dapo_reward: -1.0, math_reward: 0.0}  # each built-in's score fo
 
 def wrong_answer_score(spec: str) -> float:
     """What `reward.fn` gives a wrong answer, known for the built-ins (by name or by module path); 0 for others."""
-    module, _, attr = spec.partition(":")
-    fn = BUILTIN.get(spec) or (globals().get(attr) if module == __name__ else None)
+    fn = BUILTIN.get(spec) or next((f for f in BUILTIN.values() if spec == f"{__name__}:{f.__name__}"), None)
     return WRONG_ANSWER.get(fn, 0.0)
 
 
