@@ -1,5 +1,5 @@
-"""The run directory as a run holds it: one run at a time (an flock), and a resumed run's settings compared with
-those it was started with (its config.yaml)."""
+"""The run directory as a run holds it: one run at a time (an flock), the checkpoint a run starts from, checked
+against it, and a resumed run's settings compared with those it was started with (its config.yaml)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from pathlib import Path
 
 import yaml
 
+from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, load_state
 from rlloop.config import Config, to_yaml
-from rlloop.errors import RunDirInUse
+from rlloop.data import Inputs
+from rlloop.errors import CheckpointError, RunDirInUse
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,43 @@ def run_dir_held(run_dir: Path):
         yield
     finally:
         os.close(fd)
+
+
+def earlier_run(cfg: Config, resume: bool) -> frozenset:
+    """The checkpoints of an earlier run in `run.dir` (`checkpoint_marks`) that a fresh run leaves until its first
+    save, with a warning: a rebuild before then starts over, not from the earlier run's step. None with --resume."""
+    inherited = frozenset() if resume else checkpoint_marks(cfg.run_dir)
+    if inherited:
+        log.warning(
+            "%s holds an earlier run (checkpoints %s); this one starts from step 0 and replaces it: its metrics now, "
+            "its checkpoints at this run's first save. To continue it instead, add --resume",
+            cfg.run_dir,
+            ", ".join(sorted(name for name, _, _ in inherited)),
+        )
+    return inherited
+
+
+def resume_point(cfg: Config, resume: bool, inputs: Inputs) -> tuple[Path | None, dict]:
+    """The checkpoint a run starts from (None: step 0) and its loop state. Other data or another trainer layout than
+    the checkpoint's is refused here, before Ray or any actor starts; --resume names the settings that changed."""
+    ckpt = latest_checkpoint(cfg.run_dir) if resume else None
+    if ckpt is None:
+        if resume:
+            log.warning("--resume: %s holds no checkpoint; the run starts from step 0", cfg.run_dir / "checkpoints")
+        return None, {"step": 0}
+    state = load_state(ckpt)
+    if state.get("data"):
+        inputs.data.load_state_dict(state["data"])  # refuses a position in other data (the loop loads it again)
+    if (written := state.get("train_parallel", cfg.train_parallel)) != cfg.train_parallel:
+        # One rank trains the plain model whatever train.parallel says: an fsdp checkpoint needs 2 or more
+        fix = "cluster.train_chips >= 2" if cfg.cluster.train_chips == 1 else f"train.parallel={written}"
+        raise CheckpointError(
+            f"{ckpt} was trained with train.parallel={written}, and this run's trainer is {cfg.train_parallel} "
+            f"(train.parallel={cfg.train.parallel} over cluster.train_chips={cfg.cluster.train_chips}): its optimizer "
+            f"state does not load across the two; resume with {fix}"
+        )
+    warn_of_changes(cfg)
+    return ckpt, state
 
 
 def warn_of_changes(cfg: Config) -> None:

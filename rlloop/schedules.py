@@ -27,13 +27,14 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager, nullcontext
 from typing import NamedTuple
 
-from rlloop.config import LoopSection
 from rlloop.profiling import profile_dir
 from rlloop.rollout_manager import Group, RolloutManager, RolloutTally, StepRollout, oversampled, sampling_seed
 
 
 class RolloutSchedule:
     """What each source of batches (a `loop.mode`, or --debug train-only's replay) answers the loop."""
+
+    overlapped = False  # whether the engines generate the next batch while the trainer trains
 
     def next(self, step: int) -> StepRollout:
         """Step `step`'s batch: rollout, rewards and advantages."""
@@ -85,6 +86,8 @@ class Pending(NamedTuple):
 
 class AsyncRollout(RolloutSchedule):
     """`loop.mode: async`. Step k's batch was generated while step k - 1 trained."""
+
+    overlapped = True
 
     def __init__(self, manager: RolloutManager, start: int = 0):
         self.manager = manager
@@ -166,11 +169,13 @@ class FullyAsyncRollout(RolloutSchedule):
     is not started until newer weights exist. Generating it anyway only to drop it wasted the engine's time and the
     prompts (a third of each tiny run's groups were dropped)."""
 
-    def __init__(self, manager: RolloutManager, loop: LoopSection, start: int = 0):
+    overlapped = True
+
+    def __init__(self, manager: RolloutManager, start: int = 0):
         # --debug rollout-only trains nothing, so its engines keep the one policy there is and no sample is stale
         # (counted against step - 1, every one was from step 3 on, and `next` waited forever for a fresh group)
         trains = manager.cfg.run.debug != "rollout-only"
-        self.manager, self.max_staleness = manager, loop.max_staleness if trains else math.inf
+        self.manager, self.max_staleness = manager, manager.cfg.loop.max_staleness if trains else math.inf
         self.want = manager.cfg.rollout.prompts_per_step
         self.version = start  # the newest weight version published or seen on a sample
         self.training: set[int] = set()  # steps taken by the trainer and not yet trained
@@ -335,15 +340,16 @@ class FullyAsyncRollout(RolloutSchedule):
         self.thread.join()
 
 
-def rollout_schedule(loop: LoopSection, manager: RolloutManager, replay: str | None = None, start: int = 0):
-    """The batch source of `loop.mode` for a run that has trained `start` steps, or of the saved rollouts in `replay`
-    (--debug train-only)."""
-    if replay is not None:
+def rollout_schedule(manager: RolloutManager, start: int = 0) -> RolloutSchedule:
+    """The batch source of `loop.mode` for a run that has trained `start` steps, or of the saved rollouts in
+    `run.replay` (--debug train-only)."""
+    cfg = manager.cfg
+    if cfg.run.replay is not None:
         from rlloop.replay import ReplayRollout  # which builds on this module
 
-        return ReplayRollout(replay)
-    if loop.mode == "async":
+        return ReplayRollout(cfg.run.replay)
+    if cfg.loop.mode == "async":
         return AsyncRollout(manager, start)
-    if loop.mode == "fully_async":
-        return FullyAsyncRollout(manager, loop, start)
+    if cfg.loop.mode == "fully_async":
+        return FullyAsyncRollout(manager, start)
     return SyncRollout(manager)

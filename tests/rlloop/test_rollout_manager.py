@@ -220,7 +220,7 @@ def test_a_resumed_fully_async_run_draws_new_samples_for_its_first_chunk(setup):
     for start in (0, 0, 5):
         data, _ = load_datasets(cfg, tok)  # each from the top: the same prompts
         with closing(RolloutManager(cfg, cluster, tok, data)) as rollout:
-            source = FullyAsyncRollout(rollout, cfg.loop, start=start)
+            source = FullyAsyncRollout(rollout, start=start)
             try:
                 batch = source.next(start + 1)
             finally:
@@ -316,7 +316,7 @@ def test_fully_async_resumes_at_the_oldest_buffered_prompt(setup):
     )
     data, _ = load_datasets(cfg, tok)
     with closing(RolloutManager(cfg, cluster, tok, data)) as rollout:
-        source = FullyAsyncRollout(rollout, cfg.loop)
+        source = FullyAsyncRollout(rollout)
         try:
             source.next(1)
             with source.cond:  # the producer buffers the next chunk
