@@ -227,8 +227,7 @@ TrainSection = knobs_of(TrainerConfig, wired=tuple(TRAINER_WIRED.split()))
 
 
 # The weight-sync knobs come from weight_sync.SyncConfig; the run's id is the run directory's (`sync_config`).
-class SyncSection(knobs_of(SyncConfig, wired=("run_id",))):
-    dir: PathStr | None = None  # disk transport root, `~` expanded and never empty; default <run dir>/sync
+SyncSection = knobs_of(SyncConfig, wired=("run_id",))  # sync.dir: None is <run dir>/sync
 
 
 class ClusterSection(Section):

@@ -217,7 +217,6 @@ class Tracker:
         if rows:
             plot_curves(rows, self.run_dir / "curves.png")
             (self.run_dir / "report.md").write_text(make_report(self.cfg, rows))
-        if rows:
             self._to_wandb("summarise", lambda run: run.summary.update(run_summary(rows)))
         self._to_wandb("finish", lambda run: run.finish(exit_code=1 if failed else 0))
 

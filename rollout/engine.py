@@ -353,12 +353,13 @@ class JaxEngine:
         busy = st.prefill_s + st.decode_s
         wall = time.perf_counter() - t_start
         padded = st.prefill_padded + st.decode_rows
+        pad = padded - prefill_tokens - st.decode_emitted
         self._stats = dict(
             compiles=float(compile_count() - compiles_before),
             total_compiles=float(compile_count()),
-            pad_frac=(padded - prefill_tokens - st.decode_emitted) / max(padded, 1),
+            pad_frac=pad / max(padded, 1),
             padded_slots=float(padded),  # prefill positions and decode rows run, padding included
-            pad_slots=float(padded - prefill_tokens - st.decode_emitted),
+            pad_slots=float(pad),
             prefill_s=st.prefill_s,
             decode_s=st.decode_s,
             wall_s=wall,

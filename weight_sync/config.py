@@ -11,12 +11,18 @@ from __future__ import annotations
 import os
 from typing import Annotated, Literal
 
-from pydantic import BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field
 from pydantic.dataclasses import dataclass
 
 PositiveInt = Annotated[int, Field(ge=1)]
-# A pathlib.Path is accepted and stored as str (the factories took one).
-PathStr = Annotated[str, BeforeValidator(lambda v: os.fspath(v) if isinstance(v, os.PathLike) else v)]
+# A pathlib.Path is accepted and stored as str (the factories took one); `~` is the home directory, as in a shell;
+# never empty (it would name the working directory)
+PathStr = Annotated[
+    str,
+    BeforeValidator(lambda v: os.fspath(v) if isinstance(v, os.PathLike) else v),
+    Field(min_length=1),
+    AfterValidator(os.path.expanduser),
+]
 
 
 @dataclass(config=ConfigDict(extra="forbid"))
