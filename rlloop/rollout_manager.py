@@ -193,9 +193,10 @@ class RolloutManager:
         return step - 1 - version - sum(version < s < step for s in tuple(self.unpublished))
 
     def batch(self, step: int, groups: list[Group], tally: RolloutTally) -> StepRollout:
-        """Shape rewards (overlong), compute group advantages and the step's rollout metrics."""
+        """Shape rewards (overlong), compute group advantages and the step's rollout metrics, the running totals
+        among them as of now: in the async modes the engines go on to the next batch while the loop logs this one."""
         cfg = self.cfg
-        metrics = tally.metrics()
+        metrics = tally.metrics() | self.counters()
         # --debug rollout-only has no trainer, and its engines the initial weights throughout
         behind = (lambda v: 0) if cfg.run.debug == "rollout-only" else (lambda v: self.updates_behind(v, step))
         metrics["rollout/groups_kept"] = len(groups)
@@ -241,7 +242,7 @@ class RolloutManager:
         return {f"eval/{self.eval_name}": float((gen.rewards > 0).mean())}
 
     def counters(self) -> dict[str, float]:
-        """Running totals the loop logs every step."""
+        """Running totals the loop logs every step, with its batch."""
         return {
             "data/dropped_prompts": self.data.dropped,
             "rollout/reward_failures": self.scorer.failures,

@@ -92,7 +92,8 @@ class StepEnds:
             self._evaluate(metrics)
         metrics |= {"perf/step_s": self.clock.elapsed(), "train/restarts": self.trainer_restarts}
         metrics |= step_overhead(metrics)
-        metrics |= self.rollout.counters()
+        for key, total in self.rollout.counters().items():  # a replay's batches carry none: it scores nothing
+            metrics.setdefault(key, total)
         for key in RUN_TOTALS:
             if key in metrics:
                 metrics[key] = self.totals[key] = metrics[key] + self.carried.get(key, 0)

@@ -27,6 +27,11 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def rows_of(run_dir: Path, step: int) -> list[str]:
+    """The samples `tracking.save_rollouts` saved of `step`, one JSON line each."""
+    return (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()
+
+
 def logged_so_far(run_dir: Path) -> list[dict]:
     """The metrics of a run still running: none before its first line, and none while a line is half-written."""
     try:
@@ -78,7 +83,7 @@ def test_local_run_resumes_exactly_where_it_stopped(tmp_path, mode):
         "rollout.prompts_per_step=4",
         "sync.transport=disk",
     ]
-    straight = load_config(TINY, common + ["run.steps=4", f"run.dir={tmp_path / 'a'}"])
+    straight = load_config(TINY, common + ["run.steps=4", f"run.dir={tmp_path / 'a'}", "tracking.save_rollouts=true"])
     train(straight)
     first = load_config(TINY, common + ["run.steps=2", f"run.dir={tmp_path / 'b'}"])
     train(first)
@@ -99,6 +104,10 @@ def test_local_run_resumes_exactly_where_it_stopped(tmp_path, mode):
     ):
         assert [m[key] for m in a] == [m[key] for m in b], key  # one process, fp32 CPU: bit for bit
     assert 0 < b[1]["rollout/reward_failures"] < b[3]["rollout/reward_failures"]
+    # each step's total counts the failures of its own samples and the steps' before, not (async) of the next step's,
+    # which the engines are generating and scoring while the driver logs it
+    odd = [sum(len(json.loads(r)["response"]) % 2 for r in rows_of(tmp_path / "a", step)) for step in range(1, 5)]
+    assert [m["rollout/reward_failures"] for m in a] == [sum(odd[:k]) for k in range(1, 5)]
     # sync: each step sampled by the previous policy; async: one version older, but for the step after a checkpoint
     assert [m["rollout/weight_version"] for m in b] == ([0, 1, 2, 3] if mode == "sync" else [0, 0, 2, 2])
     a_weights, b_weights = (tmp_path / d / "checkpoints/step_000004/trainer/model.safetensors" for d in "ab")
