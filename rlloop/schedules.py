@@ -259,7 +259,9 @@ class FullyAsyncRollout(RolloutSchedule):
         and it starts on version `version` or newer. A trainer waiting on an empty buffer (`starving`: not one whose
         wait is over, the buffer filled before it woke) is served at once unless a step in training may publish the
         weights that make the chunk fresh enough (at max_staleness 0, a chunk started before step k's weights were
-        out was generated only to be dropped, two chunks a step)."""
+        out was generated only to be dropped, two chunks a step). None starts whose groups no step of the run takes."""
+        if self.asking + (len(self.buffer) + self.taken_now) // self.want > self.manager.cfg.run.steps:
+            return False  # its groups would go to steps past the run's last: generated only to be thrown away
         starved = self.starving and not self.buffer and not self.training
         return starved or self._fresh_enough()
 
