@@ -200,7 +200,7 @@ def _component_error(err: dict, cfg: Config, section: str) -> str:
 def _lr_schedule(cfg: Config) -> None:
     """Schedule settings that would do nothing, said rather than silently ignored."""
     t, updates = cfg.train, cfg.run.steps * cfg.train.minibatches
-    if t.lr_decay == "constant" and "min_lr_ratio" in t.model_fields_set:
+    if t.lr_decay == "constant" and _given(t, "min_lr_ratio"):
         log.warning("train.min_lr_ratio=%s does nothing with train.lr_decay: constant", t.min_lr_ratio)
     if t.lr_warmup_steps >= updates:
         log.warning(
@@ -211,12 +211,18 @@ def _lr_schedule(cfg: Config) -> None:
         )
 
 
+def _given(section, name: str) -> bool:
+    """Whether a setting was given a value other than its default: a run's own config.yaml, fed back in, sets every
+    key, most to their defaults, and those are no one's choice to warn about."""
+    return name in section.model_fields_set and getattr(section, name) != type(section).model_fields[name].default
+
+
 def _unused_eval_settings(cfg: Config) -> None:
     """Evaluation settings without eval.path (no evaluation runs) are ignored: say so rather than silently."""
     if cfg.eval.path is not None:
         return
-    unused = [f"eval.{k}" for k in type(cfg.eval).model_fields if k in cfg.eval.model_fields_set and k != "path"]
-    if cfg.run.eval_every and "eval_every" in cfg.run.model_fields_set:
+    unused = [f"eval.{k}" for k in type(cfg.eval).model_fields if _given(cfg.eval, k) and k != "path"]
+    if cfg.run.eval_every and _given(cfg.run, "eval_every"):
         unused.append(f"run.eval_every={cfg.run.eval_every}")
     if unused:
         log.warning("no eval.path, so no evaluation runs: %s set but unused", ", ".join(unused))
@@ -225,11 +231,13 @@ def _unused_eval_settings(cfg: Config) -> None:
 def _settings_the_mode_ignores(cfg: Config) -> None:
     """Settings another one makes idle, said rather than silently ignored (like the eval settings above)."""
     idle = []
-    if "dir" in cfg.sync.model_fields_set and cfg.sync.transport != "disk":
+    if _given(cfg.sync, "dir") and cfg.sync.transport != "disk":
         idle.append(f"sync.dir (only sync.transport=disk reads it; this run's is {cfg.sync.transport})")
+    if _given(cfg.grpo, "max_sampling_rounds") and not cfg.grpo.dynamic_sampling:
+        idle.append("grpo.max_sampling_rounds (only grpo.dynamic_sampling draws more rounds)")
     if cfg.cluster.address and not cfg.cluster.use_ray:
         idle.append("cluster.address (cluster.use_ray=false: no Ray is joined)")
-    if "max_staleness" in cfg.loop.model_fields_set and cfg.loop.mode != "fully_async":
+    if _given(cfg.loop, "max_staleness") and cfg.loop.mode != "fully_async":
         idle.append(f"loop.max_staleness (only loop.mode=fully_async admits by it; this run's is {cfg.loop.mode})")
     for what in idle:
         log.warning("%s: set but unused", what)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from rlloop.config import ConfigError, load_config
+from rlloop.config import ConfigError, load_config, to_yaml
 from rlloop.run import main
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -273,6 +273,7 @@ def test_eval_settings_without_eval_path_warn_that_they_are_unused(caplog):
         (["sync.dir=/tmp/sync"], "sync.dir (only sync.transport=disk reads it; this run's is shm): set but unused"),
         (["cluster.address=10.0.0.1:6379", "cluster.use_ray=false"], "cluster.address (cluster.use_ray=false"),
         (["loop.max_staleness=3"], "loop.max_staleness (only loop.mode=fully_async admits by it; this run's is sync)"),
+        (["grpo.max_sampling_rounds=5"], "grpo.max_sampling_rounds (only grpo.dynamic_sampling draws more rounds)"),
     ],
 )
 def test_a_setting_another_makes_idle_warns(caplog, overrides, idle):
@@ -285,6 +286,15 @@ def test_a_setting_another_makes_idle_warns(caplog, overrides, idle):
         used = ["sync.transport=disk", "sync.dir=/tmp/sync", "loop.mode=fully_async", "loop.max_staleness=2"]
         load_config(TINY, used)
     assert "set but unused" not in caplog.text
+
+
+def test_a_runs_own_config_fed_back_warns_of_nothing(tmp_path, caplog):
+    """A run's config.yaml holds every key, most at their defaults: it warned of settings no one had chosen."""
+    saved = tmp_path / "config.yaml"
+    saved.write_text(to_yaml(load_config(TINY)))
+    with caplog.at_level("WARNING", logger="rlloop.config"):
+        load_config(str(saved))
+    assert "unused" not in caplog.text and "does nothing" not in caplog.text
 
 
 def test_lr_schedule_settings_that_would_do_nothing_warn(caplog):
