@@ -187,12 +187,12 @@ class FullyAsyncRollout(RolloutSchedule):
         self.tally = RolloutTally()  # what was generated since the last batch was taken
         self.in_flight_cursor: dict | None = None
         self.dropped_stale = self.dropped_zero_std = 0
-        # DAPO's dynamic sampling: a step that has seen `max_sampling_rounds` chunks in a row keep no group (every
-        # group agreed on its reward) trains on what it has, as `collect` does after its rounds, rather than wait
-        # for ever on a policy that no longer disagrees with itself
+        # DAPO's dynamic sampling: a step that has waited for `max_sampling_rounds` chunks and still lacks groups (the
+        # rest agreed on their reward) trains on what it has, as `collect` does after its rounds (verl's
+        # max_num_gen_batches), rather than draw on, or wait for ever on a policy that no longer disagrees with itself
         grpo = manager.cfg.grpo
         self.give_up_after = grpo.max_sampling_rounds if grpo.dynamic_sampling else math.inf
-        self.barren = 0  # chunks in a row, since `next` began to wait, that kept no group
+        self.rounds = 0  # chunks finished since the `next` under way began
         self.groups_made = self.groups_kept = 0  # over the run: the share dynamic sampling keeps
         self.error: BaseException | None = None
         self.stopping = self.pausing = False
@@ -230,7 +230,7 @@ class FullyAsyncRollout(RolloutSchedule):
                         else:
                             self.buffer.append(grp)
                             kept += 1
-                    self.barren = 0 if kept else self.barren + 1
+                    self.rounds += 1
                     self.groups_made, self.groups_kept = self.groups_made + len(groups), self.groups_kept + kept
                     self.in_flight_cursor = None
                     self.cond.notify_all()
@@ -280,14 +280,15 @@ class FullyAsyncRollout(RolloutSchedule):
 
     def next(self, step: int) -> StepRollout:
         """The oldest `prompts_per_step` fresh groups; blocks until the producer has them, or with dynamic sampling
-        until `max_sampling_rounds` chunks in a row kept none (then fewer, or none: the step trains short or not)."""
+        until `max_sampling_rounds` chunks have finished since it began (then fewer, or none: the step trains short or
+        not)."""
         taken: list[Group] = []
         with self.cond:
-            self.asking, self.barren = step, 0
+            self.asking, self.rounds = step, 0
             while len(taken) < self.want:
                 self.starving = not self.buffer
                 self.cond.notify_all()
-                self.cond.wait_for(lambda: self.buffer or self.error is not None or self.barren >= self.give_up_after)
+                self.cond.wait_for(lambda: self.buffer or self.error is not None or self.rounds >= self.give_up_after)
                 self.starving = False
                 if self.error is not None:
                     raise self.error

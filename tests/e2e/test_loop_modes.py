@@ -115,8 +115,10 @@ def test_fully_async_at_staleness_0_with_dynamic_sampling_trains_full_batches_of
     sync's rounds over-sample: a whole chunk's surplus went stale in the buffer (66 groups dropped under DAPO's
     reward, against 32 dynamic sampling dropped), and the bare shortfall trained short batches (under a reward that
     leaves three groups in four uninformative).
-    What still goes stale is the over-sampling's surplus, fewer than the groups dynamic sampling drops."""
+    What still goes stale is the over-sampling's surplus, fewer than the groups dynamic sampling drops. (Rounds
+    enough to fill each batch: at the default 3 a step trains short under the quarter reward, as sync's does.)"""
     overrides = ["loop.mode=fully_async", "loop.max_staleness=0", "grpo.dynamic_sampling=true"]
+    overrides += ["grpo.max_sampling_rounds=8"]
     overrides += [f"reward.fn={reward}"]
     overrides += ["rollout.prompts_per_step=16", "run.steps=8", "run.save_every=0"]
     train(load_config(TINY, LOCAL + [*overrides, f"run.dir={tmp_path}"]))
@@ -124,6 +126,23 @@ def test_fully_async_at_staleness_0_with_dynamic_sampling_trains_full_batches_of
     assert [m["rollout/groups_kept"] for m in metrics if "train/loss" in m] == [16] * 8
     assert metrics[-1]["rollout/stale_groups_dropped"] < metrics[-1]["rollout/zero_std_groups_dropped"]
     assert max(m["rollout/staleness/max"] for m in metrics) == 0
+
+
+def test_fully_async_dynamic_sampling_draws_at_most_its_rounds_a_step(tmp_path):
+    """grpo.max_sampling_rounds bounds a step's generation as in sync (verl's max_num_gen_batches): once that many
+    chunks have finished while the step waited, it trains short. It counted only chunks in a row that kept no group,
+    so under a reward that leaves three groups in four uninformative a step drew on for as many as it took."""
+    overrides = ["loop.mode=fully_async", "grpo.dynamic_sampling=true", "grpo.max_sampling_rounds=1"]
+    overrides += ["reward.fn=tests.rlloop.reward_fns:informative_quarter"]
+    overrides += ["rollout.prompts_per_step=16", "run.steps=4", "run.save_every=0", f"run.dir={tmp_path}"]
+    cfg = load_config(TINY, LOCAL + overrides)
+    inputs = load_inputs(cfg)
+    train(cfg, inputs=inputs)
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["rollout/groups_kept"] < 16 for m in metrics if "rollout/groups_kept" in m)
+    cursor = inputs.data.state_dict()
+    # a chunk while the step waits, and at most one ahead of it (the buffer's back-pressure)
+    assert cursor["epoch"] * cursor["rows"] + cursor["position"] <= (4 + 1) * 16
 
 
 FAILING_STEP = """
