@@ -52,6 +52,9 @@ class SamplingParams:
 
     def __post_init__(self):
         # One clear error per bad field, so a typo in a config fails before any compile or model load.
+        for name in ("top_k", "max_new_tokens", "seed"):  # a float was cut to an int (top_k 1.5 -> 1), or crashed
+            if not isinstance(getattr(self, name), (int, np.integer)):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if not 0.0 <= self.temperature < math.inf:
             raise ValueError(
                 f"temperature must be finite and >= 0 (below GREEDY_BELOW means greedy), got {self.temperature}"

@@ -214,6 +214,8 @@ def test_bad_requests_raise(engine, model_dir):
         (dict(top_k=2**31), "top_k"),
         (dict(stop_token_ids=(2**31,)), "stop_token_ids"),
         (dict(temperature=float("inf")), "temperature"),
+        (dict(top_k=1.5), "top_k must be an integer"),  # was cut to 1
+        (dict(max_new_tokens=4.5), "max_new_tokens must be an integer"),  # crashed in generate, naming no field
     ):
         with pytest.raises(ValueError, match=field):
             SamplingParams(**bad)
