@@ -5,14 +5,16 @@ A checkpoint is written under a temporary name and renamed, with `manifest.json`
 then `state.json` last (it holds the xxh3 of the manifest and of its own content), so a crash or a full disk mid-save
 leaves the previous checkpoint as the latest. Resuming verifies the newest checkpoint and falls back, saying so, to
 the newest intact one: a flipped byte, a missing or an extra file is never loaded. A corrupt checkpoint is moved
-aside to `step_NNNNNN.corrupt`, out of the count of the newest `keep` that are kept. Checkpoints numbered past the
-step being saved belong to an earlier run in this directory (a fresh run restarted it) and are removed.
+aside to `step_NNNNNN.corrupt`, out of the count of the newest `keep` that are kept. A fresh run in a directory that
+holds an earlier run's checkpoints moves them to `checkpoints.earlier/` as it starts (`set_aside_earlier`), where no
+--resume finds them, and deletes them at its first save.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -22,6 +24,7 @@ import xxhash
 from rlloop.errors import CheckpointError, TrainerDied
 
 PREFIX = "step_"
+EARLIER = "checkpoints.earlier"  # an earlier run's checkpoints, while the run that replaces it has saved none
 MANIFEST = "manifest.json"
 CHECKSUMS = "checksums"  # state.json's key for the xxh3 of the manifest and of the rest of state.json
 _OWN = {(MANIFEST,), ("state.json",)}  # the checkpoint's own files, outside its manifest
@@ -43,6 +46,32 @@ def _completed(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     done = [p for p in root.glob(f"{PREFIX}*") if _step(p) is not None and (p / "state.json").exists()]
     return sorted(done, key=_step)  # step_1000000 after step_999999
+
+
+def set_aside_earlier(run_dir: Path) -> None:
+    """Move the checkpoints in `run_dir` (an earlier run's: this one starts from step 0) to `checkpoints.earlier/`,
+    replacing any there before. Left in place until this run's first save, a --resume after this run was killed
+    took up the earlier run where it had stopped, under this run's metrics."""
+    root, aside = Path(run_dir) / "checkpoints", Path(run_dir) / EARLIER
+    if not _completed(run_dir):
+        return
+    shutil.rmtree(aside, ignore_errors=True)
+    root.rename(aside)
+    log.warning("moved the earlier run's checkpoints to %s: deleted at this run's first save", aside)
+
+
+def _sweep(root: Path) -> None:
+    """What a save or a removal killed half-way left (one writer per run dir: the run holds it)."""
+    for stale in (*root.glob(f"{PREFIX}*.tmp"), *root.glob(f"{PREFIX}*.removing")):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _remove(ckpt: Path) -> None:
@@ -130,6 +159,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     warning naming it: left in place, it would count among the `keep` newest and have the intact one pruned. None if
     the run has none; a CheckpointError if it has only corrupt ones, now or moved aside before (a second --resume
     found none left, and started the run over)."""
+    _sweep(Path(run_dir) / "checkpoints")
     completed = _completed(run_dir)
     for ckpt in reversed(completed):
         problem = verify(ckpt)
@@ -161,8 +191,7 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, save_trainer, keep: i
     TrainerDied, for the loop to heal."""
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
-    for stale in (*final.parent.glob(f"{PREFIX}*.tmp"), *final.parent.glob(f"{PREFIX}*.removing")):
-        shutil.rmtree(stale, ignore_errors=True)  # a save or a removal killed half-way: one writer per run dir
+    _sweep(final.parent)
     try:
         (tmp / "trainer").mkdir(parents=True)
         save_trainer(str(tmp / "trainer"))
@@ -171,6 +200,8 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, save_trainer, keep: i
         state = {**state, "step": step}
         state[CHECKSUMS] = {"manifest": xxhash.xxh3_64(manifest.encode()).hexdigest(), "state": _state_digest(state)}
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        for path in (*(p for p in tmp.rglob("*") if p.is_file()), *(p for p in tmp.rglob("*") if p.is_dir()), tmp):
+            _fsync(path)  # on disk before the rename and the pruning: a power loss keeps a checkpoint whole
     except Exception as e:  # a full disk, a trainer rank that failed to write: nothing half-written stays
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, TrainerDied):  # not a failed write: the loop rebuilds from the previous checkpoint
@@ -183,10 +214,10 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, save_trainer, keep: i
         ) from e
     _remove(final)
     tmp.rename(final)
-    for old in _completed(run_dir):
-        if _step(old) > step:  # an earlier run's, past this one: never the one just written
-            log.warning("removing %s, a checkpoint of an earlier run in this directory", old)
-            _remove(old)
+    _fsync(final.parent)
+    if (earlier := Path(run_dir) / EARLIER).exists():
+        log.warning("removing %s: the checkpoints of the run this one replaced", earlier)
+        shutil.rmtree(earlier, ignore_errors=True)
     older = [p for p in _completed(run_dir) if p != final]  # all before `step` now
     for old in older[: max(len(older) - (keep - 1), 0)] if keep else []:
         _remove(old)

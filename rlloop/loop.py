@@ -15,7 +15,7 @@ import time
 from contextlib import ExitStack, closing
 from pathlib import Path
 
-from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, load_state
+from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, load_state, set_aside_earlier
 from rlloop.cluster import Cluster
 from rlloop.config import Config, to_yaml
 from rlloop.data import Inputs, load_inputs
@@ -94,7 +94,9 @@ def run_recipe(
                 inputs.data.load_state_dict(state["data"])
             cluster.sync_weights(version=start)
         # The run directory changes only now: a start that failed (a checkpoint the trainer cannot load, a cluster
-        # that cannot host the run) leaves the run it was given as it was, config, metrics and report.
+        # that cannot host the run) leaves the run it was given as it was, config, metrics, report and checkpoints.
+        if ckpt is None:
+            set_aside_earlier(cfg.run_dir)
         (cfg.run_dir / "config.yaml").write_text(to_yaml(cfg))
         (cfg.run_dir / "cluster.json").write_text(json.dumps(cluster.placement, indent=1))  # role -> Ray node id
         (cfg.run_dir / "warmup.json").write_text(json.dumps(warm, indent=1))

@@ -42,13 +42,15 @@ def run_dir_held(run_dir: Path):
 
 
 def earlier_run(cfg: Config, resume: bool) -> frozenset:
-    """The checkpoints of an earlier run in `run.dir` (`checkpoint_marks`) that a fresh run leaves until its first
-    save, with a warning: a rebuild before then starts over, not from the earlier run's step. None with --resume."""
+    """The checkpoints of an earlier run in `run.dir` (`checkpoint_marks`), with a warning; none with --resume. A
+    fresh run moves them aside once its actors are up (`set_aside_earlier`): a rebuild before then starts over, not
+    from the earlier run's step."""
     inherited = frozenset() if resume else checkpoint_marks(cfg.run_dir)
     if inherited:
         log.warning(
-            "%s holds an earlier run (checkpoints %s); this one starts from step 0 and replaces it: its metrics now, "
-            "its checkpoints at this run's first save. To continue it instead, add --resume",
+            "%s holds an earlier run (checkpoints %s); this one starts from step 0 and replaces it: its metrics, "
+            "and its checkpoints at this run's first save (kept in checkpoints.earlier/ until then). To continue it "
+            "instead, add --resume",
             cfg.run_dir,
             ", ".join(sorted(name for name, _, _ in inherited)),
         )

@@ -363,11 +363,19 @@ def test_colocated_run_frees_the_engine_while_training_and_matches_the_split_run
 
 def test_the_last_step_is_evaluated_and_a_run_started_over_another_says_it_replaces_it(tmp_path, caplog):
     """Eval every 2 steps of 3: at 0, 2 and the last (the summary's final eval used to be step 2's). Then a fresh run
-    in the same directory, without --resume, warns that it replaces the one there."""
+    in the same directory, without --resume, warns that it replaces the one there, and it does."""
     args = LOCAL + ["run.steps=3", "run.eval_every=2", "eval.samples=1", "run.save_every=2", f"run.dir={tmp_path}"]
     train(load_config(TINY, args))
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if any(k.startswith("eval/") for k in m)] == [0, 2, 3]
-    with caplog.at_level("WARNING", logger="rlloop.loop"):
-        train(load_config(TINY, [*args, "run.steps=1"]))
+    with caplog.at_level("WARNING", logger="rlloop"):
+        train(load_config(TINY, [*args, "run.steps=1", "run.save_every=0"]))
     assert f"{tmp_path} holds an earlier run (checkpoints step_000002, step_000003)" in caplog.text
+    # This run saved none (nor would one killed before its first save): a --resume starts it over. It took up the
+    # earlier run at its step 3 instead, under this run's metrics.
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rlloop"):
+        train(load_config(TINY, [*args, "run.steps=2"]), resume=True)
+    assert "holds no checkpoint; the run starts from step 0" in caplog.text
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert not (tmp_path / "checkpoints.earlier").exists()  # its first save deleted the earlier run's

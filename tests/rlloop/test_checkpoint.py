@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, save_checkpoint, verify
+from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, save_checkpoint, set_aside_earlier, verify
 from rlloop.errors import CheckpointError, TrainerDied
 
 
@@ -112,8 +112,11 @@ def _flip_one_byte(path):
 def test_a_fresh_run_in_an_old_directory_keeps_its_own_checkpoints(tmp_path):
     for step in (5, 6):  # an earlier, longer run
         save_checkpoint(tmp_path, step, {}, trainer_writing(256))
+    set_aside_earlier(tmp_path)  # as a fresh run starts
+    assert latest_checkpoint(tmp_path) is None  # a --resume before its first save does not take up the earlier run
+    assert sorted(p.name for p in (tmp_path / "checkpoints.earlier").iterdir()) == ["step_000005", "step_000006"]
     new = save_checkpoint(tmp_path, 1, {}, trainer_writing(256))
-    assert latest_checkpoint(tmp_path) == new  # the stale step 5 and 6 are gone, step 1 was not pruned
+    assert latest_checkpoint(tmp_path) == new and not (tmp_path / "checkpoints.earlier").exists()
     save_checkpoint(tmp_path, 2, {}, trainer_writing(256))
     save_checkpoint(tmp_path, 3, {}, trainer_writing(256))
     kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
@@ -172,6 +175,7 @@ def test_a_fresh_run_tells_its_own_checkpoints_from_an_earlier_runs(tmp_path):
         save_checkpoint(tmp_path, step, {}, trainer_writing(256))
     inherited = checkpoint_marks(tmp_path)
     assert len(inherited) == 2 and not checkpoint_marks(tmp_path) - inherited
+    set_aside_earlier(tmp_path)
     save_checkpoint(tmp_path, 2, {}, trainer_writing(256))  # this run's step 2, under the old one's name
     assert checkpoint_marks(tmp_path) - inherited
     assert latest_checkpoint(tmp_path).name == "step_000002"  # and the earlier run's step 6 is gone
@@ -216,3 +220,11 @@ def test_a_resume_under_another_trainer_layout_is_refused_before_anything_starts
     ):
         train(cfg, resume=True)
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
+
+
+def test_what_a_killed_prune_left_goes_at_a_resume_that_saves_nothing(tmp_path):
+    """A run killed while pruning at its last step is resumed with nothing left to train: no save sweeps it then."""
+    save_checkpoint(tmp_path, 4, {}, trainer_writing(256))
+    (tmp_path / "checkpoints" / "step_000002.removing" / "trainer").mkdir(parents=True)
+    assert latest_checkpoint(tmp_path).name == "step_000004"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000004"]
