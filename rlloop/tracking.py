@@ -113,7 +113,9 @@ class Tracker:
         self.cfg, self.run_dir = cfg, cfg.run_dir
         self.path = self.run_dir / "metrics.jsonl"
         kept = [m for m in read_metrics(self.path) if m["step"] <= start_step] if start_step else []
-        self.path.write_text("".join(json.dumps(m) + "\n" for m in kept))
+        fresh = self.path.with_name(self.path.name + ".tmp")  # replaced whole: a kill mid-write loses no line
+        fresh.write_text("".join(json.dumps(m) + "\n" for m in kept))
+        os.replace(fresh, self.path)
         self.file = open(self.path, "a")
         self.wandb = self._start_wandb(start_step) if cfg.tracking.wandb else None
         # A step's W&B sample table waits for the step's metrics: in the async modes step k + 1's samples come before

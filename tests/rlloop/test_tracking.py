@@ -46,6 +46,27 @@ def test_metrics_jsonl_resume_curves_and_report(tmp_path):
     assert "5 steps" in report and "4.0x smaller" in report and "eval/tiny" in report
 
 
+def test_a_resume_killed_while_it_rewrites_the_metrics_loses_no_line(tmp_path, monkeypatch):
+    """A resume keeps the lines up to its checkpoint's step; written in place, a kill half-way cut the file, and the
+    next resume went on without the steps after the cut."""
+    cfg = load_config(TINY, ["tracking.progress=false", f"run.dir={tmp_path}"])
+    tracker = Tracker(cfg)
+    log_steps(tracker, [1, 2, 3, 4])
+    tracker.close()
+    before = (tmp_path / "metrics.jsonl").read_text()
+
+    def killed_half_way(self, text, *args, **kwargs):
+        with open(self, "w") as f:
+            f.write(text[: len(text) // 2])
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "write_text", killed_half_way)
+        with pytest.raises(KeyboardInterrupt):
+            Tracker(cfg, start_step=3)
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+
+
 def test_numpy_scalars_are_logged_as_numbers_and_odd_rows_do_not_break_the_summary(tmp_path):
     import numpy as np
 
