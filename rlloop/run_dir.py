@@ -4,6 +4,7 @@ against it, and a resumed run's settings compared with those it was started with
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import re
@@ -16,6 +17,7 @@ from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, load_state
 from rlloop.config import Config, to_yaml
 from rlloop.data import Inputs
 from rlloop.errors import CheckpointError, RunDirInUse
+from rlloop.model import read_model_config
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +78,39 @@ def resume_point(cfg: Config, resume: bool, inputs: Inputs) -> tuple[Path | None
             f"(train.parallel={cfg.train.parallel} over cluster.train_chips={cfg.cluster.train_chips}): its optimizer "
             f"state does not load across the two; resume with {fix}"
         )
+    _same_model_shape(cfg, ckpt)
     warn_of_changes(cfg)
     return ckpt, state
+
+
+# What makes one model's weights and optimizer state load into another
+SHAPE_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+)
+
+
+def _same_model_shape(cfg: Config, ckpt: Path) -> None:
+    """A checkpoint of another model than `model.path`: refused now, not once the actors are up, in the trainer's
+    words (a missing parameter, or torch's optimizer "parameter group that doesn't match")."""
+    saved = ckpt / "trainer" / "config.json"
+    if not saved.is_file():
+        return
+    was, (now, _) = json.loads(saved.read_text()), read_model_config(cfg.model)
+    # keys both name: transformers writes every key into a saved model's config.json, an original may leave some out
+    differ = [f"{k} {was[k]} -> {now[k]}" for k in SHAPE_KEYS if k in was and k in now and was[k] != now[k]]
+    if differ:
+        raise CheckpointError(
+            f"model.path: {cfg.model.path} is not the model {ckpt} trained ({'; '.join(differ)}): resume with the "
+            "run's model.path, or start a new run (another run.dir)"
+        )
 
 
 def warn_of_changes(cfg: Config) -> None:

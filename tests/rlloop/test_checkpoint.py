@@ -228,3 +228,28 @@ def test_what_a_killed_prune_left_goes_at_a_resume_that_saves_nothing(tmp_path):
     (tmp_path / "checkpoints" / "step_000002.removing" / "trainer").mkdir(parents=True)
     assert latest_checkpoint(tmp_path).name == "step_000004"
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000004"]
+
+
+def test_a_resume_with_another_model_is_refused_before_anything_starts(tmp_path):
+    """It failed once the actors were up, in the trainer's words: a parameter missing, or with fewer layers torch's
+    "loaded state dict contains a parameter group that doesn't match"."""
+    from rlloop.config import load_config
+    from rlloop.data import load_inputs
+    from rlloop.run_dir import resume_point
+
+    cfg = load_config(str(Path(__file__).parents[2] / "examples" / "grpo_dapo_tiny.yaml"), [f"run.dir={tmp_path}"])
+    model = json.loads((Path(cfg.model.path) / "config.json").read_text())
+
+    def trainer_of(config: dict):
+        def save(path):
+            trainer_writing(256)(path)
+            Path(path, "config.json").write_text(json.dumps(config))
+
+        return save
+
+    inputs = load_inputs(cfg)
+    save_checkpoint(tmp_path, 2, {}, trainer_of(model | {"num_hidden_layers": model["num_hidden_layers"] + 1}))
+    with pytest.raises(CheckpointError, match=r"model.path: .* is not the model .* trained \(num_hidden_layers"):
+        resume_point(cfg, True, inputs)
+    save_checkpoint(tmp_path, 3, {}, trainer_of(model | {"torch_dtype": "bfloat16", "extra_key": 1}))
+    assert resume_point(cfg, True, inputs)[0].name == "step_000003"  # the same shapes: another dtype resumes
