@@ -86,6 +86,40 @@ def check_reachable(address: str, timeout_s: float = 10.0) -> None:
         ) from None
 
 
+# Ray 2.60 turns token authentication on in a driver that joins by `auto` once ~/.ray/auth_token exists (any local
+# Ray writes it); a head started with it off cannot reach such a driver, and every actor is cancelled before it runs
+AUTH_HINT = (
+    "a head started with RAY_AUTH_MODE=disabled needs RAY_AUTH_MODE=disabled in this driver's environment too (and "
+    "one with token authentication, the same token: RAY_AUTH_TOKEN or ~/.ray/auth_token)"
+)
+
+
+def _check_actors_start(address: str, timeout_s: float = 120.0) -> None:
+    """An actor must start on the joined cluster: with the driver's and the head's authentication at odds, each one
+    the run created was cancelled at once, and the run spent its restarts on "a trainer actor died during setup"."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Probe:
+        def ping(self) -> bool:
+            return True
+
+    probe, cancelled = Probe.remote(), None
+    try:
+        ray.get(probe.ping.remote(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        log.warning("the Ray at %s has not started a probe actor in %.0f s; going on", address, timeout_s)
+    except ray.exceptions.RayActorError as e:
+        cancelled = e
+    ray.kill(probe)
+    if cancelled is not None:
+        ray.shutdown()
+        raise ClusterError(
+            f"the Ray at {address} (cluster.address or RAY_ADDRESS) took this driver but cancelled its first actor "
+            f"({type(cancelled).__name__}): {AUTH_HINT}"
+        )
+
+
 def _no_token_notice(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
 
@@ -118,8 +152,11 @@ def start_ray(cfg: Config) -> bool:
             ray.shutdown()
         if isinstance(e, Exception):  # a head that refuses us (its token authentication), a local start timed out
             where = f"the Ray at {address} (cluster.address or RAY_ADDRESS)" if address else "a local Ray"
-            raise ClusterError(f"cannot start or join {where}: {type(e).__name__}: {e}") from e
+            hint = f"; {AUTH_HINT}" if address else ""
+            raise ClusterError(f"cannot start or join {where}: {type(e).__name__}: {e}{hint}") from e
         raise
+    if address is not None:
+        _check_actors_start(address)
     if callable(on_sigterm) and threading.current_thread() is threading.main_thread():
         # ray.init installs a handler that aborts the driver on SIGTERM; keep the caller's (rlloop.run's: unwind and
         # clean up like Ctrl-C)
