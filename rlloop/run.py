@@ -67,9 +67,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_command(args: argparse.Namespace, resume: bool) -> str:
-    """This run's command line, as a shell reads it back: the same config, overrides and debug mode."""
+    """This run's command line, as a shell reads it back: the same config, overrides and debug mode. In a Ray job, the
+    `ray job submit` that runs it again, from where the job was submitted (run where the job ran, the bare command
+    would start a Ray of its own there)."""
     flags = [arg for k, v in (("debug", args.debug), ("replay", args.replay)) if v for arg in (f"--{k}", v)]
-    return shlex.join(["python", "-m", "rlloop.run", args.config, *args.overrides, *flags, *["--resume"] * resume])
+    command = ["python", "-m", "rlloop.run", args.config, *args.overrides, *flags, *["--resume"] * resume]
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ:
+        job = json.loads(os.environ["RAY_JOB_CONFIG_JSON_ENV_VAR"] or "{}")
+        uploaded = bool(job.get("runtime_env", {}).get("working_dir"))
+        command = ["ray", "job", "submit", *["--working-dir", "."] * uploaded, "--", *command]
+    return shlex.join(command)
 
 
 def go_on(args: argparse.Namespace, run_dir: Path, earlier: frozenset) -> str:
@@ -268,6 +275,9 @@ def dry_run(cfg: Config, notes: list[str] = ()) -> None:
             else f"cannot hold it: the run would stop at the start. {plan_settings(cfg.cluster)}"
         )
         print(f"# a local Ray on this host ({cores} CPUs; the plan needs {need:g}) {fits}")
+    elif cfg.cluster.use_ray:  # a dry run starts no Ray and joins none
+        where = "the cluster it joins" if not local_ray(cfg) else f"this host's {cfg.cluster.device} chips"
+        print(f"# not checked against {where}: the run waits cluster.placement_timeout_s for what the plan asks")
     from rlloop.memory import plan_memory
 
     memory = plan_memory(cfg)

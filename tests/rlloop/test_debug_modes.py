@@ -164,6 +164,17 @@ def test_the_resume_command_is_one_a_shell_reads_back_as_it_was():
     assert words[3:] == [*argv, "--resume"]
 
 
+@pytest.mark.parametrize("working_dir", ["gcs://_ray_pkg_0123.zip", None])
+def test_a_ray_jobs_resume_command_submits_it_again(monkeypatch, working_dir):
+    """Run where the job ran, the bare command started a Ray of its own there (or, with RAY_ADDRESS=http://..., failed
+    on the address); the job is resubmitted from where it was submitted, with its working directory if it had one."""
+    runtime_env = {"working_dir": working_dir} if working_dir else {}
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": runtime_env}))
+    words = shlex.split(run_command(parse_args([TINY, "run.dir=/mnt/runs/{name}"]), resume=True))
+    submit = ["ray", "job", "submit", *(["--working-dir", "."] if working_dir else []), "--"]
+    assert words == [*submit, "python", "-m", "rlloop.run", TINY, "run.dir=/mnt/runs/{name}", "--resume"]
+
+
 def test_a_run_stopped_before_its_first_checkpoint_is_told_to_start_again_not_to_resume(tmp_path):
     """A --resume would load the checkpoint an earlier run left in the directory, or start over: the advice printed
     after Ctrl-C or a dead actor says --resume only once this run (or the one it resumed) has saved."""
@@ -175,7 +186,7 @@ def test_a_run_stopped_before_its_first_checkpoint_is_told_to_start_again_not_to
         == f"this run saved no checkpoint; start it again without --resume: {run_command(args, resume=False)}"
     )
     assert go_on(parse_args([TINY, f"run.dir={tmp_path}", "--resume"]), tmp_path, earlier).startswith("continue with")
-    save_checkpoint(tmp_path, 2, {}, write)  # this run's first: the earlier run's step 8 goes
+    save_checkpoint(tmp_path, 2, {}, write)  # this run's first
     assert go_on(args, tmp_path, earlier) == f"continue with: {run_command(args, resume=True)}"
 
 
