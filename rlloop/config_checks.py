@@ -85,6 +85,14 @@ def _without_ray(cfg: Config) -> None:
             "cluster.use_ray: false runs the engine and the trainer in this one process on one GPU: set "
             "cluster.colocate: true (they take turns on it), or cluster.use_ray: true (a GPU each)"
         )
+    if not c.use_ray and cfg.rollout.backend == "hf" and cfg.loop.mode != "sync" and cfg.train.compile != "off":
+        raise ValueError(
+            f"rollout.backend=hf with train.compile={cfg.train.compile} and loop.mode={cfg.loop.mode}, without Ray: "
+            "the HF engine generates in a thread of this process while torch.compile traces the trainer's layers in "
+            "another, and transformers' attention wrapper cannot be traced and run at once (the run crashed in "
+            "torch._dynamo); set cluster.use_ray: true (each in a process of its own), train.compile: off, or "
+            "loop.mode: sync"
+        )
     if not c.use_ray and cfg.sync.transport == "ray":
         raise ValueError("sync.transport: ray moves weights through Ray's object store; set cluster.use_ray: true")
     if not c.use_ray and c.rollout_chips > c.rollout_engines:

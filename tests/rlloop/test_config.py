@@ -88,6 +88,11 @@ BAD_OVERRIDES = [
         ["cluster.use_ray=false", "cluster.train_chips=1", "cluster.device=cpu", "sync.transport=ray"],
         "sync.transport: ray moves weights",
     ),
+    (
+        ["cluster.use_ray=false", "cluster.train_chips=1", "cluster.device=cpu", "rollout.backend=hf"]
+        + ["loop.mode=async", "train.compile=layers"],
+        "rollout.backend=hf with train.compile=layers and loop.mode=async, without Ray",
+    ),
     (["cluster.colocate=true"], "a TPU chip serves one process at a time"),
     (["rollout.backend=hf"], "rollout.backend: hf generates on cpu or gpu"),  # the real recipe is on TPU
     (["data.chat_template_kwargs={tokenize: false}"], "data.chat_template_kwargs: tokenize: rlloop sets it"),
