@@ -226,8 +226,11 @@ def _given(section, name: str) -> bool:
 
 
 def _unused_eval_settings(cfg: Config) -> None:
-    """Evaluation settings without eval.path (no evaluation runs) are ignored: say so rather than silently."""
+    """Evaluation settings without eval.path, or with run.eval_every 0 (no evaluation runs), are ignored: say so
+    rather than silently."""
     if cfg.eval.path is not None:
+        if not cfg.run.eval_every:
+            log.warning("run.eval_every=0, so no evaluation runs: eval.path %s set but unused", cfg.eval.path)
         return
     unused = [f"eval.{k}" for k in type(cfg.eval).model_fields if _given(cfg.eval, k) and k != "path"]
     if cfg.run.eval_every and _given(cfg.run, "eval_every"):

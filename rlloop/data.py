@@ -352,7 +352,7 @@ class PromptData:
 def load_datasets(cfg: Config, tokenizer) -> tuple[PromptData, PromptData | None]:
     """The training prompts (seeded by `run.seed`) and the eval prompts (in file order; None without `eval.path`)."""
     train = PromptData(cfg.data, tokenizer, seed=cfg.run.seed)
-    if not cfg.eval.path:
+    if not cfg.eval.path or not cfg.run.eval_every:  # no evaluation runs (config_checks warns of it)
         return train, None
     # The training data's columns and length limit; the file's order, and too-long prompts left out
     held_out = cfg.data.model_copy(

@@ -269,7 +269,10 @@ def test_eval_settings_without_eval_path_warn_that_they_are_unused(caplog):
     caplog.clear()
     with caplog.at_level("WARNING", logger="rlloop.config"):
         load_config(TINY)
-    assert "no eval.path" not in caplog.text
+    assert "no eval.path" not in caplog.text and "no evaluation runs" not in caplog.text
+    with caplog.at_level("WARNING", logger="rlloop.config"):
+        load_config(TINY, ["run.eval_every=0"])
+    assert "run.eval_every=0, so no evaluation runs: eval.path" in caplog.text
 
 
 @pytest.mark.parametrize(
