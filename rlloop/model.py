@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rlloop.config import Config, ModelSection
 from rlloop.errors import ModelError
-from trainer.config import position_bias_from_columns, sliding_window_layers, unapplied_logit_scaling
+from trainer.model_support import position_bias_from_columns, sliding_window_layers, unapplied_logit_scaling
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")  # what the engine (safetensors) and trainer read
 SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")

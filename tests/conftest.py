@@ -1,8 +1,9 @@
 """Shared test fixtures: an offline environment and tiny random HF models that the tests make themselves.
 
 The suite runs on two pytest-xdist workers (pyproject.toml). Every test that starts Ray is marked
-`xdist_group("ray")`, so those run one at a time on one worker: they check that no raylet is left and signal actors by
-process title (`pkill -f ray::RolloutWorker`), and two use fixed ports. Checks of shared memory and temp files name
+`xdist_group("ray")`, so those run one at a time on one worker, and two use fixed ports. They check that no Ray
+process of theirs is left (those running before the test, another user's, are not theirs) and signal their own
+actors (by their run's $TMPDIR, or as processes under their driver). Checks of shared memory and temp files name
 the run's own segments and directories, since the other worker runs tests meanwhile.
 """
 

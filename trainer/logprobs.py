@@ -23,7 +23,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from trainer.batching import MicroBatch
-from trainer.config import chunk_elements, unapplied_logit_scaling
+from trainer.config import chunk_elements
+from trainer.model_support import unapplied_logit_scaling
 from trainer.shared_prompts import shared_prompt_mask
 
 

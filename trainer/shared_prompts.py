@@ -25,8 +25,8 @@ import transformers
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from trainer.config import position_bias_from_columns, sliding_window_layers
 from trainer.cpu_flash import cpu_flash_attention, takes_fp32_backward
+from trainer.model_support import position_bias_from_columns, sliding_window_layers
 from trainer.split_attention import split_attention
 
 # The attention implementations that take a custom 4D mask as it is (flash attention takes none).

@@ -282,6 +282,15 @@ def test_each_steps_breakdown_fits_in_its_time_across_evals_and_checkpoints(tmp_
     assert [m["step"] for m in metrics if "perf/step_s" in m] == [1, 2, 3, 4, 5]
     assert [m["step"] for m in metrics if "perf/eval_s" in m] == [3, 5]  # every 3 steps, and the last
     assert_breakdown_fits(metrics)
+    # the perf/* keys docs/design.md names, in the modes it names them for
+    wanted = {"step", "train", "sync", "push", "other", "rollout_busy", "train_busy"}
+    for m in metrics[1:]:
+        logged = {k.removeprefix("perf/").removesuffix("_s") for k in m if k.startswith("perf/") and k.endswith("_s")}
+        assert wanted <= logged, (m["step"], wanted - logged)
+        assert ("pull" in logged) == (mode != "fully_async") and ("rollout_wait" in logged) == (mode != "sync")
+        assert 0 <= m["perf/other_frac"] <= 1 and m["perf/other_s"] == pytest.approx(
+            m["perf/other_frac"] * m["perf/step_s"]
+        )
 
 
 @pytest.mark.parametrize("mode", ["async", "fully_async"])

@@ -47,9 +47,28 @@ def shm_segments(run_dir: Path) -> set[str]:
     return {p for p in os.listdir("/dev/shm") if p.startswith(f"rlloop_{run_id_for(run_dir)}_")}
 
 
-def ray_processes() -> str:
+def ray_processes() -> dict[int, str]:
     out = subprocess.run(["pgrep", "-af", "raylet|gcs_server"], capture_output=True, text=True).stdout
-    return out.strip()
+    return {int(pid): command for pid, _, command in (line.partition(" ") for line in out.splitlines())}
+
+
+@pytest.fixture
+def other_rays() -> frozenset[int]:
+    """The Ray processes and agents on this host before the test: another user's or another test's, not its own."""
+    return frozenset(ray_processes()) | frozenset(ray_agents())
+
+
+def rays_left(others: frozenset[int]) -> dict[int, str]:
+    """The Ray processes the test's runs started and left."""
+    return {pid: command for pid, command in ray_processes().items() if pid not in others}
+
+
+def descendants_named(pid: int, title: str) -> list[int]:
+    """The processes under `pid` whose title starts with `title` (a local Ray's actors are its driver's)."""
+    import psutil
+
+    under = psutil.Process(pid).children(recursive=True)
+    return [p.pid for p in under if p.cmdline()[:1] and p.cmdline()[0].startswith(title)]
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
@@ -129,7 +148,7 @@ def test_local_run_resumes_exactly_where_it_stopped(tmp_path, mode):
     assert [f.read_text() for f in files] == before
 
 
-def test_tiny_example_with_ray_learns_and_leaves_nothing_behind(tmp_path):
+def test_tiny_example_with_ray_learns_and_leaves_nothing_behind(tmp_path, other_rays):
     """The README's main job, as a user runs it: Ray actors, JAX decoder, shm sync with deltas on (in fp32 at this lr
     each version changes nearly every element, so each goes as a keyframe; test_transports.py applies delta chains)."""
     proc = run_cli(f"run.dir={tmp_path}", "tracking.progress=false")
@@ -156,7 +175,7 @@ def test_tiny_example_with_ray_learns_and_leaves_nothing_behind(tmp_path):
     policy = out.strip().splitlines()[-1].split("(a transformers model directory): ")[1]
     assert policy == str(tmp_path / "checkpoints" / f"step_{cfg.run.steps:06d}" / "trainer")
     assert transformers.AutoConfig.from_pretrained(policy).model_type == "qwen3", out[-3000:]
-    assert not shm_segments(tmp_path) and not ray_processes()
+    assert not shm_segments(tmp_path) and not rays_left(other_rays)
 
 
 @pytest.fixture
@@ -174,7 +193,7 @@ def ray_agents() -> set[int]:
     return {int(pid) for pid in out.stdout.split()}
 
 
-def test_every_way_a_run_stops_leaves_nothing_and_resume_continues(tmp_path, sigint_not_ignored):
+def test_every_way_a_run_stops_leaves_nothing_and_resume_continues(tmp_path, sigint_not_ignored, other_rays):
     """Ctrl-C (exit 130), an actor's death with run.max_restarts=0 (exit 1) and SIGTERM (`ray job stop`, a
     preemption: exit 143) unwind cleanly: a --resume hint, Ray and shared memory gone. A SIGKILLed driver cannot clean
     up: Ray's agents outlive it by ~60 s, and the next start ends them. Each time --resume continues the run, which
@@ -197,19 +216,24 @@ def test_every_way_a_run_stops_leaves_nothing_and_resume_continues(tmp_path, sig
 
     rc, out = start_and_stop(lambda p: os.killpg(p.pid, signal.SIGINT))  # what Ctrl-C does
     assert rc == 130 and "--resume" in out, out[-3000:]
-    assert not ray_processes() and not shm_segments(tmp_path)
+    assert not rays_left(other_rays) and not shm_segments(tmp_path)
 
-    kill_engine = ["pkill", "-9", "-f", "ray::RolloutWorker"]
-    rc, out = start_and_stop(lambda p: subprocess.run(kill_engine, check=True), "run.max_restarts=0")
+    def kill_engine(p: subprocess.Popen) -> None:  # this run's, not another's on the host
+        engines = descendants_named(p.pid, "ray::RolloutWorker")
+        assert engines
+        for pid in engines:
+            os.kill(pid, signal.SIGKILL)
+
+    rc, out = start_and_stop(kill_engine, "run.max_restarts=0")
     assert rc == 1 and "actor died" in out and "--resume" in out, out[-3000:]
-    assert not ray_processes() and not shm_segments(tmp_path)
+    assert not rays_left(other_rays) and not shm_segments(tmp_path)
 
     rc, out = start_and_stop(lambda p: p.send_signal(signal.SIGTERM))  # the driver alone, as `kill` does
     assert rc == 143 and out.count("terminated; continue with") == 1 and "--resume" in out, out[-3000:]
-    assert not ray_processes() and not ray_agents() and not shm_segments(tmp_path)
+    assert not rays_left(other_rays) and not ray_agents() - other_rays and not shm_segments(tmp_path)
 
     rc, _ = start_and_stop(lambda p: p.send_signal(signal.SIGKILL))
-    orphans, saved = ray_agents(), latest_step(tmp_path)
+    orphans, saved = ray_agents() - other_rays, latest_step(tmp_path)
     assert rc == -signal.SIGKILL and orphans, "Ray's agents used to outlive a killed driver: if not, drop the reaping"
     resume = run_cli(*args, "--resume")
     while orphans & ray_agents() and resume.poll() is None:
@@ -221,10 +245,10 @@ def test_every_way_a_run_stops_leaves_nothing_and_resume_continues(tmp_path, sig
     assert resume.returncode == 0, out[-3000:]
     assert [m["step"] for m in metrics(tmp_path)] == list(range(1, 9))  # every step once, in order, over 5 drivers
     # the killed driver's segments: swept too
-    assert not ray_processes() and not ray_agents() and not shm_segments(tmp_path)
+    assert not rays_left(other_rays) and not ray_agents() - other_rays and not shm_segments(tmp_path)
 
 
-def test_ray_job_submit_runs_the_same_command(tmp_path, short_tmp):
+def test_ray_job_submit_runs_the_same_command(tmp_path, short_tmp, other_rays):
     """`ray job submit -- python -m rlloop.run ...` against a local head, as on a cluster."""
     env = {
         **os.environ,
@@ -281,7 +305,7 @@ def test_ray_job_submit_runs_the_same_command(tmp_path, short_tmp):
         assert [m["step"] for m in metrics(tmp_path)] == [1, 2]
     finally:
         subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True)
-    assert not ray_processes()
+    assert not rays_left(other_rays)
 
 
 def test_two_trainer_ranks_over_gloo_match_one(tmp_path):
@@ -395,7 +419,13 @@ def actor_pids(actor: str, temp: Path) -> set[str]:
 
 
 def faults_mid_run(
-    tmp_path, temp: Path, clean: list[dict], actor: str, healed: str, kill_mid_heal: bool = False
+    tmp_path,
+    temp: Path,
+    clean: list[dict],
+    actor: str,
+    healed: str,
+    other_rays: frozenset[int],
+    kill_mid_heal: bool = False,
 ) -> tuple[str, list[dict]]:
     """The untouched run again, with `ray::<actor>` sent each of FAULTS in turn, each once the last heal is done (the
     driver printing `healed` followed by the restart count) and a checkpoint newer than it exists; with
@@ -425,7 +455,7 @@ def faults_mid_run(
     assert [m["step"] for m in healed_metrics] == [m["step"] for m in clean]  # a replayed step is logged once
     for key in ("rollout/raw_reward", "rollout/response_len/mean", "train/loss", "train/grad_norm"):
         assert [m[key] for m in healed_metrics] == pytest.approx([m[key] for m in clean], rel=1e-6, abs=1e-9), key
-    assert not ray_processes()
+    assert not rays_left(other_rays)
     assert not shm_segments(tmp_path), "shared-memory segments left behind"
     left = set(os.listdir(temp)) - {"ray"}  # Ray keeps its session logs by design
     assert not left, f"left in the temp dir: {left}"
@@ -440,30 +470,31 @@ def send(out: Output, actor: str, sig: signal.Signals, pids: set[str], when: str
 
 
 def test_a_rollout_engine_that_dies_in_any_way_is_restarted_and_the_run_ends_as_if_nothing_happened(
-    tmp_path, short_tmp, untouched_run
+    tmp_path, short_tmp, untouched_run, other_rays
 ):
     """Each time, the engine is rebuilt with the trainer's weights, its requests are generated again, and every
     step's samples and losses equal those of a run nobody touched; an engine that dies while it is being rebuilt
     costs one more restart."""
-    out, healed = faults_mid_run(tmp_path, short_tmp, untouched_run, "RolloutWorker", "is back", kill_mid_heal=True)
+    args = (tmp_path, short_tmp, untouched_run, "RolloutWorker", "is back", other_rays)
+    out, healed = faults_mid_run(*args, kill_mid_heal=True)
     assert "rollout engine 0 hung during" in out  # the hang, noticed by the timeout alone
     assert "died during its restart" in out
     assert healed[-1]["rollout/engine_restarts"] == 4 and untouched_run[-1]["rollout/engine_restarts"] == 0
 
 
 def test_a_trainer_rank_that_dies_in_any_way_rebuilds_from_the_checkpoint_and_the_run_matches(
-    tmp_path, short_tmp, untouched_run
+    tmp_path, short_tmp, untouched_run, other_rays
 ):
     """Each time, the driver rebuilds the cluster from the last checkpoint and replays from there with the same data
     order, and every step's numbers equal an untouched run's."""
     healed_mark = "restarting from the last checkpoint"
-    out, healed = faults_mid_run(tmp_path, short_tmp, untouched_run, "TrainerWorker", healed_mark)
+    out, healed = faults_mid_run(tmp_path, short_tmp, untouched_run, "TrainerWorker", healed_mark, other_rays)
     assert f"hung (no answer in {TIMEOUT_S} s)" in out
     assert healed[-1]["train/restarts"] == 3 and untouched_run[-1]["train/restarts"] == 0
 
 
 def test_a_trainer_that_dies_before_the_runs_first_checkpoint_starts_over_and_past_max_restarts_ends_the_run(
-    tmp_path, short_tmp, untouched_dir, untouched_run
+    tmp_path, short_tmp, untouched_dir, untouched_run, other_rays
 ):
     """In a directory that holds an earlier run's checkpoint (the untouched run's last, step 8), a fresh run whose
     trainer dies before it has saved one of its own starts over from step 0 with the same data order, not from the
@@ -490,5 +521,5 @@ def test_a_trainer_that_dies_before_the_runs_first_checkpoint_starts_over_and_pa
     assert all(m["train/restarts"] == 1 for m in logged)
     assert "restarting from the last checkpoint (1/1)" in text and "cluster error: a trainer actor died" in text
     assert "this run saved no checkpoint" in text and "without --resume" in text  # --resume would load step 8
-    assert not ray_processes()
+    assert not rays_left(other_rays)
     assert not shm_segments(tmp_path), "shared-memory segments left behind"
