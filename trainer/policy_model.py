@@ -45,7 +45,7 @@ def load_policy_model(
     model.train(cfg.gradient_checkpointing)
     disable_dropout(model)
     if cfg.compile != "off":
-        compile_decoder(model, cfg.compile, sharded)  # before FSDP wraps the layers, as torchtitan orders it
+        compile_decoder(model, cfg.compile, sharded, cfg.gradient_checkpointing)  # before FSDP wraps the layers
     return model, loaded
 
 
@@ -65,10 +65,15 @@ def disable_dropout(model: torch.nn.Module) -> None:
 RECOMPILE_LIMIT = 64  # compiles of one layer's forward before dynamo gives up on it (its default: 8)
 
 
-def compile_decoder(model: torch.nn.Module, scope: str, sharded: bool) -> None:
+def compile_decoder(model: torch.nn.Module, scope: str, sharded: bool, checkpointed: bool = False) -> None:
     """`TrainerConfig.compile`: torch.compile in place, with dynamic shapes since every batch has other lengths, each
     decoder layer (`scope` "layers": the classes HF names in `_no_split_modules`) or the whole decoder ("model"; not
-    when `sharded`, as FSDP's units are the layers)."""
+    when `sharded`, as FSDP's units are the layers), as torchtitan orders it: before FSDP wraps the layers."""
+    if checkpointed:
+        # Under gradient checkpointing dynamo refuses the forward's side effects inside the checkpoint, and
+        # transformers' attention wrapper sets a context variable (kernels' CompileableContextVar): every layer
+        # graph-broke and ran eagerly, saying so only in debug logs. The recompute in backward needs none of it.
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     # Each variant of a call a step makes (grad on or off, a mask or none, a one-row micro-batch, each twice under
     # gradient checkpointing) is a compile of its own, and past dynamo's default limit of 8 a layer runs eagerly for
     # every new variant, saying so only in a warning: a run with checkpointing, KL and micro-batches reached it.

@@ -71,3 +71,19 @@ def test_a_step_s_many_call_variants_stay_compiled(tiny_qwen3_dir, make_batch):
         trainer.train_step(make_batch(12, seed=s, max_prompt=9 + 3 * s, max_response=12 + 4 * s))
     gave_up = [reason.split("\n")[0] for reason in counters["unimplemented"] if "recompile limit" in reason]
     assert not gave_up and counters["stats"]["unique_graphs"] > 0
+
+
+@pytest.mark.parametrize("scope", ["layers", "model"])
+def test_the_training_forward_compiles_under_gradient_checkpointing(tiny_qwen3_dir, make_batch, scope):
+    """The recipe's setting: dynamo graph-broke on the attention wrapper's side effect inside the checkpoint and ran
+    the training forward eagerly, so train.compile did nothing (one minibatch, no KL: no forward outside it). The
+    compiled step trains as the one without checkpointing does."""
+    plain = Trainer(TrainerConfig(tiny_qwen3_dir, lr=1e-3, compile=scope))
+    checkpointed = Trainer(TrainerConfig(tiny_qwen3_dir, lr=1e-3, compile=scope, gradient_checkpointing=True))
+    batch = make_batch(12, seed=0, max_prompt=9, max_response=12)
+    want = plain.train_step(batch)
+    counters.clear()
+    got = checkpointed.train_step(batch)
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] > 0, dict(counters["graph_break"])
+    for key in ("train/loss", "train/grad_norm"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key
