@@ -63,7 +63,7 @@ def test_the_driver_checks_a_run_without_importing_jax():
     import sys
 
     code = (
-        "import sys; from rlloop.config import load_config; from rlloop.run import check_before_start; "
+        "import sys; from rlloop.config import load_config; from rlloop.preflight import check_before_start; "
         "check_before_start(load_config('examples/grpo_dapo_tiny.yaml')); "
         "print(sorted({'jax', 'jaxlib'} & set(sys.modules)))"
     )
