@@ -17,11 +17,11 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
 
+from rlloop.actor_calls import WorkerCalls, kill_unanswered
 from rlloop.config import TORCH_DEVICE, Config
 from rlloop.engine_pool import EnginePool, RestartCount
-from rlloop.errors import ActorDied, ClusterError, TrainerDied
+from rlloop.errors import ClusterError, TrainerDied
 from rlloop.placement import (
     actor_env,
     actor_options,
@@ -44,18 +44,6 @@ class TrainedStep:
     published: bool  # rank 0 published the step's weights (not when the step changed none, or was not asked to)
 
 
-def kill_unanswered(workers: list, refs: list, timeout: float) -> bool:
-    """Wait up to `timeout` seconds for each worker's call (`refs`), then kill the workers that have not answered: a
-    hung actor is treated as dead, and would never answer close()'s graceful stop. Whether any had not."""
-    import ray
-
-    _, waiting = ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
-    for worker, ref in zip(workers, refs):
-        if ref in waiting:
-            ray.kill(worker)
-    return bool(waiting)
-
-
 class Cluster:
     def __init__(self, cfg: Config, engine_restarts: RestartCount | None = None):
         """`engine_restarts`: the driver's count, when a trainer's death rebuilt the cluster (rlloop/loop.py)."""
@@ -63,7 +51,7 @@ class Cluster:
         self.pg = self.mailbox = None
         self._warming: list = []  # the engines' warmup() calls in flight
         self._stepped = False  # whether the trainer ranks have taken a step
-        self._local_queue = ThreadPoolExecutor(1, thread_name_prefix="rlloop-trainer")  # without Ray: trainer calls
+        self.calls = WorkerCalls(cfg.cluster)
         self._train_results = ThreadPoolExecutor(1, thread_name_prefix="rlloop-train-wait")  # waits on train steps
         self.pool = EnginePool(cfg, [])
         self.trainers: list = []
@@ -170,8 +158,11 @@ class Cluster:
         nodes = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
         self.placement = {who: nodes[bundle] for who, bundle in plan.roles().items()}  # -> <run dir>/cluster.json
         rank0 = self.trainers[:1]
-        master = self._call_all(rank0, "rendezvous", [()], start=True)[0] if len(self.trainers) > 1 else None
-        self._call_all(self.trainers, "setup", [(master,)] * len(self.trainers), start=True)
+        if len(self.trainers) > 1:
+            master = self.calls.call_all(rank0, "trainer", "rendezvous", [()], start=True)[0]
+        else:
+            master = None
+        self._on_every_rank("setup", master, start=True)
         self._trainers_give_way()
 
     def _trainers_give_way(self) -> None:
@@ -180,7 +171,7 @@ class Cluster:
         of loading the model whole before sharding it, which the memory plan gives the engine. Every train step wakes
         them first (`start_train_step`)."""
         if self.cfg.cluster.colocate and self.trainers:
-            self._call_all(self.trainers, "sleep", [()] * len(self.trainers), start=True)
+            self._on_every_rank("sleep", start=True)
 
     def _give_current_weights(self, e: int, engine) -> int:
         """Load the trainer's current weights into `engine`, engine e rebuilt after a death: it has the checkpoint's.
@@ -200,52 +191,13 @@ class Cluster:
             if isinstance(err.cause, ray.exceptions.RayActorError):  # rank 0 died too: rebuild from a checkpoint
                 raise TrainerDied(f"a trainer actor died while rollout engine {e} restarted: {err.cause}") from None
             raise
-        self._gather(self.trainers[1:], "current_weights", current[1:])  # a dead rank: TrainerDied
-        self._call_all(self.trainers[:1], "force_keyframe", [()])
+        self.calls.gather(self.trainers[1:], "trainer", "current_weights", current[1:])  # a dead rank: TrainerDied
+        self.calls.call_all(self.trainers[:1], "trainer", "force_keyframe", [()])
         return version
 
-    def _call_all(self, workers: list, method: str, args: list[tuple], start: bool = False) -> list:
-        """`method(*args[i])` on every worker at once (Ray) or in turn (local); an actor's death, or no answer within
-        cluster.actor_timeout_s (actor_start_timeout_s for a `start` call), is an ActorDied, or TrainerDied."""
-        if not self.remote:
-            return [getattr(w, method)(*a) for w, a in zip(workers, args)]
-        return self._gather(workers, method, [getattr(w, method).remote(*a) for w, a in zip(workers, args)], start)
-
-    def _submit_in_order(
-        self, workers: list, calls: list[tuple[str, list[tuple]]], start: bool = False
-    ) -> Callable[[], list]:
-        """Several `_call_all`s, (method, args) in turn, queued at once behind any the workers still run: each actor
-        runs its calls in that order, and none waits for the driver between them. The returned function waits for
-        each call's results. Without Ray the trainer's queue is one thread, as an actor's is."""
-        if not self.remote:
-            queued = self._local_queue.submit(lambda: [self._call_all(workers, m, args) for m, args in calls])
-            return queued.result
-        refs = [[getattr(w, method).remote(*a) for w, a in zip(workers, args)] for method, args in calls]
-        return lambda: [self._gather(workers, method, r, start) for (method, _), r in zip(calls, refs)]
-
-    def _gather(self, workers: list, method: str, refs: list, start: bool = False) -> list:
-        """The results of `refs`, one `method` call on each worker, with `_call_all`'s errors."""
-        import ray
-
-        timeout = self.cfg.cluster.actor_start_timeout_s if start else self.cfg.cluster.actor_timeout_s
-        try:
-            return ray.get(refs, timeout=timeout)
-        except ray.exceptions.RayTaskError as e:
-            if not start:
-                raise
-            # A call of the run's start (setup, warmup, the first train step) that raises is the host's or the
-            # config's doing (a sync.dir it cannot create, a model it cannot load, a NaN failure_reward): one line that
-            # says what, not a remote traceback.
-            role = "rollout" if workers[0] in self.engines else "trainer"
-            why = f"{type(e.cause).__name__}: {e.cause}"
-            raise ClusterError(f"a {role} actor's {method}() raised {why}") from None
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-            role = "rollout" if workers[0] in self.engines else "trainer"
-            error = ActorDied if role == "rollout" else TrainerDied
-            if isinstance(e, ray.exceptions.GetTimeoutError):
-                kill_unanswered(workers, refs, timeout=0)
-            how = "died" if isinstance(e, ray.exceptions.RayActorError) else f"hung (no answer in {timeout:g} s)"
-            raise error(f"a {role} actor {how} during {method}()\n{e}") from None
+    def _on_every_rank(self, method: str, *args, start: bool = False) -> list:
+        """`method(*args)` on every trainer rank, each with the same arguments; their results, in rank order."""
+        return self.calls.call_all(self.trainers, "trainer", method, [args] * len(self.trainers), start)
 
     # ------------------------------------------------------------------ what the loop calls
     @property
@@ -260,9 +212,9 @@ class Cluster:
     def warmup(self) -> dict[str, float]:
         """The engines' warm-up compiles (under way since they started, where they have chips of their own)."""
         if self._warming:
-            warm, self._warming = self._gather(self.engines, "warmup", self._warming, start=True), []
+            warm, self._warming = self.calls.gather(self.engines, "rollout", "warmup", self._warming, start=True), []
         else:
-            warm = self._call_all(self.engines, "warmup", [()] * len(self.engines), start=True)
+            warm = self.calls.call_all(self.engines, "rollout", "warmup", [()] * len(self.engines), start=True)
         if self.remote:  # the workers froze theirs; the driver's long-lived state (tokenizer, data, Ray) is built too
             freeze_heap()
         return warm[0] if warm else {}  # the same programs everywhere
@@ -290,14 +242,14 @@ class Cluster:
                 "rollout/device_bytes": float(sum(s["before"] for s in slept)),
                 "rollout/device_bytes_while_training": float(sum(s["after"] for s in slept)),
             }
-            self._call_all(self.trainers, "wake", [()] * world)
+            self._on_every_rank("wake")
         calls = [("train_step", shards)]
         if publish is not None:
             calls.append(("push_weights", [(publish, True)] * world))
         if self.cfg.cluster.colocate:
             calls.append(("sleep", [()] * world))
         # The first step builds the optimizer state and, with train.compile, compiles: a start, timed as one.
-        results = self._submit_in_order(self.trainers, calls, start=not self._stepped)
+        results = self.calls.submit_in_order(self.trainers, "trainer", calls, start=not self._stepped)
         self._stepped = True
 
         def trained() -> TrainedStep:
@@ -311,7 +263,7 @@ class Cluster:
         """Rank 0 publishes `version` (the other ranks join the export's gather under fsdp); the engines take it at
         their next pull."""
         with self._trainers_awake():
-            pushed = self._call_all(self.trainers, "push_weights", [(version,)] * len(self.trainers))
+            pushed = self._on_every_rank("push_weights", version)
         return (pushed[0] if pushed else None) or {}
 
     def sync_metrics(self) -> dict[str, float]:
@@ -331,11 +283,11 @@ class Cluster:
 
     def save(self, path: str) -> None:
         with self._trainers_awake():
-            self._call_all(self.trainers, "save", [(path,)] * len(self.trainers))
+            self._on_every_rank("save", path)
 
     def load(self, path: str) -> None:
         with self._trainers_awake():
-            self._call_all(self.trainers, "load", [(path,)] * len(self.trainers), start=True)
+            self._on_every_rank("load", path, start=True)
 
     @contextmanager
     def _trainers_awake(self):
@@ -346,11 +298,11 @@ class Cluster:
             yield
             return
         self.pool.call("sleep")
-        self._call_all(self.trainers, "wake", [()] * len(self.trainers))
+        self._on_every_rank("wake")
         try:
             yield
         finally:
-            self._call_all(self.trainers, "sleep", [()] * len(self.trainers))
+            self._on_every_rank("sleep")
             self.pool.call("wake")
 
     def close(self) -> None:
@@ -367,7 +319,7 @@ class Cluster:
         workers = [*self.engines, *self.trainers]
         self._train_results.shutdown(wait=False)  # a wait still under way ends with its actors below
         if not self.remote:
-            self._local_queue.shutdown(wait=True)  # a step in flight finishes before its trainer closes
+            self.calls.close()  # a step in flight finishes before its trainer closes
             for w in workers:
                 w.close()
             return
