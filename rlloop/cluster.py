@@ -45,9 +45,15 @@ class TrainedStep:
 
 
 class Cluster:
+    """A run's rollout engines (`pool`, an `EnginePool`) and trainer ranks (`trainers`), built for one config and
+    driven as one: the loop's generations, train steps, weight syncs and checkpoints go through its methods, which
+    hide whether the workers are Ray actors (`workers_are_ray_actors`, cluster.use_ray) or objects in this process,
+    and the colocated roles' turns on shared chips (the sleep/wake around each). Built once per run, and again from
+    the last checkpoint after a trainer rank's death (rlloop/loop.py); `close()` ends its workers."""
+
     def __init__(self, cfg: Config, engine_restarts: RestartCount | None = None):
         """`engine_restarts`: the driver's count, when a trainer's death rebuilt the cluster (rlloop/loop.py)."""
-        self.cfg, self.remote, self.owns_ray = cfg, cfg.cluster.use_ray, False
+        self.cfg, self.workers_are_ray_actors, self.owns_ray = cfg, cfg.cluster.use_ray, False
         self.pg = self.mailbox = None
         self._warming: list = []  # the engines' warmup() calls in flight
         self._stepped = False  # whether the trainer ranks have taken a step
@@ -86,7 +92,7 @@ class Cluster:
             cfg.cluster.device,
             world * self.with_trainers,
         )
-        if not self.remote:
+        if not self.workers_are_ray_actors:
             self._start_local(cfg, engine, ranks[0], engine_restarts)
             return
         try:
@@ -215,7 +221,8 @@ class Cluster:
             warm, self._warming = self.calls.gather(self.engines, "rollout", "warmup", self._warming, start=True), []
         else:
             warm = self.calls.call_all(self.engines, "rollout", "warmup", [()] * len(self.engines), start=True)
-        if self.remote:  # the workers froze theirs; the driver's long-lived state (tokenizer, data, Ray) is built too
+        # The actors froze their own heaps; the driver's long-lived state (tokenizer, data, Ray) is built too by now
+        if self.workers_are_ray_actors:
             freeze_heap()
         return warm[0] if warm else {}  # the same programs everywhere
 
@@ -318,7 +325,7 @@ class Cluster:
     def _close_workers(self) -> None:
         workers = [*self.engines, *self.trainers]
         self._train_results.shutdown(wait=False)  # a wait still under way ends with its actors below
-        if not self.remote:
+        if not self.workers_are_ray_actors:
             self.calls.close()  # a step in flight finishes before its trainer closes
             for w in workers:
                 w.close()
