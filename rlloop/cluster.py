@@ -1,11 +1,14 @@
-"""The rollout engine and the trainer ranks, placed on chips as Ray actors, or run in this process.
+"""The rollout engines and the trainer ranks, placed on chips as Ray actors, or run in this process.
 
-The loop reaches the actors only through it: it calls `Cluster` methods and gets plain results back. Behind it,
+The loop reaches the workers only through it: it calls `Cluster` methods and gets plain results back. Behind it,
+rlloop/actor_calls.py makes the calls to the workers and turns an actor's death or silence into the driver's error,
 rlloop/engine_pool.py makes the engines' calls and restarts them, rlloop/placement.py plans the placement group and
-rlloop/ray_sync.py is the object-store weight transport. A local Ray starts when neither `cluster.address` nor
-`RAY_ADDRESS` names one (and is stopped at the end: by the loop's rlloop/ray_session.py across its clusters, or by a
-`Cluster` that started it); inside `ray job submit` the job's cluster is used. Actors are thin `ray.remote` wrappers
-around `rlloop.workers`; with `cluster.use_ray: false` the same workers run in the driver.
+rlloop/ray_sync.py is the object-store weight transport. A `Cluster` neither starts nor stops Ray: it places its
+actors in the Ray this process already runs, which under `train()` is rlloop/ray_session.py's, started once around
+the whole run (rlloop/loop.py `_train`) and kept while a trainer's death rebuilds the Cluster: a local Ray of the
+run's own when neither `cluster.address` nor `RAY_ADDRESS` names one, else that cluster (inside `ray job submit`, the
+job's). Actors are thin `ray.remote` wrappers around `rlloop.workers`; with `cluster.use_ray: false` the same workers
+run in the driver.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from rlloop.placement import (
     plan_settings,
 )
 from rlloop.profiling import rank_trace
-from rlloop.ray_session import local_ray, start_ray
+from rlloop.ray_session import local_ray
 from rlloop.workers import RolloutWorker, TrainerWorker, freeze_heap
 
 log = logging.getLogger(__name__)
@@ -53,7 +56,7 @@ class Cluster:
 
     def __init__(self, cfg: Config, engine_restarts: RestartCount | None = None):
         """`engine_restarts`: the driver's count, when a trainer's death rebuilt the cluster (rlloop/loop.py)."""
-        self.cfg, self.workers_are_ray_actors, self.owns_ray = cfg, cfg.cluster.use_ray, False
+        self.cfg, self.workers_are_ray_actors = cfg, cfg.cluster.use_ray
         self.pg = self.mailbox = None
         self._warming: list = []  # the engines' warmup() calls in flight
         self._stepped = False  # whether the trainer ranks have taken a step
@@ -95,10 +98,17 @@ class Cluster:
         if not self.workers_are_ray_actors:
             self._start_local(cfg, engine, ranks[0], engine_restarts)
             return
+        import ray
+
+        if not ray.is_initialized():  # else Ray's first remote call would start one without ray_session's settings
+            raise RuntimeError(
+                "a Cluster with cluster.use_ray places its actors in this process's Ray: start or join one first "
+                "(rlloop.ray_session.ray_session, as rlloop.loop does)"
+            )
         try:
             self._start(cfg, engine, ranks, engine_restarts)
         except BaseException:
-            self.close()  # a half-built cluster must not leave actors or a local Ray behind
+            self.close()  # a half-built cluster must not leave actors behind
             raise
 
     def _start_local(self, cfg: Config, engine: dict, rank: dict, engine_restarts: RestartCount | None) -> None:
@@ -118,8 +128,6 @@ class Cluster:
         import ray
         from ray.util.placement_group import placement_group
 
-        if not ray.is_initialized():
-            self.owns_ray = start_ray(cfg)
         plan = plan_placement(cfg.cluster, same_host=cfg.sync.transport == "shm")
         if local_ray(cfg):  # nothing joins a Ray started here: a plan it cannot hold fails now, not after the timeout
             check_cluster_fits(plan, cfg.cluster)
@@ -313,7 +321,7 @@ class Cluster:
             self.pool.call("wake")
 
     def close(self) -> None:
-        """Stop the workers (gracefully first, so shared memory is released), then Ray if we started it. The heap
+        """Stop the workers (gracefully first, so shared memory is released); Ray is left running. The heap
         this process froze (`freeze_heap`: the driver's, and without Ray the workers' too) is the collector's again:
         frozen, what the run left in reference cycles was never freed (a failed in-process run's traceback held its
         engine, whose JAX arrays outlived it)."""
@@ -353,5 +361,3 @@ class Cluster:
                 remove_stale_segments()
         if self.pg is not None:
             ray.util.remove_placement_group(self.pg)
-        if self.owns_ray and ray.is_initialized():
-            ray.shutdown()
