@@ -45,7 +45,7 @@ class EnginePool:
         """`engines`: Ray actors (with `specs`, each one's actor options and `RolloutWorker` arguments, to rebuild it,
         and `give_weights(e, engine)`, which loads the trainer's current weights into engine e rebuilt and returns their
         version), or workers in this process."""
-        self.cfg, self.engines, self.remote = cfg, engines, specs is not None
+        self.cfg, self.engines, self.engines_are_ray_actors = cfg, engines, specs is not None
         self._specs, self._give_weights = specs, give_weights
         n = len(engines)
         # Work handed to each engine and not yet returned (prompt + response tokens), for balancing; and, without
@@ -79,7 +79,7 @@ class EnginePool:
         ]
         own = [batches_in(len(idx) * n, self.cfg.rollout.max_batch) for _, idx in calls]
         try:
-            if self.remote:
+            if self.engines_are_ray_actors:
                 with self._balance:  # a generation waits for those queued before it on its engine, then its own
                     waits = [self._queued[e] + b for (e, _), b in zip(calls, own)]
                     for (e, _), b in zip(calls, own):
@@ -99,7 +99,7 @@ class EnginePool:
             with self._balance:
                 for (e, idx), b in zip(calls, own):
                     self._pending[e] -= sum(len(prompts[i]) + sampling.max_new_tokens for i in idx) * n
-                    if self.remote:
+                    if self.engines_are_ray_actors:
                         self._queued[e] -= b
         for (e, _), (_, stats) in zip(calls, results):  # with in-flight updates (fully_async) it may have moved on
             self._versions[e] = int(stats.get("weight_version", self._versions[e]))
@@ -156,7 +156,7 @@ class EnginePool:
     def call(self, method: str, *args) -> list:
         """`method(*args)` on every engine at once; one that died (or hung) is rebuilt and called again. Without Ray,
         in turn, each under its lock (a generation may be running on it from the rollout thread)."""
-        if not self.remote:
+        if not self.engines_are_ray_actors:
             results = []
             for lock, engine in zip(self._locks, self.engines):
                 with lock:
