@@ -230,7 +230,7 @@ class EnginePool:
     def _reload(self, e: int, engine) -> int:
         """Give rebuilt engine e the version it held, read back from the transport, so that what it generates again
         is what it would have generated (async: the version the schedule pulled, not the trainer's newer one); the
-        trainer's current weights if the transport no longer holds it. Returns the version loaded."""
+        trainer's current weights if the transport cannot give it back. Returns the version loaded."""
         import ray
 
         held = self._versions[e]
@@ -239,5 +239,10 @@ class EnginePool:
         pulled = ray.get(engine.pull_weights.remote(held), timeout=self.cfg.cluster.actor_timeout_s)
         if pulled["sync/rollout_version"] == held:
             return held
-        log.warning("rollout engine %d: version %d is no longer held; loading the trainer's current weights", e, held)
+        log.warning(
+            "rollout engine %d: the transport cannot give version %d back (dropped, or a delta whose base is gone); "
+            "loading the trainer's current weights",
+            e,
+            held,
+        )
         return self._give_weights(e, engine)
