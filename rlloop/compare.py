@@ -12,8 +12,7 @@ logged a non-finite value (NaN) is left out for all. The verdict per metric is
 
 `--out` writes the overlay (default `compare.png` in the working directory; one panel per metric: each group's mean
 curve, its band of +-1 spread, and its runs faint). Ends with one JSON line: {metric: {"distance", "within"}}.
-Without --vs, it only draws the overlay. Exit status: 0 when every judged metric is within, 1 when one is OUTSIDE,
-2 for a bad argument (a run directory that is missing or holds no metrics).
+Without --vs, it only draws the overlay. The exit status is EXIT_STATUS below (the end of `--help`).
 """
 
 from __future__ import annotations
@@ -28,6 +27,10 @@ import numpy as np
 from rlloop.tracking import expand, read_metrics
 
 DEFAULT_METRICS = ("rollout/raw_reward", "rollout/response_len/mean", "eval/*", "train/entropy")
+NOTHING_JUDGED = 3  # with --vs, no metric got a verdict: agreement is not shown, so not exit 0
+EXIT_STATUS = f"""exit status: 0 when every judged metric is within (or, without --vs, once the overlay is drawn),
+1 when one is OUTSIDE, 2 for a bad argument (a run directory that is missing or holds no metrics), {NOTHING_JUDGED}
+when no metric got a verdict (each "no scale": B's runs do not vary, one run's noise is not known)"""
 
 
 def load_group(run_dirs: list[str]) -> list[list[dict]]:
@@ -126,7 +129,9 @@ def plot(groups: dict[str, list[list[dict]]], metrics, smooth: int, out: Path) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rlloop.compare", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m rlloop.compare", description=__doc__.split("\n\n")[0], epilog=EXIT_STATUS
+    )
     p.add_argument("runs", nargs="+", help="run directories of group A")
     p.add_argument("--vs", nargs="*", default=[], help="run directories of group B (the reference)")
     p.add_argument("--metrics", default=",".join(DEFAULT_METRICS), help="comma-separated; prefix* expands")
@@ -168,7 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     plot(groups, metrics, args.smooth, Path(args.out))
     print(f"overlay: {args.out}" + ("" if args.vs else " (no --vs group: nothing judged)"))
     print(json.dumps({m: {"distance": v["distance"], "within": v["within"]} for m, v in verdicts.items()}))
-    return 0 if all(v["within"] is not False for v in verdicts.values()) else 1
+    if any(v["within"] is False for v in verdicts.values()):
+        return 1
+    if args.vs and all(v["within"] is None for v in verdicts.values()):
+        print(f"nothing judged: no metric has a scale to measure the gap by (exit {NOTHING_JUDGED})", file=sys.stderr)
+        return NOTHING_JUDGED
+    return 0
 
 
 if __name__ == "__main__":

@@ -74,3 +74,16 @@ def test_bad_arguments_exit_2_naming_them(runs, tmp_path, capsys, args, named):
     with pytest.raises(SystemExit) as e:
         main([*long, "--vs", *short, "--out", str(tmp_path / "c.png"), *args])
     assert e.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_nothing_judged_is_not_agreement(tmp_path, capsys):
+    """One run a group, each as long as the smoothing window: the metric has "no scale", so nothing was shown to
+    agree: exit 3, where it was 0 (the exit status of a pass)."""
+    a, b = (write_run(tmp_path / name, [-0.7 + d, -0.6, -0.5, -0.45]) for name, d in (("a", 0.0), ("b", 0.1)))
+    assert main([a, "--vs", b, "--smooth", "4", "--out", str(tmp_path / "c.png")]) == 3
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1]) == {
+        "rollout/raw_reward": {"distance": None, "within": None}
+    }
+    assert "nothing judged" in captured.err
+    assert main([a, "--out", str(tmp_path / "c.png")]) == 0  # without --vs: an overlay, nothing asked to be judged
