@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 
+from rlloop.bench import positive_int
 from rlloop.bench.machine import machine
 
 MODES = ("train", "train_eg", "score")
@@ -203,24 +204,27 @@ def _child(args, extra: list[str]) -> dict:
 
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="python -m rlloop.bench logprob_memory", description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", type=int, default=8)
-    p.add_argument("--seq", type=int, default=512, help="tokens per row, prompt + response")
+    p.add_argument("--rows", type=positive_int, default=8)
+    p.add_argument("--seq", type=positive_int, default=512, help="tokens per row, prompt + response")
     p.add_argument("--response", type=int, default=256, help="response tokens per row")
-    p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=positive_int, default=151936)
+    p.add_argument("--hidden", type=positive_int, default=64)
+    p.add_argument("--layers", type=positive_int, default=2)
     p.add_argument("--tie", action="store_true", help="tie the LM head to the input embedding")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--chunk-size", type=int, default=None, help="positions per chunk (default: the library's)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads of each measurement")
+    p.add_argument("--chunk-size", type=positive_int, default=None, help="positions per chunk (default: the library's)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--impl", choices=["old", "new"], help=argparse.SUPPRESS)  # child: measure one
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--parity", action="store_true", help=argparse.SUPPRESS)  # child: compare old and new
     args = p.parse_args(argv)
-    if not 0 < args.response < args.seq or args.rows < 1:
-        raise ValueError("need 0 < --response < --seq and --rows >= 1")
+    if not 0 < args.response < args.seq:
+        p.error(f"--response {args.response}: need 0 < --response < --seq ({args.seq})")
+    modes = [m for m in args.modes.split(",") if m]
+    if unknown := [m for m in modes if m not in MODES]:
+        p.error(f"--modes: unknown {', '.join(map(repr, unknown))}; expected a comma list of {','.join(MODES)}")
 
     if args.impl or args.parity:
         print(json.dumps(_parity(args) if args.parity else _measure(args)))
@@ -230,9 +234,6 @@ def main(argv: list[str]) -> None:
 
     chunk = args.chunk_size or default_chunk_size(args.vocab)
     args.passthrough = list(argv)
-    modes = [m for m in args.modes.split(",") if m]
-    if not set(modes) <= set(MODES):
-        raise ValueError(f"--modes must be a subset of {','.join(MODES)}")
     positions = args.rows * args.response
     logits_mb = positions * args.vocab * 4 / 2**20
     print(
