@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rlloop.bench import positive_int
 from rlloop.bench.machine import machine
 from rlloop.bench.rollout import make_prompts, save_random_qwen3
 
@@ -284,22 +285,31 @@ def bench_nccl(path: Path, workdir: Path) -> dict:
     return {"losses": losses, "ranks_agree": losses[0] == losses[1]}
 
 
+# flag: (default, --quick's, what it sizes); --quick's apply only to the sizes not given
+SIZES = {
+    "--prompts": (32, 2, "prompts of the engine parts"),
+    "--n": (8, 2, "samples per prompt"),
+    "--prompt-len": (128, 8, "tokens per prompt"),
+    "--new-tokens": (256, 8, "tokens generated per row"),
+    "--tiny-steps": (5, 2, "steps of the tiny run"),
+    "--long-cache": (2048, 384, "engine_long's cache, filled by its responses"),
+}
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m rlloop.bench device", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes: the code paths, not the figures")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {','.join(PARTS)}")
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--tiny-steps", type=int, default=5)
-    ap.add_argument("--long-cache", type=int, default=2048, help="engine_long's cache, filled by its responses")
+    for flag, (default, quick, what) in SIZES.items():
+        ap.add_argument(flag, type=positive_int, default=None, help=f"{what} (default {default}, --quick {quick})")
     args = ap.parse_args(argv)
     args.parts = args.parts.split(",")
     if unknown := [p for p in args.parts if p not in PARTS]:
         ap.error(f"--parts: unknown {', '.join(map(repr, unknown))}; expected a comma list of {','.join(PARTS)}")
-    if args.quick:
-        args.prompts, args.n, args.prompt_len, args.new_tokens, args.tiny_steps, args.long_cache = 2, 2, 8, 8, 2, 384
+    for flag, (default, quick, _) in SIZES.items():
+        key = flag.removeprefix("--").replace("-", "_")
+        if getattr(args, key) is None:
+            setattr(args, key, quick if args.quick else default)
     return args
 
 

@@ -311,21 +311,26 @@ def limit_cpu_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+# Sizes: (default, --quick's), each applied only where the argument is not given.
+SIZES = {"prompts": (8, 4), "n": (8, 4), "new_tokens": (128, 32), "repeats": (3, 2)}
+
+
 def parse_args(argv):
+    """The arguments, every one checked (a usage error, exit 2, naming it) before any work starts."""
     ap = argparse.ArgumentParser(prog="python -m rlloop.bench rollout", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="4 prompts x 4 samples x 32 tokens")
+    ap.add_argument("--quick", action="store_true", help="4 prompts x 4 samples x 32 tokens, where not given")
     ap.add_argument("--models", default="tiny,30m", help=f"comma list of {','.join(MODEL_SPECS)}")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--n", type=int, default=8, help="samples per prompt (rows = prompts x n)")
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--min-prompt-len", type=int, default=16)
-    ap.add_argument("--max-prompt-len", type=int, default=64)
-    ap.add_argument(
-        "--repeats",
-        type=positive_int,
-        default=None,
-        help="timed runs per engine after its warmup; the best is reported (default 3, --quick 2)",
-    )
+
+    def size(flag: str, what: str) -> None:
+        default, quick = SIZES[flag.removeprefix("--").replace("-", "_")]
+        ap.add_argument(flag, type=positive_int, default=None, help=f"{what} (default {default}, --quick {quick})")
+
+    size("--prompts", "prompts, dealt out to the engines")
+    size("--n", "samples per prompt: rows = prompts x n")
+    size("--new-tokens", "tokens generated per row")
+    ap.add_argument("--min-prompt-len", type=positive_int, default=16)
+    ap.add_argument("--max-prompt-len", type=positive_int, default=64)
+    size("--repeats", "timed runs per engine after its warmup; the best is reported")
     ap.add_argument("--dtype", default="float32", choices=DTYPES)
     ap.add_argument(
         "--threads",
@@ -338,34 +343,44 @@ def parse_args(argv):
         type=positive_int,
         default=None,
         help="also run this many JAX engines side by side, each in its own process on its share of the cores and "
-        "the rows, as cluster.rollout_engines does (1: none side by side; default 2, or 1 on one core)",
+        "the rows, as cluster.rollout_engines does (1: none side by side; default 2, at most the cores and the "
+        "prompts)",
     )
     ap.add_argument(
         "--vllm-python",
-        default=os.environ.get("RLLOOP_VLLM_PYTHON"),
+        default=None,
         help="the python of a vLLM-CPU environment: adds a vLLM column (default $RLLOOP_VLLM_PYTHON)",
     )
     args = ap.parse_args(argv)
     if unknown := [m for m in args.models.split(",") if m not in MODEL_SPECS]:
         ap.error(f"--models: unknown {', '.join(map(repr, unknown))}; expected a comma list of {','.join(MODEL_SPECS)}")
+    for key, (default, quick) in SIZES.items():
+        if getattr(args, key) is None:
+            setattr(args, key, quick if args.quick else default)
+    if args.min_prompt_len > args.max_prompt_len:
+        ap.error(f"--min-prompt-len {args.min_prompt_len}: above --max-prompt-len {args.max_prompt_len}")
     # The cores the run will have: main pins the process to --threads of them before any engine starts.
     cores = len(os.sched_getaffinity(0))
     if not 0 <= args.threads <= cores:
         ap.error(f"--threads {args.threads}: this process may use {cores} core(s) (0: all of them)")
     cores = args.threads or cores
     if args.engines is None:
-        args.engines = min(2, cores)
+        args.engines = min(2, cores, args.prompts)
     elif args.engines > cores:  # each engine needs a core of its own
         ap.error(f"--engines {args.engines}: the run has {cores} core(s) (--threads or this process's), one per engine")
+    elif args.engines > args.prompts:  # the prompts are dealt out to the engines
+        ap.error(f"--engines {args.engines}: more than the {args.prompts} prompt(s); an engine would get none")
+    if args.vllm_python is not None and (reason := vllm_missing(args.vllm_python)):
+        ap.error(f"--vllm-python {args.vllm_python}: {reason}")
+    args.vllm_python = args.vllm_python or os.environ.get("RLLOOP_VLLM_PYTHON")
     args.vllm_missing = vllm_missing(args.vllm_python)
-    if args.quick:
-        args.prompts, args.n, args.new_tokens = 4, 4, 32
-    args.repeats = args.repeats or (2 if args.quick else 3)
     return args
 
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
+    if args.vllm_missing:
+        print(f"vLLM column missing: {args.vllm_missing}", flush=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if args.threads:
@@ -380,6 +395,8 @@ def main(argv: list[str]) -> None:
     )
     with tempfile.TemporaryDirectory(prefix="rlloop_bench_rollout_") as tmp:
         results = [bench_model(name, args, Path(tmp), peaks) for name in args.models.split(",")]
+    if args.vllm_missing:  # again after the results, where it is read
+        print(f"vLLM column missing: {args.vllm_missing}", flush=True)
     print(
         json.dumps(
             {

@@ -6,7 +6,9 @@ import json
 import os
 import sys
 
-from rlloop.bench import rollout
+import pytest
+
+from rlloop.bench import device, rollout
 from rlloop.bench.vllm_runner import vllm_missing
 
 
@@ -27,10 +29,49 @@ def test_the_engines_fit_the_cores_the_run_has(monkeypatch):
     assert rollout.parse_args([]).engines == min(2, len(os.sched_getaffinity(0)))
 
 
+def test_the_engines_fit_the_prompts(monkeypatch):
+    """The prompts are dealt out to the engines: the default drops to one engine a prompt, and more engines than
+    prompts are refused (one engine got no prompts and failed late in a pydantic error)."""
+    monkeypatch.delenv("RLLOOP_VLLM_PYTHON", raising=False)
+    assert rollout.parse_args(["--prompts", "1"]).engines == 1
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("--engines 2 needs 2 cores")
+    with pytest.raises(SystemExit) as exit_:
+        rollout.parse_args(["--prompts", "1", "--engines", "2"])
+    assert exit_.value.code == 2
+
+
+def test_quick_applies_only_to_the_sizes_not_given(monkeypatch):
+    """--quick's sizes replaced the ones given explicitly."""
+    monkeypatch.delenv("RLLOOP_VLLM_PYTHON", raising=False)
+    args = rollout.parse_args(["--quick", "--prompts", "16", "--new-tokens", "64"])
+    assert (args.prompts, args.n, args.new_tokens, args.repeats) == (16, 4, 64, 2)
+    args = rollout.parse_args(["--prompts", "16"])
+    assert (args.prompts, args.n, args.new_tokens, args.repeats) == (16, 8, 128, 3)
+    args = device.parse_args(["--quick", "--tiny-steps", "10"])
+    assert (args.tiny_steps, args.prompts, args.long_cache) == (10, 2, 384)
+    assert device.parse_args([]).tiny_steps == 5
+
+
+def test_a_vllm_python_without_vllm_is_refused_when_given_and_a_reason_when_inherited(monkeypatch, tmp_path, capsys):
+    """--vllm-python given explicitly but wrong was accepted, and the bench ran on without the column: refused now,
+    naming why. From $RLLOOP_VLLM_PYTHON (perhaps stale), it is a missing column, with the reason."""
+    wrong = str(tmp_path / "python")
+    monkeypatch.delenv("RLLOOP_VLLM_PYTHON", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        rollout.parse_args(["--vllm-python", wrong])
+    assert exit_.value.code == 2
+    assert f"--vllm-python {wrong}: {wrong} cannot be run" in capsys.readouterr().err
+    monkeypatch.setenv("RLLOOP_VLLM_PYTHON", wrong)
+    assert rollout.parse_args([]).vllm_missing.startswith(f"{wrong} cannot be run")
+
+
 def test_quick_rollout_bench_ends_with_a_json_line(capsys, monkeypatch):
     monkeypatch.delenv("RLLOOP_VLLM_PYTHON", raising=False)
     rollout.main(["--quick", "--models", "tiny", "--repeats", "1"])
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out = capsys.readouterr().out
+    assert "vLLM column missing: no vLLM-CPU environment given" in out  # said, not only a JSON field
+    result = json.loads(out.strip().splitlines()[-1])
     (tiny,) = result["results"]
     assert result["bench"] == "rollout" and "--vllm-python" in result["vllm_missing"]
     assert result["threads"] == result["cpus"] == len(os.sched_getaffinity(0))  # the cores it ran on
