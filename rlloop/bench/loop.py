@@ -10,7 +10,8 @@ in each mode, on two settings:
 and reports seconds per step (mean over the steps after the first two, which include the async pipeline's fill, and
 before the last, which in the async modes has no next batch to wait for: every mode over the same steps, so --steps
 is 4 or more), each actor's busy fraction (its own seconds in generate / train_step over the wall time of those
-steps), staleness, and learning (raw reward over the first and last steps; eval accuracy at the start and the end
+steps), staleness, and learning (mean raw reward of the first and of the last `reward_window` steps: 5, or half
+the run below 10 steps, so the two never overlap; eval accuracy at the start and the end
 where the setting evaluates: tiny, at the last step, whose eval is taken out of its step time).
 
 Part 2 is rollout only: one generate call of --engine-prompts prompts x 8 samples through `Cluster.generate` on a
@@ -94,14 +95,17 @@ def summarize(metrics: list[dict]) -> dict:
         return sum(r.get(key, 0.0) for r in timed)
 
     evals = [r[k] for r in metrics for k in r if k.startswith("eval/")]
+    rewards = [r["rollout/raw_reward"] for r in rows]
+    window = max(1, min(5, len(rows) // 2))  # steps averaged at each end: 5, or half the run, so they never overlap
     return {
         "s_per_step": step_s / len(timed),
         "rollout_busy": total("perf/rollout_busy_s") / step_s,
         "train_busy": total("perf/train_busy_s") / step_s,
         "staleness_mean": float(np.mean([r.get("rollout/staleness/mean", 0.0) for r in rows])),
         "staleness_max": max(r.get("rollout/staleness/max", 0.0) for r in rows),
-        "reward_first5": float(np.mean([r["rollout/raw_reward"] for r in rows[:5]])),
-        "reward_last5": float(np.mean([r["rollout/raw_reward"] for r in rows[-5:]])),
+        "reward_first": float(np.mean(rewards[:window])),
+        "reward_last": float(np.mean(rewards[-window:])),
+        "reward_window": window,
         "eval_start": evals[0] if evals else None,
         "eval_end": evals[-1] if evals else None,
         "steps": len(rows),
@@ -202,7 +206,7 @@ def main(argv: list[str]) -> None:
                 print(
                     f"[{setting}] {mode:<11} {r['s_per_step']:.3f} s/step ({r['speedup_vs_sync']:.2f}x sync), busy "
                     f"rollout {r['rollout_busy']:.0%} train {r['train_busy']:.0%}, staleness max "
-                    f"{r['staleness_max']:.0f}, reward {r['reward_first5']:+.3f} -> {r['reward_last5']:+.3f}",
+                    f"{r['staleness_max']:.0f}, reward {r['reward_first']:+.3f} -> {r['reward_last']:+.3f}",
                     flush=True,
                 )
             result[setting] = runs

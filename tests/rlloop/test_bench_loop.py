@@ -18,7 +18,9 @@ def test_every_mode_is_timed_over_the_same_steps_without_evaluation():
     assert out["s_per_step"] == pytest.approx(3.0)  # steps 3 to 5: 2, 3 (without its eval) and 4
     assert out["rollout_busy"] == pytest.approx(3 * 1.0 / 9.0) and out["train_busy"] == pytest.approx(3 * 0.5 / 9.0)
     assert (out["eval_start"], out["eval_end"]) == (0.25, 0.5)  # the eval still counts for learning
-    assert out["steps"] == 6 and out["reward_last5"] == pytest.approx(0.4)
+    # 6 steps: the first and the last 3 (5 at each end overlapped: 0.3 -> 0.4, steps 2 to 5 in both)
+    assert out["steps"] == 6 and out["reward_window"] == 3
+    assert (out["reward_first"], out["reward_last"]) == (pytest.approx(0.2), pytest.approx(0.5))
 
 
 def test_a_wide_model_made_already_is_reused(tmp_path):
