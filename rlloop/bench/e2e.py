@@ -34,7 +34,8 @@ roofline bound (rlloop/bench/roofline.py: training FLOPs, each prompt once per g
 LM head on responses only, plus generation FLOPs, both as rollout.cost counts them, over the matmul peak; generation
 is bounded by decode bytes, each decode step reading the weights and the KV pages in use at that step, over the
 memory bandwidth where that is slower; peaks measured by rlloop.bench.peaks in --dtype on --threads cores, best of
-several) and every run's step over it, and the per-step reward curves.
+several) and every run's step over the bound of the same steps (the async modes' without the last), and the
+per-step reward curves.
 Ends with one JSON line.
 """
 
@@ -194,7 +195,7 @@ def bench_setting(name: str, args, work: Path, trl_reason: str | None) -> dict:
     for what, results in runs.items():
         out["trl" if what == "trl" else f"rlloop_{what}"] = median_run(results)
     if modes:
-        out["roofline"] = step_work(cfg, batches, out[f"rlloop_{modes[0]}"], skip)  # bound_s: in finish()
+        out |= rooflines(cfg, batches, out[f"rlloop_{modes[0]}"], skip, modes)  # bound_s: in finish()
     for mode in modes if with_trl else ():
         ratios = [t["s_per_step"] / m["s_per_step"] for t, m in zip(runs["trl"], runs[mode])]
         out[f"trl_over_rlloop_{mode}"] = float(np.median(ratios))
@@ -208,14 +209,28 @@ def median_run(results: list[dict]) -> dict:
     return ranked[(len(ranked) - 1) // 2] | {"s_per_step_rounds": [r["s_per_step"] for r in results]}
 
 
+def rooflines(cfg, batches, rl: dict, skip: int, modes: list[str]) -> dict:
+    """The work of one step averaged over the steps each run's s/step is over (`timed_steps`): "roofline" over those
+    after the warm-up (sync, colocate, TRL), "roofline_async" without the last as well, when an async mode runs."""
+    every = list(range(len(batches)))
+    out = {"roofline": step_work(cfg, batches, rl, timed_steps(every, skip, "sync"))}
+    if any(mode.split("+")[0] in ASYNC_MODES for mode in modes):
+        out["roofline_async"] = step_work(cfg, batches, rl, timed_steps(every, skip, "async"))
+    return out
+
+
 def finish(out: dict, peaks: dict) -> None:
-    """The roofline bound at the best peaks seen in this invocation (the machine is shared: a single measurement
-    can land in a neighbour's burst), and every run's step over it."""
-    if "roofline" not in out:
+    """The roofline bounds at the best peaks seen in this invocation (the machine is shared: a single measurement
+    can land in a neighbour's burst), and every run's step over the bound of the same steps."""
+    if "roofline" not in out:  # TRL alone: the token counts are rlloop's
         return
-    out["roofline"] = roof = bound(out["roofline"], peaks)
+    for key in ("roofline", "roofline_async"):
+        if key in out:
+            out[key] = bound(out[key], peaks)
     for key in [k for k in out if k == "trl" or k.startswith("rlloop_")]:
         if isinstance(out[key], dict):
+            asynchronous = key.removeprefix("rlloop_").split("+")[0] in ASYNC_MODES
+            roof = out["roofline_async" if asynchronous else "roofline"]
             out[f"{key}_over_bound"] = out[key]["s_per_step"] / roof["bound_s"]
 
 
@@ -230,12 +245,13 @@ def describe(name: str, r: dict) -> str:
     for k in [k for k in r if k.startswith("trl_over_") and not k.endswith("_rounds") or k.endswith("_over_bound")]:
         each = r.get(f"{k}_rounds", [])
         lines.append(f"  {k} = {r[k]:.2f}" + (f" (rounds: {', '.join(f'{x:.2f}' for x in each)})" if each else ""))
-    if "bound_s" in r.get("roofline", {}):
-        f = r["roofline"]
-        lines.append(
-            f"  roofline {f['bound_s']:.3f} s/step: train {f['train_s']:.3f} + generation max(compute "
-            f"{f['gen_compute_s']:.3f}, memory {f['gen_memory_s']:.3f}), {f['params'] / 1e6:.2f}M params"
-        )
+    for key, which in (("roofline", ""), ("roofline_async", " (the async modes' steps, the last left out)")):
+        if "bound_s" in r.get(key, {}):
+            f = r[key]
+            lines.append(
+                f"  {key} {f['bound_s']:.3f} s/step{which}: train {f['train_s']:.3f} + generation max(compute "
+                f"{f['gen_compute_s']:.3f}, memory {f['gen_memory_s']:.3f}), {f['params'] / 1e6:.2f}M params"
+            )
     return "\n".join(lines)
 
 

@@ -32,9 +32,10 @@ def measure_peaks(threads: int, dtype: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])["results"][0]
 
 
-def step_work(cfg, batches, rl: dict, skip: int) -> dict:
-    """FLOPs and bytes of one step (mean over the timed steps), as the trainer and the engine must do them; token
-    counts are rlloop's (TRL's are the same prompts and, in distribution, the same lengths)."""
+def step_work(cfg, batches, rl: dict, timed: list[int]) -> dict:
+    """FLOPs and bytes of one step (mean over the steps of indices `timed`: those a run's s/step is the mean of), as
+    the trainer and the engine must do them; token counts are rlloop's (TRL's are the same prompts and, in
+    distribution, the same lengths)."""
     from rollout.cost import cache_dtype, decode_bytes, generate_flops, param_count, train_flops
     from rollout.model_config import ModelConfig
     from trainer.memory import ITEMSIZE
@@ -62,7 +63,7 @@ def step_work(cfg, batches, rl: dict, skip: int) -> dict:
             decode_bytes(mc, itemsize, 1, rows, max_len, max(lens) + j, kv_itemsize) for j in range(resp_max)
         )
         per_step.append((trained, train, gen_flops, gen_bytes))
-    trained, train, gen_flops, gen_bytes = (float(np.mean(c)) for c in zip(*per_step[skip:]))
+    trained, train, gen_flops, gen_bytes = (float(np.mean(c)) for c in zip(*(per_step[k] for k in timed)))
     return {
         "params": params,
         "trained_tokens": trained,

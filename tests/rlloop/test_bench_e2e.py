@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlloop.bench.e2e import median_run, parse_args, summarize
-from rlloop.bench.roofline import step_work
+from rlloop.bench.e2e import finish, median_run, parse_args, rooflines, summarize
+from rlloop.bench.roofline import bound, step_work
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -142,7 +142,7 @@ def test_decode_bytes_are_counted_step_by_step():
     # Two steps of 2 prompts; the longest prompt's responses cross a page (64 positions) of the 144-position cache.
     batches = [[SimpleNamespace(token_ids=[5] * n) for n in lens] for lens in ([60, 30], [20, 10])]
     rl = {"response_len": [10.0, 12.0], "response_len_max": [16, 16]}
-    work = step_work(cfg, batches, rl, skip=0)
+    work = step_work(cfg, batches, rl, timed=[0, 1])
 
     mc = ModelConfig.from_dir(cfg.model.path)
     max_len = cfg.data.max_prompt_len + cfg.rollout.max_response_len
@@ -157,3 +157,21 @@ def test_decode_bytes_are_counted_step_by_step():
     assert work["decode_bytes"] == pytest.approx(sum(expected) / 2)
     # Every step charged at the final length (76 positions: two pages) counts more than the steps read.
     assert expected[0] < 16 * (weights + 2 * g * decode_kv_positions(max_len, 60 + 16) * per_position)
+
+
+def test_a_run_is_over_the_bound_of_the_steps_it_is_timed_on():
+    """An async mode's s/step leaves the last step out: its bound does too (it was the bound of every step after the
+    warm-up, the last one, here the longest, included). Sync and TRL keep every step after the warm-up."""
+    from rlloop.config import load_config
+
+    cfg = load_config(ROOT / "examples" / "grpo_dapo_tiny.yaml", [])
+    batches = [[SimpleNamespace(token_ids=[5] * n) for n in lens] for lens in ([30, 20], [20, 10], [60, 60])]
+    rl = {"response_len": [10.0, 12.0, 16.0], "response_len_max": [16, 16, 16]}
+    out = rooflines(cfg, batches, rl, skip=1, modes=["sync", "async+compile"])
+    out |= {"rlloop_sync": {"s_per_step": 1.0}, "rlloop_async+compile": {"s_per_step": 1.0}, "trl": {"s_per_step": 1.0}}
+    peaks = {"matmul_flops": 1e11, "mem_bytes_per_s": 1e10}
+    finish(out, peaks)
+    steps_2_3, step_2 = (bound(step_work(cfg, batches, rl, timed), peaks)["bound_s"] for timed in ([1, 2], [1]))
+    assert step_2 < steps_2_3
+    assert out["rlloop_async+compile_over_bound"] == pytest.approx(1.0 / step_2)
+    assert out["rlloop_sync_over_bound"] == out["trl_over_bound"] == pytest.approx(1.0 / steps_2_3)
