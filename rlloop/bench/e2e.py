@@ -42,6 +42,7 @@ Ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import tempfile
@@ -49,6 +50,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from packaging.requirements import Requirement
 
 from rlloop.bench import positive_int
 from rlloop.bench.machine import machine
@@ -57,7 +59,6 @@ from rlloop.bench.trl_runner import run_trl
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "grpo_dapo_tiny.yaml"
-TRL_VERSION = "1.16.0"  # the `bench` extra
 WIDE_HIDDEN = 768  # wide_model(768): 4 layers x 12 h^2 + a 99-token embedding, ~28.4M parameters
 SETTINGS = ("tiny", "30m")
 FRAMEWORKS = ("trl", "rlloop")
@@ -72,14 +73,28 @@ MODE_OPTIONS = {
 }
 
 
-def trl_missing() -> str | None:
-    """Why the TRL column cannot be run here, or None."""
+def trl_requirement() -> Requirement | None:
+    """The trl requirement of rlloop's `bench` extra, as the installed distribution's metadata has it (pyproject.toml
+    writes the pin once); None when rlloop runs from a source tree that is not installed."""
     try:
-        import trl
+        requires = importlib.metadata.requires("rlloop") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    reqs = [Requirement(text) for text in requires]
+    return next((r for r in reqs if r.name == "trl" and r.marker and r.marker.evaluate({"extra": "bench"})), None)
+
+
+def trl_missing() -> str | None:
+    """Why the TRL column cannot be run here, or None; a note when the installed trl is not the one pinned."""
+    try:
+        import trl  # noqa: F401  (an installed trl that fails to import has no column either)
     except ImportError as e:
         return f"trl is not installed ({e}); pip install -e '.[bench]'"
-    if trl.__version__ != TRL_VERSION:
-        print(f"note: trl {trl.__version__} installed, the bench extra pins {TRL_VERSION}", flush=True)
+    installed, pin = importlib.metadata.version("trl"), trl_requirement()
+    if pin is None:
+        print(f"note: trl {installed} installed; no trl in the bench extra of an installed rlloop to check against")
+    elif not pin.specifier.contains(installed, prereleases=True):
+        print(f"note: trl {installed} installed, the bench extra asks for {pin}", flush=True)
     return None
 
 
@@ -319,7 +334,7 @@ def main(argv: list[str]) -> None:
     trl_reason = trl_missing() if "trl" in args.frameworks else None
     if trl_reason:
         print(f"TRL column missing: {trl_reason}", flush=True)
-    trl_version = None if trl_reason or "trl" not in args.frameworks else __import__("trl").__version__
+    trl_version = None if trl_reason or "trl" not in args.frameworks else importlib.metadata.version("trl")
     result: dict = dict(bench="e2e", **machine(), threads=args.threads, dtype=args.dtype)
     result |= dict(trl_version=trl_version, trl_missing=trl_reason, load_avg_start=os.getloadavg()[0])
     peaks = [measure_peaks(args.threads, args.dtype)]

@@ -175,3 +175,17 @@ def test_a_run_is_over_the_bound_of_the_steps_it_is_timed_on():
     assert step_2 < steps_2_3
     assert out["rlloop_async+compile_over_bound"] == pytest.approx(1.0 / step_2)
     assert out["rlloop_sync_over_bound"] == out["trl_over_bound"] == pytest.approx(1.0 / steps_2_3)
+
+
+def test_the_trl_pin_is_the_bench_extras():
+    """e2e checks the installed trl against the bench extra's requirement, read from rlloop's metadata (the pin is
+    written once, in pyproject.toml; e2e had a copy of its own)."""
+    import tomllib
+
+    from rlloop.bench.e2e import trl_requirement
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (pinned,) = [r for r in extras["bench"] if r.startswith("trl")]
+    assert "rlloop[bench]" in extras["dev"] and not any(r.startswith("trl") for r in extras["dev"])
+    requirement = trl_requirement()
+    assert requirement is not None and f"{requirement.name}{requirement.specifier}" == pinned
