@@ -1,6 +1,7 @@
 """The vLLM-CPU column of `python -m rlloop.bench rollout`: vLLM in its own environment (`vllm_worker.py`, run by
 that environment's interpreter over a pipe), or the reason there is none."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -58,7 +59,8 @@ def vllm_runner(path: Path, prompts, n, sampling, dtype: str, python: str):
     def close() -> None:
         children = psutil.Process(proc.pid).children(recursive=True)
         pids = [proc.pid] + [c.pid for c in children]
-        proc.stdin.close()
+        with contextlib.suppress(BrokenPipeError):  # a worker that died left a request unsent
+            proc.stdin.close()
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -70,5 +72,9 @@ def vllm_runner(path: Path, prompts, n, sampling, dtype: str, python: str):
                 left.unlink(missing_ok=True)
         shutil.rmtree(sockets, ignore_errors=True)
 
-    run()  # first-call costs, not counted (as for the other engines)
+    try:
+        run()  # first-call costs, not counted (as for the other engines)
+    except BaseException:  # the caller gets no close() to call: the worker, its engine and its files go now
+        close()
+        raise
     return run, close, preload

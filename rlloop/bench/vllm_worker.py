@@ -23,7 +23,11 @@ def main() -> None:
     sys.stdout = sys.stderr
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype=dtype, skip_tokenizer_init=True, seed=0, enforce_eager=False)
+    # No prefix cache: every timed round would reuse the KV of the same prompts from the round before, where the JAX
+    # engine prefills them each time; the columns must be the same work.
+    llm = LLM(
+        model=model, dtype=dtype, skip_tokenizer_init=True, seed=0, enforce_eager=False, enable_prefix_caching=False
+    )
     params = SamplingParams(n=n, temperature=1.0, top_p=1.0, top_k=0, max_tokens=new_tokens, ignore_eos=True)
     params.detokenize = False
     out.write("ready\n")
