@@ -85,7 +85,14 @@ def _without_ray(cfg: Config) -> None:
             "cluster.use_ray: false runs the engine and the trainer in this one process on one GPU: set "
             "cluster.colocate: true (they take turns on it), or cluster.use_ray: true (a GPU each)"
         )
-    if not c.use_ray and cfg.rollout.backend == "hf" and cfg.loop.mode != "sync" and cfg.train.compile != "off":
+    trains = cfg.run.debug != "rollout-only"
+    if (
+        not c.use_ray
+        and trains
+        and cfg.rollout.backend == "hf"
+        and cfg.loop.mode != "sync"
+        and cfg.train.compile != "off"
+    ):
         raise ValueError(
             f"rollout.backend=hf with train.compile={cfg.train.compile} and loop.mode={cfg.loop.mode}, without Ray: "
             "the HF engine generates in a thread of this process while torch.compile traces the trainer's layers in "

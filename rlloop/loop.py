@@ -27,7 +27,7 @@ from rlloop.rollout_manager import RolloutManager
 from rlloop.run_dir import earlier_run, resume_point, run_dir_held
 from rlloop.schedules import RolloutSchedule, rollout_schedule
 from rlloop.step_clock import StepClock
-from rlloop.step_end import StepEnds, Training
+from rlloop.step_end import StepEnds, Training, evaluates
 from rlloop.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -95,17 +95,19 @@ def run_recipe(
             cluster.sync_weights(version=start)
         # The run directory changes only now: a start that failed (a checkpoint the trainer cannot load, a cluster
         # that cannot host the run) leaves the run it was given as it was, config, metrics, report and checkpoints.
-        if ckpt is None:
+        if (
+            ckpt is None and cluster.trainers
+        ):  # a run that trains replaces the one there (--debug rollout-only does not)
             set_aside_earlier(cfg.run_dir)
         (cfg.run_dir / "config.yaml").write_text(to_yaml(cfg))
         (cfg.run_dir / "cluster.json").write_text(json.dumps(cluster.placement, indent=1))  # role -> Ray node id
         (cfg.run_dir / "warmup.json").write_text(json.dumps(warm, indent=1))
         tracker = stack.enter_context(Tracker(cfg, start))
-        batches = stack.enter_context(closing(rollout_schedule(rollout, start)))  # a loop.mode, or a replay
-        clock = StepClock()
-        ends = StepEnds(cfg, cluster, rollout, batches, tracker, clock, state.get("totals", {}), trainer_restarts)
-        if ends.evaluating and start == 0:
+        if evaluates(cfg, rollout) and start == 0:  # before any generation starts: the engines are the eval's alone
             tracker.log(0, rollout.evaluate())
+        batches = stack.enter_context(closing(rollout_schedule(rollout, start)))  # a loop.mode, or a replay
+        clock = StepClock()  # step 1's time starts here, after the step-0 evaluation
+        ends = StepEnds(cfg, cluster, rollout, batches, tracker, clock, state.get("totals", {}), trainer_restarts)
 
         for step in range(start + 1, cfg.run.steps + 1):
             with clock.waiting():

@@ -107,6 +107,7 @@ class RolloutManager:
         self.stop_ids = tuple(dict.fromkeys((*stop_token_ids(tokenizer), *cfg.rollout.stop_token_ids)))
         self._scoring = threading.Lock()
         self.unpublished: set[int] = set()  # steps that changed no weight (trained nothing, or a non-finite step)
+        self.eval_failures = self.eval_timeouts = 0  # of the scorer's, those of eval samples
         self.eval_name = cfg.eval.name or (Path(cfg.eval.path).stem if cfg.eval.path else None)
 
     def sampling(self, seed: int, evaluating: bool = False) -> SamplingParams:
@@ -132,12 +133,17 @@ class RolloutManager:
         sampling: SamplingParams,
         in_flight: bool = False,
         profile: str | None = None,
+        evaluating: bool = False,
     ) -> Generation:
         completions, stats = self.cluster.generate([p.token_ids for p in prompts], n, sampling, in_flight, profile)
         with self._scoring:  # the async loop modes score from two threads (the rollout thread and eval)
             texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
             answers = [prompts[c.prompt_index].answer for c in completions]
+            before = (self.scorer.failures, self.scorer.timeouts)
             rewards = np.asarray(self.scorer.score(texts, answers), np.float32)
+            if evaluating:  # counted apart: the rollout's totals go with its batches, an eval's with its step
+                self.eval_failures += self.scorer.failures - before[0]
+                self.eval_timeouts += self.scorer.timeouts - before[1]
         return Generation(completions, texts, rewards, stats)
 
     def groups(
@@ -238,15 +244,16 @@ class RolloutManager:
         fitting = filter(None, map(data.get, range(len(data))))
         prompts = list(itertools.islice(distinct(fitting), cfg.max_prompts or len(data)))
         sampling = self.sampling(seed=self.cfg.run.seed, evaluating=True)
-        gen = self.generate(prompts, cfg.samples, sampling)
-        return {f"eval/{self.eval_name}": float((gen.rewards > 0).mean())}
+        gen = self.generate(prompts, cfg.samples, sampling, evaluating=True)
+        accuracy = float((gen.rewards > 0).mean())
+        return {f"eval/{self.eval_name}": accuracy, "rollout/eval_reward_failures": self.eval_failures}
 
     def counters(self) -> dict[str, float]:
         """Running totals the loop logs every step, with its batch."""
         return {
             "data/dropped_prompts": self.data.dropped,
-            "rollout/reward_failures": self.scorer.failures,
-            "rollout/reward_timeouts": self.scorer.timeouts,
+            "rollout/reward_failures": self.scorer.failures - self.eval_failures,
+            "rollout/reward_timeouts": self.scorer.timeouts - self.eval_timeouts,
             "rollout/engine_restarts": self.cluster.restarts,
         }
 

@@ -69,9 +69,10 @@ def run_command(args: argparse.Namespace, resume: bool) -> str:
     flags = [arg for k, v in (("debug", args.debug), ("replay", args.replay)) if v for arg in (f"--{k}", v)]
     command = ["python", "-m", "rlloop.run", args.config, *args.overrides, *flags, *["--resume"] * resume]
     if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ:
-        job = json.loads(os.environ["RAY_JOB_CONFIG_JSON_ENV_VAR"] or "{}")
-        uploaded = bool(job.get("runtime_env", {}).get("working_dir"))
-        command = ["ray", "job", "submit", *["--working-dir", "."] * uploaded, "--", *command]
+        runtime_env = dict(json.loads(os.environ["RAY_JOB_CONFIG_JSON_ENV_VAR"] or "{}").get("runtime_env") or {})
+        uploaded = bool(runtime_env.pop("working_dir", None))  # Ray's copy's URI: the submitter's directory again
+        rest = ["--runtime-env-json", json.dumps(runtime_env)] if runtime_env else []
+        command = ["ray", "job", "submit", *["--working-dir", "."] * uploaded, *rest, "--", *command]
     return shlex.join(command)
 
 

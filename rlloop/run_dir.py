@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, load_state
+from rlloop.checkpoint import EARLIER, checkpoint_marks, latest_checkpoint, load_state
 from rlloop.config import Config, to_yaml
 from rlloop.data import Inputs
 from rlloop.errors import CheckpointError, RunDirInUse
@@ -65,7 +65,13 @@ def resume_point(cfg: Config, resume: bool, inputs: Inputs) -> tuple[Path | None
     ckpt = latest_checkpoint(cfg.run_dir) if resume else None
     if ckpt is None:
         if resume:
-            log.warning("--resume: %s holds no checkpoint; the run starts from step 0", cfg.run_dir / "checkpoints")
+            earlier = cfg.run_dir / EARLIER
+            aside = f" (an earlier run's are in {earlier}: move it to checkpoints/ to go on with that run)"
+            log.warning(
+                "--resume: %s holds no checkpoint%s; the run starts from step 0",
+                cfg.run_dir / "checkpoints",
+                aside if earlier.is_dir() else "",
+            )
         return None, {"step": 0}
     state = load_state(ckpt)
     if state.get("data"):

@@ -192,7 +192,7 @@ class FullyAsyncRollout(RolloutSchedule):
         # max_num_gen_batches), rather than draw on, or wait for ever on a policy that no longer disagrees with itself
         grpo = manager.cfg.grpo
         self.give_up_after = grpo.max_sampling_rounds if grpo.dynamic_sampling else math.inf
-        self.rounds = 0  # chunks finished since the `next` under way began
+        self.rounds = 0  # chunks started since the last batch was taken: at most give_up_after a step
         self.groups_made = self.groups_kept = 0  # over the run: the share dynamic sampling keeps
         self.error: BaseException | None = None
         self.stopping = self.pausing = False
@@ -210,12 +210,21 @@ class FullyAsyncRollout(RolloutSchedule):
                     # Back-pressure: at most one batch waits in the buffer, and a chunk starts only if it would be
                     # fresh enough when taken.
                     self.cond.wait_for(
-                        lambda: self.stopping or (not self.pausing and len(self.buffer) < self.want and self._admits())
+                        lambda: (
+                            self.stopping
+                            or (
+                                not self.pausing
+                                and len(self.buffer) < self.want
+                                and self.rounds < self.give_up_after
+                                and self._admits()
+                            )
+                        )
                     )
                     if self.stopping:
                         return
                     self.in_flight_cursor = self.manager.data.state_dict()
                     prompts = self.manager.data.next_batch(self._chunk_prompts())
+                    self.rounds += 1
                 chunk += 1
                 # the chunk step `chunk` takes, unless groups were dropped (rlloop/profiling.py)
                 profile = profile_dir(cfg, chunk)
@@ -230,7 +239,6 @@ class FullyAsyncRollout(RolloutSchedule):
                         else:
                             self.buffer.append(grp)
                             kept += 1
-                    self.rounds += 1
                     self.groups_made, self.groups_kept = self.groups_made + len(groups), self.groups_kept + kept
                     self.in_flight_cursor = None
                     self.cond.notify_all()
@@ -269,6 +277,10 @@ class FullyAsyncRollout(RolloutSchedule):
         last_step = self.asking + (len(self.buffer) + self.taken_now + self.want - 1) // self.want
         return self.manager.updates_behind(self.version, last_step) <= self.max_staleness
 
+    def _rounds_spent(self) -> bool:
+        """Whether the step has had its `max_sampling_rounds` chunks, the last one finished."""
+        return self.rounds >= self.give_up_after and self.in_flight_cursor is None
+
     def _chunk_prompts(self) -> int:
         """A batch's worth of prompts; for a chunk admitted only because the trainer starves, the groups its step
         still lacks over the share of groups dynamic sampling has kept, as sync's rounds over-sample (`top_up`): a
@@ -280,15 +292,15 @@ class FullyAsyncRollout(RolloutSchedule):
 
     def next(self, step: int) -> StepRollout:
         """The oldest `prompts_per_step` fresh groups; blocks until the producer has them, or with dynamic sampling
-        until `max_sampling_rounds` chunks have finished since it began (then fewer, or none: the step trains short or
-        not)."""
+        until the `max_sampling_rounds` chunks started since the last batch was taken have finished (then fewer, or
+        none: the step trains short or not)."""
         taken: list[Group] = []
         with self.cond:
-            self.asking, self.rounds = step, 0
+            self.asking = step
             while len(taken) < self.want:
                 self.starving = not self.buffer
                 self.cond.notify_all()
-                self.cond.wait_for(lambda: self.buffer or self.error is not None or self.rounds >= self.give_up_after)
+                self.cond.wait_for(lambda: self.buffer or self.error is not None or self._rounds_spent())
                 self.starving = False
                 if self.error is not None:
                     raise self.error
@@ -306,7 +318,7 @@ class FullyAsyncRollout(RolloutSchedule):
                 "rollout/stale_groups_dropped": self.dropped_stale,
                 "rollout/zero_std_groups_dropped": self.dropped_zero_std,
             }
-            self.asking = step + 1
+            self.asking, self.rounds = step + 1, 0
             self.taken_now = 0
             self.training.add(step)
             self.cond.notify_all()

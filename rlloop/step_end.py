@@ -26,6 +26,7 @@ from rlloop.tracking import Tracker
 RUN_TOTALS = (
     "rollout/reward_failures",
     "rollout/reward_timeouts",
+    "rollout/eval_reward_failures",
     "rollout/stale_groups_dropped",
     "rollout/zero_std_groups_dropped",
     "sync/refused",
@@ -35,6 +36,11 @@ RUN_TOTALS = (
 # A step's training as the loop queued it: called with the driver's seconds spent queueing it, it waits for the
 # step's training metrics (rlloop.loop.start_training)
 Training = Callable[[float], dict]
+
+
+def evaluates(cfg: Config, rollout: RolloutManager) -> bool:
+    """Whether the run evaluates at all: an eval set, a period, and engines to generate it."""
+    return rollout.eval_data is not None and cfg.run.eval_every > 0 and bool(rollout.cluster.engines)
 
 
 def save_model(cluster: Cluster, tokenizer, path: str) -> None:
@@ -62,7 +68,7 @@ class StepEnds:
         self.clock, self.trainer_restarts = clock, trainer_restarts
         self.carried = dict(carried)  # RUN_TOTALS as of the checkpoint the run started from
         self.totals = dict(carried)  # and as last logged
-        self.evaluating = rollout.eval_data is not None and cfg.run.eval_every > 0 and bool(cluster.engines)
+        self.evaluating = evaluates(cfg, rollout)
         self.pending: tuple[int, dict, Training | None] | None = None
 
     def add(self, step: int, metrics: dict, training: Training | None) -> None:

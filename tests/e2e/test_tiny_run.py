@@ -1,5 +1,6 @@
 """Whole runs of the embedded example: the real components, Ray actors, shared-memory delta sync, resume, Ctrl-C."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -48,8 +49,10 @@ def shm_segments(run_dir: Path) -> set[str]:
 
 
 def ray_processes() -> dict[int, str]:
+    """Ray's GCS servers and raylets on this host, but for the dead ones that wait to be reaped (zombies)."""
     out = subprocess.run(["pgrep", "-af", "raylet|gcs_server"], capture_output=True, text=True).stdout
-    return {int(pid): command for pid, _, command in (line.partition(" ") for line in out.splitlines())}
+    found = {int(pid): command for pid, _, command in (line.partition(" ") for line in out.splitlines())}
+    return {pid: command for pid, command in found.items() if not command.endswith("<defunct>")}
 
 
 @pytest.fixture
@@ -98,7 +101,9 @@ def test_local_run_resumes_exactly_where_it_stopped(tmp_path, mode):
         "cluster.use_ray=false",
         "tracking.progress=false",
         "run.save_every=2",
-        "run.eval_every=0",
+        "run.eval_every=2",  # an eval's reward failures are its own: not in the rollout's totals, nor lost on resume
+        "eval.samples=1",
+        "eval.max_prompts=8",
         "rollout.prompts_per_step=4",
         "sync.transport=disk",
     ]
@@ -109,7 +114,7 @@ def test_local_run_resumes_exactly_where_it_stopped(tmp_path, mode):
     resumed = load_config(TINY, common + ["run.steps=4", f"run.dir={tmp_path / 'b'}"])
     train(resumed, resume=True)
     a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
-    assert [m["step"] for m in b] == [1, 2, 3, 4]
+    assert [m["step"] for m in b] == [0, 1, 2, 3, 4]  # the step-0 evaluation, then the steps
     for key in (
         "rollout/raw_reward",
         "rollout/response_len/mean",
@@ -120,8 +125,11 @@ def test_local_run_resumes_exactly_where_it_stopped(tmp_path, mode):
         "rollout/weight_version",
         "rollout/reward_failures",
         "rollout/reward_timeouts",
+        "rollout/eval_reward_failures",
     ):
-        assert [m[key] for m in a] == [m[key] for m in b], key  # one process, fp32 CPU: bit for bit
+        assert [m.get(key) for m in a] == [m.get(key) for m in b], key  # one process, fp32 CPU: bit for bit
+    a, b = a[1:], b[1:]  # the steps
+    assert a[-1]["rollout/eval_reward_failures"] > 0  # the evals' own failures, at steps 0, 2 and 4
     assert 0 < b[1]["rollout/reward_failures"] < b[3]["rollout/reward_failures"]
     # each step's total counts the failures of its own samples and the steps' before, not (async) of the next step's,
     # which the engines are generating and scoring while the driver logs it
@@ -252,7 +260,7 @@ def test_ray_job_submit_runs_the_same_command(tmp_path, short_tmp, other_rays):
     """`ray job submit -- python -m rlloop.run ...` against a local head, as on a cluster."""
     env = {
         **os.environ,
-        "TMPDIR": str(short_tmp),  # the head's own: `ray stop --force` leaves its dashboard's pymp-* dir behind
+        "TMPDIR": str(short_tmp),  # the head's own: its processes are found by it, and what they leave goes with it
         "RAY_AUTH_MODE": "disabled",
         "RAY_USAGE_STATS_ENABLED": "0",
         "HF_HUB_OFFLINE": "1",
@@ -303,8 +311,14 @@ def test_ray_job_submit_runs_the_same_command(tmp_path, short_tmp, other_rays):
         )
         assert job.returncode == 0 and "succeeded" in job.stdout.lower(), job.stdout[-3000:] + job.stderr[-2000:]
         assert [m["step"] for m in metrics(tmp_path)] == [1, 2]
-    finally:
-        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True)
+    finally:  # this head's processes, by its TMPDIR (`ray stop` would end every Ray on the host)
+        for _ in range(50):
+            if not (ours := processes_of(short_tmp)):
+                break
+            for pid in ours:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)
     assert not rays_left(other_rays)
 
 
@@ -404,18 +418,34 @@ class Output:
         self.reader.join()
 
 
+def processes_with(variable: str, pids: list[str] | None = None) -> set[int]:
+    """The processes (of `pids`, else all) whose environment holds `variable` ("NAME=value")."""
+    ours = set()
+    for pid in pids if pids is not None else [p for p in os.listdir("/proc") if p.isdigit()]:
+        try:
+            if variable.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                ours.add(int(pid))
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return ours
+
+
+def processes_of(temp: Path) -> set[int]:
+    """The processes a Ray started with TMPDIR=`temp` runs: those with it in their environment, and Ray's agents,
+    whose environment Ray rebuilds, by the session logs they hold open there."""
+    ours = processes_with(f"TMPDIR={temp}")
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to read
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"{temp}/") for fd in os.listdir(f"/proc/{pid}/fd")):
+                ours.add(int(pid))
+    return ours
+
+
 def actor_pids(actor: str, temp: Path) -> set[str]:
     """The `ray::<actor>` processes of the run started with TMPDIR=`temp` (its Ray's workers inherit it): never
     another run's on the same machine."""
     pids = subprocess.run(["pgrep", "-f", f"ray::{actor}"], capture_output=True, text=True).stdout.split()
-    ours = set()
-    for pid in pids:
-        try:
-            if f"TMPDIR={temp}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                ours.add(pid)
-        except OSError:  # gone meanwhile
-            pass
-    return ours
+    return {str(pid) for pid in processes_with(f"TMPDIR={temp}", pids)}
 
 
 def faults_mid_run(

@@ -296,6 +296,12 @@ def test_a_setting_another_makes_idle_warns(caplog, overrides, idle):
     assert "set but unused" not in caplog.text
 
 
+def test_the_hf_compile_refusal_leaves_a_run_without_trainer_alone():
+    """--debug rollout-only has no trainer, so nothing compiles beside the HF engine's thread."""
+    hf_async = ["cluster.use_ray=false", "rollout.backend=hf", "loop.mode=async", "train.compile=layers"]
+    assert load_config(TINY, [*hf_async, "run.debug=rollout-only"]).run.debug == "rollout-only"
+
+
 def test_a_runs_own_config_fed_back_warns_of_nothing(tmp_path, caplog):
     """A run's config.yaml holds every key, most at their defaults: it warned of settings no one had chosen."""
     saved = tmp_path / "config.yaml"

@@ -168,10 +168,12 @@ def test_the_resume_command_is_one_a_shell_reads_back_as_it_was():
 def test_a_ray_jobs_resume_command_submits_it_again(monkeypatch, working_dir):
     """Run where the job ran, the bare command started a Ray of its own there (or, with RAY_ADDRESS=http://..., failed
     on the address); the job is resubmitted from where it was submitted, with its working directory if it had one."""
-    runtime_env = {"working_dir": working_dir} if working_dir else {}
+    env_vars = {"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "30"}}  # what the README submits with: kept
+    runtime_env = env_vars | ({"working_dir": working_dir} if working_dir else {})
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": runtime_env}))
     words = shlex.split(run_command(parse_args([TINY, "run.dir=/mnt/runs/{name}"]), resume=True))
-    submit = ["ray", "job", "submit", *(["--working-dir", "."] if working_dir else []), "--"]
+    submit = ["ray", "job", "submit", *(["--working-dir", "."] if working_dir else [])]
+    submit += ["--runtime-env-json", json.dumps(env_vars), "--"]
     assert words == [*submit, "python", "-m", "rlloop.run", TINY, "run.dir=/mnt/runs/{name}", "--resume"]
 
 
