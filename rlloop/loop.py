@@ -95,9 +95,8 @@ def run_recipe(
             cluster.sync_weights(version=start)
         # The run directory changes only now: a start that failed (a checkpoint the trainer cannot load, a cluster
         # that cannot host the run) leaves the run it was given as it was, config, metrics, report and checkpoints.
-        if (
-            ckpt is None and cluster.trainers
-        ):  # a run that trains replaces the one there (--debug rollout-only does not)
+        # A run that trains replaces the one there (--debug rollout-only does not)
+        if ckpt is None and cluster.trainers:
             set_aside_earlier(cfg.run_dir)
         (cfg.run_dir / "config.yaml").write_text(to_yaml(cfg))
         (cfg.run_dir / "cluster.json").write_text(json.dumps(cluster.placement, indent=1))  # role -> Ray node id
