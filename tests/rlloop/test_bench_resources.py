@@ -106,4 +106,4 @@ def test_the_start_sample_is_after_the_first_training_step(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / "run")])
     times, series, warm_at, _ = resources.sample_run(proc, tmp_path / "run", every=0.1)
     driver = resources.rss_summary(series, warm_at)["driver"]
-    assert driver["start"] > 300 and driver["end"] > 300
+    assert driver["start"] > 300  # (not the end: the last sample may catch the child freeing it as it exits)
