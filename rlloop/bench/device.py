@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 
 from rlloop.bench import positive_int
+from rlloop.bench.bench_models import make_prompts, save_random_qwen3
 from rlloop.bench.machine import machine
-from rlloop.bench.rollout import make_prompts, save_random_qwen3
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml"
 LONG_CACHE_SHARE = 0.6  # of JAX's pool limit, for engine_long's cache: the rest for weights and XLA's scratch
