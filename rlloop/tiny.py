@@ -41,6 +41,18 @@ OPERAND_MAX = 19
 SFT_MIX = {"correct": 0.25, "bad_format": 0.7, "wrong": 0.05}
 
 
+# The model's widths and depth (its vocabulary is the tokenizer's); the benchmarks build a random one of this shape
+# where the shipped model is missing (rlloop/bench/bench_models.py)
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=192,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+)
+
+
 def make_tokenizer():
     """A character-level fast tokenizer: 3 special tokens + printable ASCII, decoded by concatenation."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -95,12 +107,7 @@ def make_model(tok, train_pairs, steps: int = 600, seed: int = 0):
     torch.manual_seed(seed)
     cfg = Qwen3Config(
         vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
+        **SHAPE,
         max_position_embeddings=256,
         rope_theta=1e6,
         tie_word_embeddings=True,

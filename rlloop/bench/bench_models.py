@@ -9,19 +9,13 @@ from pathlib import Path
 
 import numpy as np
 
+from rlloop import tiny
+
 TINY_ASSET = Path(__file__).resolve().parents[1] / "assets" / "tiny" / "model"
 
 # name -> Qwen3 config overrides; "tiny" is only used when the shipped asset is missing.
 MODEL_SPECS = {
-    "tiny": dict(
-        vocab_size=99,
-        hidden_size=64,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-    ),
+    "tiny": dict(vocab_size=99, **tiny.SHAPE),
     "30m": dict(
         vocab_size=32000,
         hidden_size=384,
