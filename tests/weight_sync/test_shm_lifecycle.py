@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import weight_sync.shm
 from weight_sync import SyncConfig, make_receiver, make_sender
 from weight_sync.shm import SHM_DIR, _map, remove_stale_segments, segment_path
 
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 import weight_sync.shm as shm
 
-run_id, mode = sys.argv[1], sys.argv[2]
+run_id, mode, shm.SHM_DIR = sys.argv[1], sys.argv[2], shm.Path(sys.argv[3])
 sender = shm.ShmSender(run_id)
 sender.push({"w": np.full(1 << 16, 1.0, np.float32)}, 1)
 if mode == "midpush":
@@ -51,7 +52,7 @@ if mode in ("wait", "fork"):
 
 def _start_writer(run_id: str, mode: str) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-c", WRITER, run_id, mode],
+        [sys.executable, "-c", WRITER, run_id, mode, str(weight_sync.shm.SHM_DIR)],
         stdout=subprocess.PIPE,
         text=True,
         cwd=Path(__file__).resolve().parents[2],
@@ -62,10 +63,27 @@ def _start_writer(run_id: str, mode: str) -> subprocess.Popen:
 
 
 def _segments(run_id: str) -> list[str]:
-    return sorted(p.name for p in Path("/dev/shm").glob(f"rlloop_{run_id}_*"))
+    return sorted(p.name for p in weight_sync.shm.SHM_DIR.glob(f"rlloop_{run_id}_*"))
 
 
-def test_sigkill_mid_push_never_shows_partial_version_and_next_start_cleans_up(run_id):
+@pytest.fixture
+def private_shm(run_id):
+    """A tmpfs directory of this test's own for the segments. A test that keeps a killed writer's segments to look at
+    needs one: any sender that starts on the host (another test's, in another worker) sweeps every dead writer's.
+    Patched apart from the test's `monkeypatch`, which a test may undo midway."""
+    private = SHM_DIR / f"rlloop-test-{run_id}"
+    private.mkdir()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(weight_sync.shm, "SHM_DIR", private)
+        yield
+    leaked = sorted(path.name for path in private.iterdir())
+    for path in private.iterdir():
+        path.unlink()
+    private.rmdir()
+    assert not leaked, f"leaked shm segments: {leaked}"
+
+
+def test_sigkill_mid_push_never_shows_partial_version_and_next_start_cleans_up(run_id, private_shm):
     proc = _start_writer(run_id, "midpush")
     try:
         receiver = make_receiver(SyncConfig(run_id=run_id, transport="shm", delta=False))
@@ -93,7 +111,7 @@ def test_sigkill_mid_push_never_shows_partial_version_and_next_start_cleans_up(r
     assert _segments(run_id) == []
 
 
-def test_remove_stale_segments_spares_live_writers(run_id):
+def test_remove_stale_segments_spares_live_writers(run_id, private_shm):
     proc = _start_writer(run_id, "midpush")
     try:
         assert run_id not in remove_stale_segments()
@@ -296,7 +314,7 @@ def test_a_sender_dropped_without_close_removes_its_segments_and_lock(run_id):
     assert _segments(run_id) == [] and _open_files(run_id) == []
 
 
-def test_a_sweep_spares_a_writer_that_replaced_the_dead_one_meanwhile(run_id, monkeypatch):
+def test_a_sweep_spares_a_writer_that_replaced_the_dead_one_meanwhile(run_id, private_shm, monkeypatch):
     """A sweep opens a dead writer's control segment; before it takes the lock, a new writer of the run removes the
     dead one's segments (its own sweep) and starts. The first sweep must not then remove the new writer's by name."""
     import fcntl
