@@ -174,11 +174,22 @@ class RewardSection(Section):
         return self
 
 
+# Fields of both components that the model and run sections set (`engine_config`, `trainer_config`)
+WIRED_FROM_MODEL = {
+    "model_path": "model.path",
+    "trust_remote_code": "model.trust_remote_code",
+    "dtype": "model.dtype",
+    "seed": "run.seed",
+}
+ENGINE_WIRED = WIRED_FROM_MODEL | {
+    "max_seq_len": "data.max_prompt_len + rollout.max_response_len",
+    "tp": "cluster.rollout_chips / cluster.rollout_engines (on CPU, a device per core)",
+}
+
+
 # The engine's own knobs (max_batch, buckets, steps_per_dispatch) come from rollout.EngineConfig; the model, dtype,
 # sequence length, chips and seed are wired from the model, data, cluster and run sections.
-class RolloutSection(
-    knobs_of(EngineConfig, wired=("model_path", "trust_remote_code", "dtype", "max_seq_len", "tp", "seed"))
-):
+class RolloutSection(knobs_of(EngineConfig, wired=ENGINE_WIRED)):
     backend: Literal["jax", "hf"] = "jax"
     prompts_per_step: PositiveInt = 32
     group_size: int = 8  # >= 2 (_group_size)
@@ -222,12 +233,18 @@ class GRPOSection(knobs_of(LossConfig)):
 
 # All of trainer.TrainerConfig but what other sections decide (the model, devices, sampling temperature, lengths, and
 # the optimizer updates of the whole run).
-TRAINER_WIRED = "model_path trust_remote_code dtype device temperature max_response_len loss seed total_updates"
-TrainSection = knobs_of(TrainerConfig, wired=tuple(TRAINER_WIRED.split()))
+TRAINER_WIRED = WIRED_FROM_MODEL | {
+    "device": "cluster.device",
+    "temperature": "rollout.temperature",
+    "max_response_len": "rollout.max_response_len",
+    "loss": "the grpo section",
+    "total_updates": "run.steps x train.minibatches",
+}
+TrainSection = knobs_of(TrainerConfig, wired=TRAINER_WIRED)
 
 
 # The weight-sync knobs come from weight_sync.SyncConfig; the run's id is the run directory's (`sync_config`).
-SyncSection = knobs_of(SyncConfig, wired=("run_id",))  # sync.dir: None is <run dir>/sync
+SyncSection = knobs_of(SyncConfig, wired={"run_id": "run.dir"})  # sync.dir: None is <run dir>/sync
 
 
 class ClusterSection(Section):

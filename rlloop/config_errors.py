@@ -44,15 +44,34 @@ def flow_mapping_hint(key, value) -> str:
     )
 
 
-def known_keys(root: type[BaseModel], loc: tuple) -> list[str]:
-    """The keys the section at `loc` (a path of field names from `root`) accepts; [] when it is not a section."""
+def section_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The section class at `loc` (a path of field names from `root`); None when it is not a section."""
     cls: type = root
     for part in loc:
         field = cls.model_fields.get(str(part)) if isinstance(cls, type) and issubclass(cls, BaseModel) else None
         if field is None:
-            return []
+            return None
         cls = field.annotation
-    return list(cls.model_fields) if isinstance(cls, type) and issubclass(cls, BaseModel) else []
+    return cls if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+
+
+def known_keys(root: type[BaseModel], loc: tuple) -> list[str]:
+    """The keys the section at `loc` accepts; [] when it is not a section."""
+    section = section_at(root, loc)
+    return list(section.model_fields) if section else []
+
+
+def _unknown_key(err: dict, root: type[BaseModel], prefix: str) -> str:
+    """Why a key is unknown: another section sets it, or the closest known key, or the keys its section accepts."""
+    section = section_at(root, (prefix, *err["loc"][:-1]) if prefix else err["loc"][:-1])
+    key = str(err["loc"][-1])
+    wired = getattr(section, "wired_from", {})
+    if key in wired:
+        return f"not a key of this section: its value is set from {wired[key]}"
+    known = list(section.model_fields) if section else []
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else (f"; known keys here: {', '.join(known)}" if known else "")
+    return f"unknown key{hint}{flow_mapping_hint(err['loc'][-1], err.get('input'))}"
 
 
 def describe(err: dict, root: type[BaseModel], prefix: str = "") -> str:
@@ -61,10 +80,7 @@ def describe(err: dict, root: type[BaseModel], prefix: str = "") -> str:
     loc = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
     got = err.get("input")
     if err["type"] == "extra_forbidden":
-        known = known_keys(root, (prefix, *err["loc"][:-1]) if prefix else err["loc"][:-1])
-        close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else (f"; known keys here: {', '.join(known)}" if known else "")
-        return f"{loc}: unknown key{hint}{flow_mapping_hint(err['loc'][-1], got)}"
+        return f"{loc}: {_unknown_key(err, root, prefix)}"
     if err["type"] == "missing":
         return f"{loc}: required key is missing"
     msg = err["msg"].removeprefix("Value error, ")

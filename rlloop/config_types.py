@@ -6,7 +6,8 @@ declares the sections with them.
 from __future__ import annotations
 
 import os
-from typing import Annotated, get_args
+from collections.abc import Mapping
+from typing import Annotated, ClassVar, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator
 
@@ -60,6 +61,8 @@ def _types_in(annotation) -> set:
 class Section(BaseModel):
     # no knob takes inf or nan: `reward.timeout_s: inf` overflowed a wait, `failure_reward: nan` poisoned advantages
     model_config = ConfigDict(extra="forbid", strict=False, validate_default=True, allow_inf_nan=False)
+    # A component's field that another section sets (`knobs_of`): key -> where its value comes from
+    wired_from: ClassVar[dict[str, str]] = {}
 
     @field_validator("*", mode="before")
     @classmethod
@@ -72,12 +75,16 @@ class Section(BaseModel):
         return value
 
 
-def knobs_of(component: type, wired: tuple[str, ...] = ()) -> type[Section]:
+def knobs_of(component: type, wired: Mapping[str, str] | None = None) -> type[Section]:
     """A YAML section holding a component config's own knobs: every field of the (pydantic) dataclass `component`
-    except the `wired` ones, which the run config fills in from other sections. Types, defaults and ranges are the
-    component's, so a field added there is a YAML key here with nothing else to edit."""
+    except the `wired` ones, which the run config fills in from other sections (field -> where its value comes from,
+    which an unknown-key error names). Types, defaults and ranges are the component's, so a field added there is a
+    YAML key here with nothing else to edit."""
+    wired = dict(wired or {})
     fields = {name: (f.annotation, f) for name, f in component.__pydantic_fields__.items() if name not in wired}
-    return create_model(f"{component.__name__}Knobs", __base__=Section, **fields)
+    section = create_model(f"{component.__name__}Knobs", __base__=Section, **fields)
+    section.wired_from = wired
+    return section
 
 
 def component_kwargs(section: BaseModel, component: type) -> dict:

@@ -76,6 +76,11 @@ CONFIG = [  # (id, overrides of the tiny recipe, what the message names)
      ["cluster.rollout_engines=4 is more engines than cluster.rollout_chips=2"]),
     ("unknown-key-depth-2", ["rollout.sampling.temperature=1"], ["rollout.sampling: unknown key; known keys here:"]),
     ("unknown-key-typo", ["grpo.clip_eps_hi=0.3"], ["grpo.clip_eps_hi: unknown key; did you mean 'clip_eps_high'?"]),
+    # a component's field that another section sets: the error names that section's key
+    ("wired-trainer-dtype", ["train.dtype=bfloat16"], ["train.dtype: not a key of this section", "from model.dtype"]),
+    ("wired-engine-seq-len", ["rollout.max_seq_len=64"],
+     ["rollout.max_seq_len: not a key", "from data.max_prompt_len + rollout.max_response_len"]),
+    ("wired-sync-run-id", ["sync.run_id=x"], ["sync.run_id: not a key of this section", "from run.dir"]),
     ("key-below-a-value", ["train.lr.value=1"], ["train.lr: Input should be a valid number, got a mapping"]),
     ("list-item-not-a-number", ["train.betas=[0.9,x]"], ["train.betas.1: Input should be a valid number", "'x'"]),
     ("list-item-not-an-int", ["rollout.prefill_buckets=[16,abc]"], ["rollout.prefill_buckets.1", "'abc'"]),
