@@ -4,7 +4,8 @@ The suite runs on two pytest-xdist workers (pyproject.toml). Every test that sta
 `xdist_group("ray")`, so those run one at a time on one worker, and two use fixed ports. They check that no Ray
 process of theirs is left (those running before the test, another user's, are not theirs) and signal their own
 actors (by their run's $TMPDIR, or as processes under their driver). Checks of shared memory and temp files name
-the run's own segments and directories, since the other worker runs tests meanwhile.
+the run's own segments and directories, since the other worker runs tests meanwhile; a test that keeps a killed
+writer's segments keeps them in a directory of its own (`private_shm`).
 """
 
 import os
@@ -86,6 +87,28 @@ def short_tmp():
     path = tempfile.mkdtemp(prefix="rlloop-test-")
     yield Path(path)
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def private_shm():
+    """A tmpfs directory of the test's own for weight_sync.shm's segments, yielded. A test that keeps a killed
+    writer's segments to look at needs one: any sender that starts on the host (another worker's test) sweeps every
+    dead writer's. A writer in a subprocess must be given it. Patched apart from the test's `monkeypatch`, which a test
+    may undo midway."""
+    import uuid
+
+    import weight_sync.shm
+
+    private = weight_sync.shm.SHM_DIR / f"rlloop-test-{uuid.uuid4().hex[:12]}"
+    private.mkdir()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(weight_sync.shm, "SHM_DIR", private)
+        yield private
+    leaked = sorted(path.name for path in private.iterdir())
+    for path in private.iterdir():
+        path.unlink()
+    private.rmdir()
+    assert not leaked, f"leaked shm segments: {leaked}"
 
 
 @pytest.fixture(scope="module")

@@ -74,11 +74,14 @@ def test_rollout_only_generates_scores_and_saves_without_a_trainer(tmp_path, mod
     assert "nan" not in report and "train_s" not in report and "sync" not in report
 
 
-def test_rollout_only_never_reads_the_weights_a_killed_run_left_in_shared_memory(tmp_path):
+def test_rollout_only_never_reads_the_weights_a_killed_run_left_in_shared_memory(tmp_path, private_shm):
     """A run killed outright leaves its segments; with no trainer there is no sender to sweep them, and fully_async's
-    engines pulled the dead run's newest version as this run's weights."""
+    engines pulled the dead run's newest version as this run's weights. (The run is in-process: the directory of its
+    own, `private_shm`, is the one it reads.)"""
     writer = subprocess.Popen(
-        [sys.executable, "-c", KILLED_WRITER.format(run_id=run_id_for(tmp_path))], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", KILLED_WRITER.format(run_id=run_id_for(tmp_path), shm_dir=private_shm)],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert writer.stdout.readline().strip() == "pushed"
     writer.kill()
@@ -92,9 +95,12 @@ def test_rollout_only_never_reads_the_weights_a_killed_run_left_in_shared_memory
 
 KILLED_WRITER = """
 import time
+from pathlib import Path
 import numpy as np
+import weight_sync.shm
 from weight_sync import SyncConfig, make_sender
 
+weight_sync.shm.SHM_DIR = Path("{shm_dir}")
 sender = make_sender(SyncConfig(run_id="{run_id}", transport="shm", delta=False))
 for version in (1, 2):
     sender.push({{"model.embed_tokens.weight": np.ones((99, 64), np.float32)}}, version)

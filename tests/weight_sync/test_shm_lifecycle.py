@@ -66,23 +66,6 @@ def _segments(run_id: str) -> list[str]:
     return sorted(p.name for p in weight_sync.shm.SHM_DIR.glob(f"rlloop_{run_id}_*"))
 
 
-@pytest.fixture
-def private_shm(run_id):
-    """A tmpfs directory of this test's own for the segments. A test that keeps a killed writer's segments to look at
-    needs one: any sender that starts on the host (another test's, in another worker) sweeps every dead writer's.
-    Patched apart from the test's `monkeypatch`, which a test may undo midway."""
-    private = SHM_DIR / f"rlloop-test-{run_id}"
-    private.mkdir()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(weight_sync.shm, "SHM_DIR", private)
-        yield
-    leaked = sorted(path.name for path in private.iterdir())
-    for path in private.iterdir():
-        path.unlink()
-    private.rmdir()
-    assert not leaked, f"leaked shm segments: {leaked}"
-
-
 def test_sigkill_mid_push_never_shows_partial_version_and_next_start_cleans_up(run_id, private_shm):
     proc = _start_writer(run_id, "midpush")
     try:
