@@ -51,6 +51,7 @@ _CTL_SIZE = 4096
 _MAGIC_F, _PID_F, _LATEST_F, _KEYREQ_F, _INSTANCE_F = 0, 1, 2, 3, 4
 _BUF_F = (8, 12)  # per buffer: seq, version, length
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_START_WAIT_S = 1.0  # how long a new sender waits for a dead writer's control segment to be swept
 
 
 def check_run_id(run_id: str) -> str:
@@ -88,6 +89,14 @@ def _reserve(fd: int, have: int, size: int) -> None:
             f"--shm-size`, a memory-backed emptyDir on Kubernetes) or sync through disk",
         )
     os.posix_fallocate(fd, have, size - have)
+
+
+def _writer_pid(ctl: Path) -> str:
+    """' (pid N)' of the writer that holds the control segment `ctl`; '' once it is gone."""
+    try:
+        return f" (pid {int(np.fromfile(ctl, np.uint64, count=2)[_PID_F])})"
+    except (FileNotFoundError, IndexError):
+        return ""
 
 
 def _close_map(m: mmap.mmap | None) -> None:
@@ -196,14 +205,18 @@ class ShmSender(Sender):
         super().__init__(delta=delta, keyframe_every=keyframe_every)
         self.run_id = check_run_id(run_id)
         ctl_path = segment_path(run_id, "ctl")
-        for _ in range(3):  # another process's sweep may hold a dead writer's lock for the moment it removes its files
+        # Another process's sweep may hold a dead writer's lock while it removes its files: on a loaded host that
+        # moment can last tens of milliseconds, so a dead writer's name gets a second to clear; a live one never does.
+        deadline = time.monotonic() + _START_WAIT_S
+        while True:
             remove_stale_segments()
             if not ctl_path.exists():
                 break
+            if time.monotonic() > deadline:
+                raise ValueError(
+                    f"run_id {run_id!r} already has a live shm sender{_writer_pid(ctl_path)}; use another run_id"
+                )
             time.sleep(0.01)
-        else:
-            pid = int(np.fromfile(ctl_path, np.uint64, count=2)[_PID_F])
-            raise ValueError(f"run_id {run_id!r} already has a live shm sender (pid {pid}); use another run_id")
         # Built under a temporary name, locked, then renamed into place: nobody sees an unlocked, live control file.
         # Locked on the descriptor that creates it, before anything else: another process's remove_stale_segments
         # must never find our file unlocked (it would take it for a dead writer's and unlink it).

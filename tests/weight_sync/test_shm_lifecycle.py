@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -295,6 +296,39 @@ def test_a_sender_dropped_without_close_removes_its_segments_and_lock(run_id):
     del sender
     gc.collect()
     assert _segments(run_id) == [] and _open_files(run_id) == []
+
+
+def test_a_new_writer_waits_out_another_process_s_slow_sweep_of_the_dead_one(run_id, private_shm):
+    """A writer restarting after a SIGKILL can find another process's sweep holding the dead writer's lock. On a
+    loaded host that sweep may be descheduled for tens of milliseconds with the name still there: the new writer was
+    refused as if the dead one were alive after 30 ms."""
+    import threading
+
+    from weight_sync.shm import _lock_if_dead
+
+    proc = _start_writer(run_id, "wait")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    lock = _lock_if_dead(segment_path(run_id, "ctl"))  # the other process's sweep, from here
+    assert lock is not None
+
+    def finish_the_sweep_late() -> None:
+        time.sleep(0.3)
+        for part in ("buf0", "buf1", "ctl"):
+            segment_path(run_id, part).unlink(missing_ok=True)
+        os.close(lock)
+
+    sweep = threading.Thread(target=finish_the_sweep_late)
+    sweep.start()
+    try:
+        with make_sender(SyncConfig(run_id=run_id, transport="shm", delta=False)) as sender:
+            sender.push({"w": np.full(8, 4.0, np.float32)}, 1)
+            with make_receiver(SyncConfig(run_id=run_id, transport="shm", delta=False)) as receiver:
+                version, got = receiver.pull()
+                assert version == 1 and (got["w"] == 4.0).all()
+    finally:
+        sweep.join()
+    assert _segments(run_id) == []
 
 
 def test_a_sweep_spares_a_writer_that_replaced_the_dead_one_meanwhile(run_id, private_shm, monkeypatch):
