@@ -311,14 +311,8 @@ def test_ray_job_submit_runs_the_same_command(tmp_path, short_tmp, other_rays):
         )
         assert job.returncode == 0 and "succeeded" in job.stdout.lower(), job.stdout[-3000:] + job.stderr[-2000:]
         assert [m["step"] for m in metrics(tmp_path)] == [1, 2]
-    finally:  # this head's processes, by its TMPDIR (`ray stop` would end every Ray on the host)
-        for _ in range(50):
-            if not (ours := processes_of(short_tmp)):
-                break
-            for pid in ours:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.2)
+    finally:
+        end_ray_of(short_tmp)
     assert not rays_left(other_rays)
 
 
@@ -439,6 +433,19 @@ def processes_of(temp: Path) -> set[int]:
             if any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"{temp}/") for fd in os.listdir(f"/proc/{pid}/fd")):
                 ours.add(int(pid))
     return ours
+
+
+def end_ray_of(temp: Path) -> None:
+    """Kill the processes of the Ray started with TMPDIR=`temp` until none is left: `ray stop` would end every Ray on
+    the host, another user's or another test's too."""
+    for _ in range(50):
+        if not (ours := processes_of(temp)):
+            return
+        for pid in ours:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+    raise AssertionError(f"the Ray started in {temp} outlived 50 rounds of SIGKILL: {sorted(processes_of(temp))}")
 
 
 def actor_pids(actor: str, temp: Path) -> set[str]:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_tiny_run import end_ray_of
+
 pytestmark = pytest.mark.xdist_group("ray")  # starts Ray: one at a time (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,8 +28,8 @@ ENV = {
 ENV.pop("XLA_FLAGS", None)
 
 
-def ray_cli(*args: str) -> None:
-    done = subprocess.run(["ray", *args], env=ENV, capture_output=True, text=True, timeout=120)
+def ray_cli(*args: str, env: dict[str, str]) -> None:
+    done = subprocess.run(["ray", *args], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"ray {' '.join(args)}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
 
 
@@ -36,6 +38,7 @@ def two_nodes():
     """A head node labelled node_a and a second node labelled node_b, one CPU each."""
     # Short: Ray's unix sockets live under it, and a socket path may not exceed 107 bytes (pytest's tmp paths can)
     temp = tempfile.TemporaryDirectory(prefix="rlloop-test-", ignore_cleanup_errors=True)
+    env = {**ENV, "TMPDIR": temp.name}  # the nodes' processes are found by it at the end (`end_ray_of`)
     ray_cli(
         "start",
         "--head",
@@ -45,14 +48,20 @@ def two_nodes():
         "--include-dashboard=false",
         "--disable-usage-stats",
         f"--temp-dir={temp.name}",
+        env=env,
     )
     try:
         ray_cli(
-            "start", f"--address=127.0.0.1:{PORT}", "--num-cpus=1", '--resources={"node_b": 1}', "--disable-usage-stats"
+            "start",
+            f"--address=127.0.0.1:{PORT}",
+            "--num-cpus=1",
+            '--resources={"node_b": 1}',
+            "--disable-usage-stats",
+            env=env,
         )
         yield f"127.0.0.1:{PORT}"
     finally:
-        subprocess.run(["ray", "stop", "--force"], env=ENV, capture_output=True, timeout=120)
+        end_ray_of(Path(temp.name))
         temp.cleanup()
 
 
