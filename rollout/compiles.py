@@ -1,7 +1,8 @@
 """Counting XLA compiles: every backend compile in this process, whoever triggers it (a jax.monitoring listener).
 
 The engine compiles each bucket's program once, in warmup; tests and `perf/compiles` use this count to show that
-steady state compiles nothing.
+steady state compiles nothing. A program loaded from the persistent compilation cache counts too (JAX times the
+compile-or-load as one event): after warmup either is a program warmup did not prepare.
 """
 
 import jax
