@@ -24,7 +24,7 @@ from rlloop.errors import TrainerDied
 from rlloop.profiling import profile_dir
 from rlloop.ray_session import ray_session
 from rlloop.rollout_manager import RolloutManager
-from rlloop.run_dir import earlier_run, resume_point, run_dir_held
+from rlloop.run_dir import earlier_run, resume_point, run_dir_held, set_aside_earlier_outputs
 from rlloop.schedules import RolloutSchedule, rollout_schedule
 from rlloop.step_clock import StepClock
 from rlloop.step_end import StepEnds, Training, evaluates
@@ -98,6 +98,8 @@ def run_recipe(
         # A run that trains replaces the one there (--debug rollout-only does not)
         if ckpt is None and cluster.trainers:
             set_aside_earlier(cfg.run_dir)
+        if ckpt is None and trainer_restarts == 0:  # this run's first start from step 0, not a rebuild
+            set_aside_earlier_outputs(cfg)
         (cfg.run_dir / "config.yaml").write_text(to_yaml(cfg))
         (cfg.run_dir / "cluster.json").write_text(json.dumps(cluster.placement, indent=1))  # role -> Ray node id
         (cfg.run_dir / "warmup.json").write_text(json.dumps(warm, indent=1))

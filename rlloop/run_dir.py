@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -43,6 +44,9 @@ def run_dir_held(run_dir: Path):
         os.close(fd)
 
 
+EARLIER_ROLLOUTS = "rollouts.earlier"
+
+
 def earlier_run(cfg: Config, resume: bool) -> frozenset:
     """The checkpoints of an earlier run in `run.dir` (`checkpoint_marks`), with a warning; none with --resume. A
     fresh run moves them aside once its actors are up (`set_aside_earlier`): a rebuild before then starts over, not
@@ -51,12 +55,28 @@ def earlier_run(cfg: Config, resume: bool) -> frozenset:
     if inherited:
         log.warning(
             "%s holds an earlier run (checkpoints %s); this one starts from step 0 and replaces it: its metrics, "
-            "and its checkpoints at this run's first save (kept in checkpoints.earlier/ until then). To continue it "
-            "instead, add --resume",
+            "saved rollouts (moved to %s/) and traces at once, its checkpoints at this run's first save (kept in "
+            "checkpoints.earlier/ until then). To continue it instead, add --resume",
             cfg.run_dir,
             ", ".join(sorted(name for name, _, _ in inherited)),
+            EARLIER_ROLLOUTS,
         )
     return inherited
+
+
+def set_aside_earlier_outputs(cfg: Config) -> None:
+    """As a run starts from step 0, the rollouts an earlier run saved in its directory move to rollouts.earlier/
+    (replacing any there) and its profiler traces go, as its metrics do. Left in place, a replay of rollouts/ trained
+    on steps of both runs: a run rewrites only the steps it reaches. The rollouts a --debug train-only run replays
+    stay where they are."""
+    rollouts = cfg.run_dir / "rollouts"
+    replayed = cfg.run.replay is not None and Path(cfg.run.replay).resolve() == rollouts.resolve()
+    if rollouts.is_dir() and any(rollouts.iterdir()) and not replayed:
+        aside = cfg.run_dir / EARLIER_ROLLOUTS
+        shutil.rmtree(aside, ignore_errors=True)
+        rollouts.rename(aside)
+        log.warning("moved the earlier run's saved rollouts to %s", aside)
+    shutil.rmtree(cfg.run_dir / "profile", ignore_errors=True)
 
 
 def resume_point(cfg: Config, resume: bool, inputs: Inputs) -> tuple[Path | None, dict]:

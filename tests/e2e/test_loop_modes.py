@@ -376,14 +376,20 @@ def test_colocated_run_frees_the_engine_while_training_and_matches_the_split_run
 
 def test_the_last_step_is_evaluated_and_a_run_started_over_another_says_it_replaces_it(tmp_path, caplog):
     """Eval every 2 steps of 3: at 0, 2 and the last (the summary's final eval used to be step 2's). Then a fresh run
-    in the same directory, without --resume, warns that it replaces the one there, and it does."""
+    in the same directory, without --resume, warns that it replaces the one there, and it does: its saved rollouts
+    too, which a replay of the directory took for the new run's (mixed with its own)."""
     args = LOCAL + ["run.steps=3", "run.eval_every=2", "eval.samples=1", "run.save_every=2", f"run.dir={tmp_path}"]
+    args += ["tracking.save_rollouts=true"]
     train(load_config(TINY, args))
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if any(k.startswith("eval/") for k in m)] == [0, 2, 3]
+    earlier_rollouts = {p.name: p.read_text() for p in (tmp_path / "rollouts").iterdir()}
     with caplog.at_level("WARNING", logger="rlloop"):
-        train(load_config(TINY, [*args, "run.steps=1", "run.save_every=0"]))
+        train(load_config(TINY, [*args, "run.steps=1", "run.save_every=0", "run.seed=1"]))
     assert f"{tmp_path} holds an earlier run (checkpoints step_000002, step_000003)" in caplog.text
+    assert [p.name for p in (tmp_path / "rollouts").iterdir()] == ["step_000001.jsonl"]
+    assert {p.name: p.read_text() for p in (tmp_path / "rollouts.earlier").iterdir()} == earlier_rollouts
+    assert (tmp_path / "rollouts" / "step_000001.jsonl").read_text() != earlier_rollouts["step_000001.jsonl"]
     # This run saved none (nor would one killed before its first save): a --resume starts it over. It took up the
     # earlier run at its step 3 instead, under this run's metrics.
     caplog.clear()
