@@ -69,7 +69,9 @@ def _unknown_key(err: dict, root: type[BaseModel], prefix: str) -> str:
     if key in wired:
         return f"not a key of this section: its value is set from {wired[key]}"
     known = list(section.model_fields) if section else []
-    close = difflib.get_close_matches(key, known, n=1)
+    # the key of another section (train.tis_cap for grpo.tis_cap) first, then a typo of one of this section's
+    elsewhere = [f"{name}.{key}" for name in root.model_fields if key in known_keys(root, (name,))]
+    close = elsewhere or difflib.get_close_matches(key, known, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else (f"; known keys here: {', '.join(known)}" if known else "")
     return f"unknown key{hint}{flow_mapping_hint(err['loc'][-1], err.get('input'))}"
 

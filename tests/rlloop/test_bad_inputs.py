@@ -76,6 +76,7 @@ CONFIG = [  # (id, overrides of the tiny recipe, what the message names)
      ["cluster.rollout_engines=4 is more engines than cluster.rollout_chips=2"]),
     ("unknown-key-depth-2", ["rollout.sampling.temperature=1"], ["rollout.sampling: unknown key; known keys here:"]),
     ("unknown-key-typo", ["grpo.clip_eps_hi=0.3"], ["grpo.clip_eps_hi: unknown key; did you mean 'clip_eps_high'?"]),
+    ("key-of-another-section", ["train.tis_cap=2"], ["train.tis_cap: unknown key; did you mean 'grpo.tis_cap'?"]),
     # a component's field that another section sets: the error names that section's key
     ("wired-trainer-dtype", ["train.dtype=bfloat16"], ["train.dtype: not a key of this section", "from model.dtype"]),
     ("wired-engine-seq-len", ["rollout.max_seq_len=64"],
