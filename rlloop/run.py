@@ -1,11 +1,12 @@
-"""`python -m rlloop.run CONFIG.yaml [key.path=value ...] [--dry-run] [--resume]`: the user's entry point.
+"""`python -m rlloop.run CONFIG.yaml [key.path=value ...] [--dry-run] [--resume] [--debug rollout-only|train-only]
+[--replay RUN_DIR/rollouts]`: the user's entry point.
 
 The same command runs locally and as a Ray job (`ray job submit --working-dir . -- python -m rlloop.run ...`). Exit
 codes: 0 done; 1 an actor died, the cluster cannot host the plan, training stayed non-finite for train.max_bad_steps
 steps, the reward function's workers cannot start, a checkpoint cannot be written or resumed, or the data no longer
 fits the checkpoint being resumed; 2 bad config, model or data, found before anything starts (the message names the
 key), or a run directory another run holds; 130 interrupted (Ctrl-C) and 143 terminated (SIGTERM), both after
-cleaning up: continue with --resume.
+cleaning up: continue with --resume, or, before the run's first checkpoint, start it again (the last line says which).
 """
 
 from __future__ import annotations

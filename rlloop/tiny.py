@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import random
 import string
-import sys
 from pathlib import Path
 
 ASSETS = Path(__file__).parent / "assets" / "tiny"
@@ -165,4 +164,8 @@ def build(out: Path = ASSETS, seed: int = 0) -> Path:
 
 
 if __name__ == "__main__":
-    print(build(Path(sys.argv[1]) if len(sys.argv) > 1 else ASSETS))
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m rlloop.tiny", description="Build the tiny task's model and data.")
+    parser.add_argument("out", nargs="?", type=Path, default=ASSETS, help=f"where to write them (default: {ASSETS})")
+    print(build(parser.parse_args().out))
