@@ -48,16 +48,17 @@ def _completed(run_dir: Path) -> list[Path]:
     return sorted(done, key=_step)  # step_1000000 after step_999999
 
 
-def set_aside_earlier(run_dir: Path) -> None:
+def set_aside_earlier(run_dir: Path) -> bool:
     """Move the checkpoints in `run_dir` (an earlier run's: this one starts from step 0) to `checkpoints.earlier/`,
-    replacing any there before. Left in place until this run's first save, a --resume after this run was killed
-    took up the earlier run where it had stopped, under this run's metrics."""
+    replacing any there before; whether there were any. Left in place until this run's first save, a --resume after
+    this run was killed took up the earlier run where it had stopped, under this run's metrics."""
     root, aside = Path(run_dir) / "checkpoints", Path(run_dir) / EARLIER
     if not _completed(run_dir):
-        return
+        return False
     shutil.rmtree(aside, ignore_errors=True)
     root.rename(aside)
     log.warning("moved the earlier run's checkpoints to %s: deleted at this run's first save", aside)
+    return True
 
 
 def _sweep(root: Path) -> None:

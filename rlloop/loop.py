@@ -15,7 +15,7 @@ import time
 from contextlib import ExitStack, closing
 from pathlib import Path
 
-from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, load_state, set_aside_earlier
+from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, load_state
 from rlloop.cluster import Cluster
 from rlloop.config import Config, to_yaml
 from rlloop.data import Inputs, load_inputs
@@ -24,7 +24,7 @@ from rlloop.errors import TrainerDied
 from rlloop.profiling import profile_dir
 from rlloop.ray_session import ray_session
 from rlloop.rollout_manager import RolloutManager
-from rlloop.run_dir import earlier_run, resume_point, run_dir_held, set_aside_earlier_outputs
+from rlloop.run_dir import EarlierRun, earlier_run, resume_point, run_dir_held
 from rlloop.schedules import RolloutSchedule, rollout_schedule
 from rlloop.step_clock import StepClock
 from rlloop.step_end import StepEnds, Training, evaluates
@@ -43,7 +43,7 @@ def train(cfg: Config, resume: bool = False, inputs: Inputs | None = None) -> Pa
 
 
 def _train(cfg: Config, resume: bool, inputs: Inputs) -> Path:
-    inherited = earlier_run(cfg, resume)
+    earlier = earlier_run(cfg, resume)
     ckpt, resumed = resume_point(cfg, resume, inputs)
     if resumed["step"] >= cfg.run.steps and ckpt:
         log.warning("--resume: the run is at step %d, run.steps=%d: nothing to train", resumed["step"], cfg.run.steps)
@@ -56,10 +56,10 @@ def _train(cfg: Config, resume: bool, inputs: Inputs) -> Path:
     with ray_session(cfg):  # a rebuilt cluster's actors start in the same Ray
         for restarts in range(cfg.run.max_restarts + 1):
             if restarts:  # from the run's last checkpoint: not an earlier run's left in its directory
-                own = resume or bool(checkpoint_marks(cfg.run_dir) - inherited)
+                own = resume or bool(checkpoint_marks(cfg.run_dir) - earlier.checkpoints)
                 ckpt = latest_checkpoint(cfg.run_dir) if own else None
             try:
-                return run_recipe(cfg, inputs, ckpt, trainer_restarts=before + restarts, engine_restarts=engines)
+                return run_recipe(cfg, inputs, ckpt, before + restarts, engines, earlier)
             except TrainerDied as e:
                 if restarts == cfg.run.max_restarts:
                     raise TrainerDied(f"{e}\n(run.max_restarts={cfg.run.max_restarts} spent)") from None
@@ -73,8 +73,10 @@ def run_recipe(
     ckpt: Path | None,
     trainer_restarts: int,
     engine_restarts: RestartCount,
+    earlier: EarlierRun,
 ) -> Path:
-    """The recipe's steps, from `ckpt` (an intact checkpoint of this run) or from the start."""
+    """The recipe's steps, from `ckpt` (an intact checkpoint of this run) or from the start, replacing the `earlier`
+    run in the directory."""
     state = load_state(ckpt) if ckpt else {"step": 0}
     start = state["step"]
     inputs.rewind()  # a checkpoint, if any, sets the position below
@@ -95,11 +97,8 @@ def run_recipe(
             cluster.sync_weights(version=start)
         # The run directory changes only now: a start that failed (a checkpoint the trainer cannot load, a cluster
         # that cannot host the run) leaves the run it was given as it was, config, metrics, report and checkpoints.
-        # A run that trains replaces the one there (--debug rollout-only does not)
-        if ckpt is None and cluster.trainers:
-            set_aside_earlier(cfg.run_dir)
-        if ckpt is None and trainer_restarts == 0:  # this run's first start from step 0, not a rebuild
-            set_aside_earlier_outputs(cfg)
+        if ckpt is None:
+            earlier.replace()
         (cfg.run_dir / "config.yaml").write_text(to_yaml(cfg))
         (cfg.run_dir / "cluster.json").write_text(json.dumps(cluster.placement, indent=1))  # role -> Ray node id
         (cfg.run_dir / "warmup.json").write_text(json.dumps(warm, indent=1))

@@ -100,6 +100,27 @@ def check_before_start(cfg: Config) -> None:
         memory.check()
     if cfg.run.replay is not None:
         check_replay(cfg.run.replay, cfg.run.steps)
+    check_debug_run_dir(cfg)
+
+
+def check_debug_run_dir(cfg: Config) -> None:
+    """The debug modes against what the run directory holds. --debug rollout-only samples from model.path, and with
+    a trained run's checkpoints in its directory replaced that run's metrics (a --resume of either then mixed the
+    two); a replay from the directory's rollouts.earlier/ is what a run starting there replaces."""
+    from rlloop.checkpoint import newest_checkpoint
+    from rlloop.run_dir import EARLIER_ROLLOUTS
+
+    if cfg.run.debug == "rollout-only" and (newest := newest_checkpoint(cfg.run_dir)):
+        raise ConfigError(
+            f"run.dir: {cfg.run_dir} holds a trained run's checkpoints, and --debug rollout-only samples from "
+            f"model.path: give it another run.dir (to sample from the trained policy, model.path={newest / 'trainer'})"
+        )
+    earlier = (cfg.run_dir / EARLIER_ROLLOUTS).resolve()
+    if cfg.run.replay is not None and Path(cfg.run.replay).resolve().is_relative_to(earlier):
+        raise ConfigError(
+            f"run.replay: {cfg.run.replay} is in run.dir's {EARLIER_ROLLOUTS}/, which a run starting in {cfg.run_dir} "
+            "replaces: give the run another run.dir, or copy the rollouts elsewhere first"
+        )
 
 
 def check_paths(cfg: Config) -> None:

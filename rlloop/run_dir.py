@@ -10,11 +10,12 @@ import os
 import re
 import shutil
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from rlloop.checkpoint import EARLIER, checkpoint_marks, latest_checkpoint, load_state
+from rlloop.checkpoint import EARLIER, checkpoint_marks, latest_checkpoint, load_state, set_aside_earlier
 from rlloop.config import Config, to_yaml
 from rlloop.data import Inputs
 from rlloop.errors import CheckpointError, RunDirInUse
@@ -44,39 +45,54 @@ def run_dir_held(run_dir: Path):
         os.close(fd)
 
 
-EARLIER_ROLLOUTS = "rollouts.earlier"
+EARLIER_ROLLOUTS = "rollouts.earlier"  # an earlier run's saved rollouts: the run whose checkpoints are in EARLIER
 
 
-def earlier_run(cfg: Config, resume: bool) -> frozenset:
-    """The checkpoints of an earlier run in `run.dir` (`checkpoint_marks`), with a warning; none with --resume. A
-    fresh run moves them aside once its actors are up (`set_aside_earlier`): a rebuild before then starts over, not
-    from the earlier run's step."""
+@dataclass
+class EarlierRun:
+    """What an earlier run left in `run.dir`, which a run starting there from step 0 replaces once its actors are up
+    (a start that fails leaves the directory as it was): its checkpoints (`checkpoint_marks`; none with --resume) go
+    to checkpoints.earlier/ until this run's first save, its saved rollouts to rollouts.earlier/, and its profiler
+    traces, report and curves go, as its metrics do. Left in place, a replay of rollouts/ trained on steps of both
+    runs (a run rewrites only the steps it reaches), and the report described the earlier run."""
+
+    run_dir: Path
+    checkpoints: frozenset
+    replay: Path | None  # the rollouts a --debug train-only run trains on: they stay where they are
+    outputs_replaced: bool = False  # once per driver: a rebuild from step 0 must not move this run's own aside
+
+    def replace(self) -> None:
+        had_checkpoints = set_aside_earlier(self.run_dir)
+        if self.outputs_replaced:
+            return
+        self.outputs_replaced = True
+        rollouts, aside = self.run_dir / "rollouts", self.run_dir / EARLIER_ROLLOUTS
+        if rollouts.is_dir() and any(rollouts.iterdir()) and rollouts.resolve() != self.replay:
+            if (self.run_dir / EARLIER).is_dir() and not had_checkpoints:
+                # a run that saved no checkpoint since the one in checkpoints.earlier/: rollouts.earlier/ is that one's
+                shutil.rmtree(rollouts)
+            else:
+                shutil.rmtree(aside, ignore_errors=True)
+                rollouts.rename(aside)
+                log.warning("moved the earlier run's saved rollouts to %s", aside)
+        shutil.rmtree(self.run_dir / "profile", ignore_errors=True)
+        for name in ("report.md", "curves.png"):
+            (self.run_dir / name).unlink(missing_ok=True)
+
+
+def earlier_run(cfg: Config, resume: bool) -> EarlierRun:
+    """The earlier run in `run.dir`, with a warning when it holds checkpoints (none are its with --resume)."""
     inherited = frozenset() if resume else checkpoint_marks(cfg.run_dir)
     if inherited:
         log.warning(
             "%s holds an earlier run (checkpoints %s); this one starts from step 0 and replaces it: its metrics, "
-            "saved rollouts (moved to %s/) and traces at once, its checkpoints at this run's first save (kept in "
-            "checkpoints.earlier/ until then). To continue it instead, add --resume",
+            "saved rollouts (moved to %s/), traces and report at once, its checkpoints at this run's first save "
+            "(kept in checkpoints.earlier/ until then). To continue it instead, add --resume",
             cfg.run_dir,
             ", ".join(sorted(name for name, _, _ in inherited)),
             EARLIER_ROLLOUTS,
         )
-    return inherited
-
-
-def set_aside_earlier_outputs(cfg: Config) -> None:
-    """As a run starts from step 0, the rollouts an earlier run saved in its directory move to rollouts.earlier/
-    (replacing any there) and its profiler traces go, as its metrics do. Left in place, a replay of rollouts/ trained
-    on steps of both runs: a run rewrites only the steps it reaches. The rollouts a --debug train-only run replays
-    stay where they are."""
-    rollouts = cfg.run_dir / "rollouts"
-    replayed = cfg.run.replay is not None and Path(cfg.run.replay).resolve() == rollouts.resolve()
-    if rollouts.is_dir() and any(rollouts.iterdir()) and not replayed:
-        aside = cfg.run_dir / EARLIER_ROLLOUTS
-        shutil.rmtree(aside, ignore_errors=True)
-        rollouts.rename(aside)
-        log.warning("moved the earlier run's saved rollouts to %s", aside)
-    shutil.rmtree(cfg.run_dir / "profile", ignore_errors=True)
+    return EarlierRun(cfg.run_dir, inherited, Path(cfg.run.replay).resolve() if cfg.run.replay else None)
 
 
 def resume_point(cfg: Config, resume: bool, inputs: Inputs) -> tuple[Path | None, dict]:

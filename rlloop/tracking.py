@@ -140,10 +140,11 @@ class Tracker:
         if mode == "offline":  # a resumed run's part is an offline run directory of its own, with the same id
             log.warning(
                 "W&B runs offline%s; upload later, every part of the run (resumed ones too) into one W&B run, with "
-                "`wandb sync --id %s %s/wandb/offline-run-*`",
+                "`wandb sync --id %s %s/wandb/offline-run-*-%s`",
                 ": no API key (WANDB_API_KEY or `wandb login`)" if self.cfg.tracking.mode == "auto" else "",
                 run_id,
                 self.run_dir,
+                run_id,
             )
         try:
             run = wandb.init(

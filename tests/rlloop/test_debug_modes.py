@@ -251,3 +251,24 @@ def test_the_last_line_names_the_last_checkpoint_s_policy(tmp_path, capsys):
     assert policy + str(tmp_path / "checkpoints" / "step_000002" / "trainer") in capsys.readouterr().out
     assert main([TINY, *COMMON, "run.steps=1", "run.save_every=0", f"run.dir={tmp_path / 'unsaved'}"]) == 0
     assert policy + "not saved (run.save_every=0)" in capsys.readouterr().out
+
+
+def test_rollout_only_refuses_a_trained_run_s_directory_and_a_replay_its_next_start_would_move(tmp_path, capsys):
+    """--debug rollout-only in a trained run's directory replaced its metrics and kept its checkpoints (a --resume
+    then went on from them under the rollout-only run's metrics); with --resume it said it resumed from the
+    checkpoint and sampled from model.path. A replay from the directory's rollouts.earlier/ was moved and deleted
+    by the start it fed. Both are refused before anything starts, the directory as it was."""
+    ckpt = save_checkpoint(tmp_path, 2, {}, lambda path: (Path(path) / "model.safetensors").write_bytes(b"w"))
+    for resume in ([], ["--resume"]):
+        assert main([TINY, "--debug", "rollout-only", *COMMON, f"run.dir={tmp_path}", *resume]) == 2
+        err = capsys.readouterr().err
+        assert f"run.dir: {tmp_path} holds a trained run's checkpoints" in err
+        assert f"model.path={ckpt / 'trainer'}" in err
+    earlier = tmp_path / "rollouts.earlier"
+    earlier.mkdir()
+    for step in (1, 2, 3):
+        (earlier / f"step_{step:06d}.jsonl").write_text("")
+    replay = ["--debug", "train-only", "--replay", str(earlier)]
+    assert main([TINY, *replay, *COMMON, f"run.dir={tmp_path}"]) == 2
+    assert f"run.replay: {earlier} is in run.dir's rollouts.earlier/" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "rollouts.earlier"]
