@@ -77,6 +77,11 @@ CONFIG = [  # (id, overrides of the tiny recipe, what the message names)
     ("unknown-key-depth-2", ["rollout.sampling.temperature=1"], ["rollout.sampling: unknown key; known keys here:"]),
     ("unknown-key-typo", ["grpo.clip_eps_hi=0.3"], ["grpo.clip_eps_hi: unknown key; did you mean 'clip_eps_high'?"]),
     ("key-of-another-section", ["train.tis_cap=2"], ["train.tis_cap: unknown key; did you mean 'grpo.tis_cap'?"]),
+    # before a typo of one of the section's own keys (profile_steps)
+    ("key-of-another-section-over-a-typo", ["run.prompts_per_step=8"],
+     ["run.prompts_per_step: unknown key; did you mean 'rollout.prompts_per_step'?"]),
+    ("flow-mapping-unknown-key", ["rollout={max_batch:8}"],
+     ["rollout.max_batch:8: unknown key", "put a space after the colon, {max_batch: 8}"]),
     # a component's field that another section sets: the error names that section's key
     ("wired-trainer-dtype", ["train.dtype=bfloat16"], ["train.dtype: not a key of this section", "from model.dtype"]),
     ("wired-engine-seq-len", ["rollout.max_seq_len=64"],
