@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from rlloop import checkpoint
 from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, save_checkpoint, set_aside_earlier, verify
 from rlloop.errors import CheckpointError, TrainerDied
 
@@ -308,3 +309,71 @@ def test_the_rollouts_a_replay_trains_on_stay_where_they_are(tmp_path):
     saved = _rollouts(tmp_path / "rollouts", (1, 2), "rollout-only")
     EarlierRun(tmp_path, frozenset(), replay=(tmp_path / "rollouts").resolve()).replace()
     assert _files(tmp_path / "rollouts") == saved and not (tmp_path / "rollouts.earlier").exists()
+
+
+def writing(nbytes, fill=1):
+    """A trainer's save that writes `nbytes` of `fill`."""
+
+    def save(path):
+        Path(path, "model.safetensors").write_bytes(bytes([fill]) * nbytes)
+
+    return save
+
+
+def test_a_fresh_run_sets_aside_the_earlier_run_over_a_leftover_checkpoints_earlier(tmp_path):
+    """ck2: a checkpoints.earlier/ left behind (a run killed while its first save deleted it) is replaced, not a
+    start that fails with 'Directory not empty'."""
+    save_checkpoint(tmp_path, 4, {}, writing(256))  # an earlier run's; then what a later one left half-deleted
+    (tmp_path / "checkpoints.earlier" / "step_000009" / "trainer").mkdir(parents=True)
+    set_aside_earlier(tmp_path)
+    assert [p.name for p in (tmp_path / "checkpoints.earlier").iterdir()] == ["step_000004"]
+    assert latest_checkpoint(tmp_path) is None
+
+
+def test_a_manifest_changed_along_with_the_files_is_caught(tmp_path, caplog):
+    """ck10: a manifest rewritten to match what is left (here: emptied, with the weights gone) is still caught by
+    its checksum in state.json."""
+    first = save_checkpoint(tmp_path, 1, {}, writing(256))
+    second = save_checkpoint(tmp_path, 2, {}, writing(256))
+    (second / "trainer" / "model.safetensors").unlink()
+    (second / "manifest.json").write_text("{}")
+    assert verify(second) == "manifest.json differs from what was saved"
+    assert latest_checkpoint(tmp_path) == first
+
+
+def test_every_file_and_directory_is_synced_before_the_rename_and_the_parent_after(tmp_path, monkeypatch):
+    """ck16: what makes a checkpoint survive a power loss: fsync of every file and directory under the temporary
+    name before it is renamed into place, then of the checkpoints directory."""
+    events = []
+    real_fsync, real_rename = checkpoint._fsync, Path.rename
+    monkeypatch.setattr(checkpoint, "_fsync", lambda p: (events.append(("fsync", Path(p))), real_fsync(p))[1])
+    monkeypatch.setattr(Path, "rename", lambda s, t: (events.append(("rename", Path(s))), real_rename(s, t))[1])
+    final = save_checkpoint(tmp_path, 3, {}, writing(256))
+    tmp = final.with_name(final.name + ".tmp")
+    renamed = events.index(("rename", tmp))
+    synced = {p for kind, p in events[:renamed] if kind == "fsync"}
+    wanted = {tmp / p.relative_to(final) for p in final.rglob("*")} | {tmp}
+    assert wanted <= synced, wanted - synced
+    assert ("fsync", final.parent) in events[renamed:]
+
+
+def test_a_step_saved_again_replaces_its_checkpoint(tmp_path):
+    """ck17: a second save of the same step (the checkpoint's name reused) replaces the first one whole."""
+    save_checkpoint(tmp_path, 2, {"data": {"position": 1}}, writing(256, fill=1))
+    final = save_checkpoint(tmp_path, 2, {"data": {"position": 2}}, writing(256, fill=2))
+    assert json.loads((final / "state.json").read_text())["data"] == {"position": 2}
+    assert (final / "trainer" / "model.safetensors").read_bytes() == bytes([2]) * 256
+    assert verify(final) is None
+
+
+def test_a_failed_write_leaves_nothing_behind_at_once(tmp_path):
+    """ck18: the half-written checkpoint goes when the write fails, not only at the next save or resume (on a full
+    disk it held the space the user had to free)."""
+
+    def fails_half_way(path):
+        writing(4096)(path)
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(CheckpointError):
+        save_checkpoint(tmp_path, 2, {}, fails_half_way)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == []
