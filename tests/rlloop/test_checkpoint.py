@@ -321,7 +321,7 @@ def writing(nbytes, fill=1):
 
 
 def test_a_fresh_run_sets_aside_the_earlier_run_over_a_leftover_checkpoints_earlier(tmp_path):
-    """ck2: a checkpoints.earlier/ left behind (a run killed while its first save deleted it) is replaced, not a
+    """A checkpoints.earlier/ left behind (a run killed while its first save deleted it) is replaced, not a
     start that fails with 'Directory not empty'."""
     save_checkpoint(tmp_path, 4, {}, writing(256))  # an earlier run's; then what a later one left half-deleted
     (tmp_path / "checkpoints.earlier" / "step_000009" / "trainer").mkdir(parents=True)
@@ -331,7 +331,7 @@ def test_a_fresh_run_sets_aside_the_earlier_run_over_a_leftover_checkpoints_earl
 
 
 def test_a_manifest_changed_along_with_the_files_is_caught(tmp_path, caplog):
-    """ck10: a manifest rewritten to match what is left (here: emptied, with the weights gone) is still caught by
+    """A manifest rewritten to match what is left (here: emptied, with the weights gone) is still caught by
     its checksum in state.json."""
     first = save_checkpoint(tmp_path, 1, {}, writing(256))
     second = save_checkpoint(tmp_path, 2, {}, writing(256))
@@ -342,7 +342,7 @@ def test_a_manifest_changed_along_with_the_files_is_caught(tmp_path, caplog):
 
 
 def test_every_file_and_directory_is_synced_before_the_rename_and_the_parent_after(tmp_path, monkeypatch):
-    """ck16: what makes a checkpoint survive a power loss: fsync of every file and directory under the temporary
+    """What makes a checkpoint survive a power loss: fsync of every file and directory under the temporary
     name before it is renamed into place, then of the checkpoints directory."""
     events = []
     real_fsync, real_rename = checkpoint._fsync, Path.rename
@@ -358,7 +358,7 @@ def test_every_file_and_directory_is_synced_before_the_rename_and_the_parent_aft
 
 
 def test_a_step_saved_again_replaces_its_checkpoint(tmp_path):
-    """ck17: a second save of the same step (the checkpoint's name reused) replaces the first one whole."""
+    """A second save of the same step (the checkpoint's name reused) replaces the first one whole."""
     save_checkpoint(tmp_path, 2, {"data": {"position": 1}}, writing(256, fill=1))
     final = save_checkpoint(tmp_path, 2, {"data": {"position": 2}}, writing(256, fill=2))
     assert json.loads((final / "state.json").read_text())["data"] == {"position": 2}
@@ -367,7 +367,7 @@ def test_a_step_saved_again_replaces_its_checkpoint(tmp_path):
 
 
 def test_a_failed_write_leaves_nothing_behind_at_once(tmp_path):
-    """ck18: the half-written checkpoint goes when the write fails, not only at the next save or resume (on a full
+    """The half-written checkpoint goes when the write fails, not only at the next save or resume (on a full
     disk it held the space the user had to free)."""
 
     def fails_half_way(path):

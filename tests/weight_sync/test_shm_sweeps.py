@@ -57,7 +57,7 @@ def killed_writer(run_id):
 
 
 def test_a_forked_child_that_exits_normally_leaves_its_parents_segments(run_id):
-    """sh13: the pid check in _remove_segments. A child that ends by sys.exit runs the sender's weakref.finalize at
+    """The pid check in _remove_segments. A child that ends by sys.exit runs the sender's weakref.finalize at
     exit; it must not remove the parent's live segments."""
     proc = start_writer(run_id, "fork-exits")
     try:
@@ -70,7 +70,7 @@ def test_a_forked_child_that_exits_normally_leaves_its_parents_segments(run_id):
 
 
 def test_a_new_writer_sweeps_again_while_it_waits(run_id, private_shm, monkeypatch):
-    """sh2: a dead writer whose lock is still held at the first sweep (another process's sweep gave up, or the
+    """A dead writer whose lock is still held at the first sweep (another process's sweep gave up, or the
     kernel had not yet released it) is swept by a later try within the start wait, not refused as live."""
     killed_writer(run_id)
     real, calls = weight_sync.shm._lock_if_dead, []
@@ -86,7 +86,7 @@ def test_a_new_writer_sweeps_again_while_it_waits(run_id, private_shm, monkeypat
 
 
 def test_a_refused_writer_is_told_the_live_writers_pid(run_id, private_shm):
-    """sh3/sh4: the message names the pid of the writer that holds the run."""
+    """The message names the pid of the writer that holds the run."""
     proc = start_writer(run_id)
     try:
         with pytest.raises(ValueError, match=rf"already has a live shm sender \(pid {proc.pid}\)"):
@@ -98,7 +98,7 @@ def test_a_refused_writer_is_told_the_live_writers_pid(run_id, private_shm):
 
 
 def test_a_sweep_removes_the_control_segment_last(run_id, private_shm, monkeypatch):
-    """sh7: a new writer starts as soon as the control segment's name is free; a sweep that removed it first then
+    """A new writer starts as soon as the control segment's name is free; a sweep that removed it first then
     removed the new writer's buffer (its versions went into unlinked pages: no receiver ever saw one)."""
     killed_writer(run_id)
     real_unlink, fired, new = Path.unlink, [], []
@@ -128,7 +128,7 @@ def test_a_sweep_removes_the_control_segment_last(run_id, private_shm, monkeypat
 
 
 def test_a_dead_writers_temporary_control_file_is_swept_once_old_and_a_fresh_one_is_not(run_id, private_shm):
-    """sh8/sh9: the 4 KiB ctl.*.tmp of a writer killed while starting goes at a sweep once a minute old; one younger
+    """The 4 KiB ctl.*.tmp of a writer killed while starting goes at a sweep once a minute old; one younger
     (a live writer between creating and locking it) stays."""
     old = segment_path(run_id, "ctl.1-aaaa.tmp")
     fresh = segment_path(run_id, "ctl.2-bbbb.tmp")
