@@ -36,6 +36,12 @@ if mode == "midpush":
         time.sleep(120)
     shm.encode_payload_into = write_half_then_hang
     sender.push({"w": np.full(1 << 16, 2.0, np.float32)}, 2)
+if mode == "fork-exits":  # a child inherits the sender and its exit hooks, and ends normally (they run)
+    import os
+    child = os.fork()
+    if child == 0:
+        sys.exit(0)
+    os.waitpid(child, 0)
 if mode == "fork":  # a child inherits the sender and its SIGTERM and exit hooks; it is terminated
     import os, signal
     child = os.fork()
@@ -46,12 +52,12 @@ if mode == "fork":  # a child inherits the sender and its SIGTERM and exit hooks
     if not os.WIFSIGNALED(status):
         sys.exit(f"the child was not terminated: status {status}")
 print("ready", flush=True)
-if mode in ("wait", "fork"):
+if mode in ("wait", "fork", "fork-exits"):
     time.sleep(120)
 """
 
 
-def _start_writer(run_id: str, mode: str) -> subprocess.Popen:
+def start_writer(run_id: str, mode: str) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-c", WRITER, run_id, mode, str(weight_sync.shm.SHM_DIR)],
         stdout=subprocess.PIPE,
@@ -68,7 +74,7 @@ def _segments(run_id: str) -> list[str]:
 
 
 def test_sigkill_mid_push_never_shows_partial_version_and_next_start_cleans_up(run_id, private_shm):
-    proc = _start_writer(run_id, "midpush")
+    proc = start_writer(run_id, "midpush")
     try:
         receiver = make_receiver(SyncConfig(run_id=run_id, transport="shm", delta=False))
         version, got = receiver.pull()
@@ -96,7 +102,7 @@ def test_sigkill_mid_push_never_shows_partial_version_and_next_start_cleans_up(r
 
 
 def test_remove_stale_segments_spares_live_writers(run_id, private_shm):
-    proc = _start_writer(run_id, "midpush")
+    proc = start_writer(run_id, "midpush")
     try:
         assert run_id not in remove_stale_segments()
         assert len(_segments(run_id)) == 3
@@ -108,7 +114,7 @@ def test_remove_stale_segments_spares_live_writers(run_id, private_shm):
 
 
 def test_sigterm_removes_segments(run_id):
-    proc = _start_writer(run_id, "wait")
+    proc = start_writer(run_id, "wait")
     assert _segments(run_id) == [f"rlloop_{run_id}_buf0", f"rlloop_{run_id}_ctl"]  # one push: one buffer used
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
@@ -119,7 +125,7 @@ def test_sigterm_removes_segments(run_id):
 def test_a_forked_child_that_is_terminated_leaves_its_parents_segments(run_id):
     """A child forked from the writer inherits its sender and the hooks that close every sender on SIGTERM and at
     exit, not its segments: after the child is terminated the writer's version is still there to pull."""
-    proc = _start_writer(run_id, "fork")
+    proc = start_writer(run_id, "fork")
     try:
         assert _segments(run_id) == [f"rlloop_{run_id}_buf0", f"rlloop_{run_id}_ctl"]
         with make_receiver(SyncConfig(run_id=run_id, transport="shm", delta=False)) as receiver:
@@ -132,7 +138,7 @@ def test_a_forked_child_that_is_terminated_leaves_its_parents_segments(run_id):
 
 
 def test_normal_exit_without_close_removes_segments(run_id):
-    proc = _start_writer(run_id, "exit")
+    proc = start_writer(run_id, "exit")
     proc.wait(timeout=30)
     assert proc.returncode == 0
     assert _segments(run_id) == []
@@ -306,7 +312,7 @@ def test_a_new_writer_waits_out_another_process_s_slow_sweep_of_the_dead_one(run
 
     from weight_sync.shm import _lock_if_dead
 
-    proc = _start_writer(run_id, "wait")
+    proc = start_writer(run_id, "wait")
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     lock = _lock_if_dead(segment_path(run_id, "ctl"))  # the other process's sweep, from here
@@ -336,7 +342,7 @@ def test_a_sweep_spares_a_writer_that_replaced_the_dead_one_meanwhile(run_id, pr
     dead one's segments (its own sweep) and starts. The first sweep must not then remove the new writer's by name."""
     import fcntl
 
-    proc = _start_writer(run_id, "wait")
+    proc = start_writer(run_id, "wait")
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     ctl, real_flock, new = str(segment_path(run_id, "ctl")), fcntl.flock, []

@@ -4,8 +4,6 @@ the temporary control files of writers killed while starting."""
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -14,44 +12,17 @@ import numpy as np
 import pytest
 
 import weight_sync.shm
+from tests.weight_sync.test_shm_lifecycle import start_writer
 from weight_sync import SyncConfig, make_receiver, make_sender
 from weight_sync.shm import remove_stale_segments, segment_path
-
-ROOT = Path(__file__).resolve().parents[2]
-WRITER = r"""
-import os, sys, time
-import numpy as np
-import weight_sync.shm as shm
-run_id, mode, shm.SHM_DIR = sys.argv[1], sys.argv[2], shm.Path(sys.argv[3])
-sender = shm.ShmSender(run_id)
-sender.push({"w": np.full(8, 1.0, np.float32)}, 1)
-if mode == "fork-exits":  # a child that inherits the sender and ends normally (atexit hooks run)
-    child = os.fork()
-    if child == 0:
-        sys.exit(0)
-    os.waitpid(child, 0)
-print("ready", flush=True)
-time.sleep(120)
-"""
 
 
 def cfg(run_id):
     return SyncConfig(run_id=run_id, transport="shm", delta=False)
 
 
-def start_writer(run_id, mode="wait"):
-    proc = subprocess.Popen(
-        [sys.executable, "-c", WRITER, run_id, mode, str(weight_sync.shm.SHM_DIR)],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    assert proc.stdout.readline().strip() == "ready"
-    return proc
-
-
 def killed_writer(run_id):
-    proc = start_writer(run_id)
+    proc = start_writer(run_id, "wait")
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
 
@@ -87,7 +58,7 @@ def test_a_new_writer_sweeps_again_while_it_waits(run_id, private_shm, monkeypat
 
 def test_a_refused_writer_is_told_the_live_writers_pid(run_id, private_shm):
     """The message names the pid of the writer that holds the run."""
-    proc = start_writer(run_id)
+    proc = start_writer(run_id, "wait")
     try:
         with pytest.raises(ValueError, match=rf"already has a live shm sender \(pid {proc.pid}\)"):
             make_sender(cfg(run_id))
