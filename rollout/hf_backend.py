@@ -2,14 +2,15 @@
 
 It is deliberately plain: left-pad the prompts, run `model.generate` in batches, and read log-probs from the
 processed scores (the logits after temperature / top-k / top-p, i.e. the distribution that was actually sampled
-from), one step at a time (`SampledLogprobs`): `output_scores=True` would keep every step's full-vocabulary scores,
-rows × steps × vocabulary floats (1.3 TB for 256 rows of 8,192 tokens over Qwen's 151,936). Sampling draws from
-torch's RNG seeded with `mix_seed(seed, SamplingParams.seed)` inside a forked RNG state, so a call is reproducible
-but, unlike the JAX sampler, a row's draw depends on the rest of its batch.
+from), one step at a time (`Sampler`): `output_scores=True` would keep every step's full-vocabulary scores,
+rows × steps × vocabulary floats (1.3 TB for 256 rows of 8,192 tokens over Qwen's 151,936). The draw is the
+`Sampler`'s too, from a generator of the call's own seeded with `mix_seed(seed, SamplingParams.seed)`, so a call is
+reproducible whatever else the process does; unlike the JAX sampler, a row's draw depends on the rest of its batch.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from typing import Callable, Mapping
@@ -34,24 +35,27 @@ def numpy_to_torch(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array)
 
 
-class SampledLogprobs(transformers.LogitsProcessor):
-    """The last of the logits processors: keeps each step's processed log-softmax until the next step (or `finish`)
-    shows which token was drawn from it, and only that token's log-prob. One step's scores in memory, never all."""
+class Sampler(transformers.LogitsProcessor):
+    """The last of the logits processors: draws each step's token from the processed scores, as generate's sampling
+    does (softmax, one multinomial draw per row), but from `generator` (None: the argmax), keeps that token's log-prob,
+    and leaves generate's own greedy pick only that token. generate draws from torch's global RNG, which any thread
+    of the process may seed or rewind meanwhile: in a run without Ray the trainer's checkpointed recomputes did, and
+    a resumed async run sampled other tokens than the run it resumed. One step's scores in memory, never all."""
 
-    def __init__(self):
+    def __init__(self, generator: torch.Generator | None):
+        self.generator = generator
         self.steps: list[torch.Tensor] = []
-        self._last: torch.Tensor | None = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self._last is not None:  # the token the previous step drew is now the last column
-            self.steps.append(self._last.gather(-1, input_ids[:, -1:])[:, 0])
-        self._last = torch.log_softmax(scores.float(), dim=-1)
-        return scores
+        if self.generator is None:
+            tokens = scores.argmax(dim=-1, keepdim=True)
+        else:
+            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1, generator=self.generator)
+        self.steps.append(torch.log_softmax(scores.float(), dim=-1).gather(-1, tokens)[:, 0])
+        return torch.full_like(scores, -math.inf).scatter_(-1, tokens, 0.0)
 
-    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
-        """[rows, steps] log-probs, the last step's read from the finished `sequences`."""
-        self.steps.append(self._last.gather(-1, sequences[:, -1:])[:, 0])
-        self._last = None
+    def logprobs(self) -> torch.Tensor:
+        """[rows, steps] log-probs of the drawn tokens."""
         return torch.stack(self.steps, dim=1)
 
 
@@ -113,14 +117,15 @@ class HFEngine(RolloutEngine):
         rows = [(p, s) for p in range(len(prompts)) for s in range(n)]
         start = time.perf_counter()
         completions: list[Completion] = []
-        fork_devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=fork_devices), torch.inference_mode():
-            torch.manual_seed(mix_seed(self.seed, sampling.seed))
+        generator = None
+        if not sampling.greedy:  # one stream for the call's batches, as torch's global RNG was
+            generator = torch.Generator(self.device).manual_seed(mix_seed(self.seed, sampling.seed))
+        with torch.inference_mode():
             for lo in range(0, len(rows), self.max_batch):
                 chunk = rows[lo : lo + self.max_batch]
                 if between_dispatches is not None:
                     between_dispatches()
-                completions += self._generate_batch([prompts[p] for p, _ in chunk], chunk, sampling)
+                completions += self._generate_batch([prompts[p] for p, _ in chunk], chunk, sampling, generator)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
@@ -133,7 +138,9 @@ class HFEngine(RolloutEngine):
         }
         return completions
 
-    def _generate_batch(self, batch_prompts, row_ids, sampling: SamplingParams) -> list[Completion]:
+    def _generate_batch(
+        self, batch_prompts, row_ids, sampling: SamplingParams, generator: torch.Generator | None
+    ) -> list[Completion]:
         width = max(len(p) for p in batch_prompts)
         input_ids = torch.full((len(batch_prompts), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
@@ -141,10 +148,9 @@ class HFEngine(RolloutEngine):
             input_ids[r, width - len(prompt) :] = torch.tensor(prompt)
             attention_mask[r, width - len(prompt) :] = 1
         stop_ids = sampling.stop_ids(self.eos_token_ids)
-        # The warpers are ours, in generate's own order (temperature, top-k, top-p), so that the recorder comes after
-        # them: generate puts a caller's processors before the warpers it builds. Its own are switched off (top_k=0,
-        # top_p=1.0; its top_k default is 50, a model's generation_config may set others).
-        recorder = SampledLogprobs()
+        # The warpers are ours, in generate's own order (temperature, top-k, top-p), and the sampler after them.
+        # generate itself runs greedy: it builds no warpers of its own and takes the one token the sampler leaves.
+        sampler = Sampler(generator)
         processors = []
         if not sampling.greedy:
             processors.append(transformers.TemperatureLogitsWarper(sampling.temperature))
@@ -159,14 +165,11 @@ class HFEngine(RolloutEngine):
             min_new_tokens=0,
             eos_token_id=list(stop_ids) or None,
             pad_token_id=self.pad_token_id,
-            do_sample=not sampling.greedy,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            logits_processor=transformers.LogitsProcessorList([*processors, recorder]),
+            do_sample=False,
+            logits_processor=transformers.LogitsProcessorList([*processors, sampler]),
         )
         generated = sequences[:, width:].cpu()  # [rows, steps]
-        logprobs = recorder.finish(sequences).cpu()
+        logprobs = sampler.logprobs().cpu()
 
         stops = set(stop_ids)
         completions = []

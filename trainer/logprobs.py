@@ -124,7 +124,9 @@ def response_logprobs(
         args = (hidden[lo : lo + chunk_size], weight32, bias32, targets[lo : lo + chunk_size])
         args += (temperature, with_entropy, entropy_grad)
         if checkpointed:
-            logp, entropy = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+            # a chunk draws nothing: no RNG state to keep and set again around its recompute (the set rewinds torch's
+            # global RNG under any other thread of the process drawing from it)
+            logp, entropy = checkpoint(_chunk_logprobs, *args, use_reentrant=False, preserve_rng_state=False)
         else:
             logp, entropy = _chunk_logprobs(*args)
         logps.append(logp)

@@ -35,11 +35,14 @@ def load_policy_model(
     elif device.type == "cpu" and cfg.dtype != "float32":
         use_cpu_sdpa(model)  # attention's backward in fp32 (trainer/cpu_flash.py)
     if cfg.gradient_checkpointing:
-        # transformers >= 5.x renamed it; non-reentrant checkpointing works with inputs that need no grad.
+        # transformers >= 5.x renamed it; non-reentrant checkpointing works with inputs that need no grad. With every
+        # dropout off no layer draws: no RNG state to keep and set again around a recompute (the set rewinds torch's
+        # global RNG under any other thread of the process drawing from it).
+        kwargs = {"use_reentrant": False, "preserve_rng_state": False}
         if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     # HF checkpoints only recompute in train mode; otherwise eval mode. Either way nothing is stochastic: π and πold
     # must be the same function of the weights (as TRL's disable_dropout makes them), so every dropout is off.
     model.train(cfg.gradient_checkpointing)

@@ -1,6 +1,9 @@
 """HFEngine against plain transformers: greedy parity with model.generate, log-probs against a manual forward pass,
 stop handling, weight loading (including bf16 and tied heads) and its errors."""
 
+import itertools
+import threading
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -101,6 +104,30 @@ def test_sampling_is_reproducible_per_seed(engine):
     c = engine.generate(PROMPTS, n=2, sampling=SamplingParams(max_new_tokens=8, seed=12))
     assert [x.token_ids for x in a] == [x.token_ids for x in b]
     assert [x.token_ids for x in a] != [x.token_ids for x in c]
+
+
+def test_sampling_is_deaf_to_other_threads_use_of_torchs_rng(engine):
+    """In a run without Ray the trainer shares the engine's process, and its checkpointed recomputes rewind torch's
+    global RNG: drawn from it, a resumed async run sampled other tokens than the run it resumed, now and then."""
+    sampling = SamplingParams(max_new_tokens=8, seed=11)
+    quiet = engine.generate(PROMPTS, n=4, sampling=sampling)
+    stop = threading.Event()
+
+    def reseed() -> None:
+        for seed in itertools.count():
+            if stop.is_set():
+                return
+            torch.manual_seed(seed)
+
+    other = threading.Thread(target=reseed)
+    other.start()
+    try:
+        busy = engine.generate(PROMPTS, n=4, sampling=sampling)
+    finally:
+        stop.set()
+        other.join()
+    assert [c.token_ids for c in busy] == [c.token_ids for c in quiet]
+    assert [c.logprobs for c in busy] == [c.logprobs for c in quiet]
 
 
 def test_stop_ids_end_rows(engine):
