@@ -113,7 +113,12 @@ def test_local_run_resumes_exactly_where_it_stopped(tmp_path, mode):
     train(first)
     resumed = load_config(TINY, common + ["run.steps=4", f"run.dir={tmp_path / 'b'}"])
     train(resumed, resume=True)
-    a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    # and from the straight run's own step-2 checkpoint, saved (async) with step 3's batch drawn already: its data
+    # cursor is that batch's first prompt, not the next (the run stopped at step 2 had drawn no step 3)
+    shutil.copytree(tmp_path / "a", tmp_path / "c")
+    shutil.rmtree(tmp_path / "c/checkpoints/step_000004")
+    train(load_config(TINY, common + ["run.steps=4", f"run.dir={tmp_path / 'c'}"]), resume=True)
+    a, b, c = (metrics(tmp_path / d) for d in "abc")
     assert [m["step"] for m in b] == [0, 1, 2, 3, 4]  # the step-0 evaluation, then the steps
     for key in (
         "rollout/raw_reward",
@@ -127,7 +132,8 @@ def test_local_run_resumes_exactly_where_it_stopped(tmp_path, mode):
         "rollout/reward_timeouts",
         "rollout/eval_reward_failures",
     ):
-        assert [m.get(key) for m in a] == [m.get(key) for m in b], key  # one process, fp32 CPU: bit for bit
+        expected = [m.get(key) for m in a]  # one process, fp32 CPU: bit for bit
+        assert [m.get(key) for m in b] == expected and [m.get(key) for m in c] == expected, key
     a, b = a[1:], b[1:]  # the steps
     assert a[-1]["rollout/eval_reward_failures"] > 0  # the evals' own failures, at steps 0, 2 and 4
     assert 0 < b[1]["rollout/reward_failures"] < b[3]["rollout/reward_failures"]
