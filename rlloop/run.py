@@ -202,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         return 143 if what == "terminated" else 130
     finally:  # the run is over: a SIGTERM now is not its to explain
         signal.signal(signal.SIGTERM, before)
-    print(f"done: {run_dir}/metrics.jsonl, curves.png, report.md")
+    # those there are: a --resume with no step left to train writes nothing, and a killed run wrote no report
+    written = [name for name in ("metrics.jsonl", "curves.png", "report.md") if (run_dir / name).exists()]
+    print(f"done: {run_dir}/{', '.join(written)}" if written else f"done: nothing in {run_dir}")
     if cfg.run.debug != "rollout-only":  # this run's last checkpoint, or the one it resumed from
         newest = newest_checkpoint(run_dir) if args.resume or checkpoint_marks(run_dir) - earlier else None
         where = newest / "trainer" if newest else "not saved (run.save_every=0)"

@@ -243,12 +243,19 @@ def test_a_saved_step_cut_short_is_a_data_error_naming_it(tmp_path):
 
 def test_the_last_line_names_the_last_checkpoint_s_policy(tmp_path, capsys):
     """A run's own last checkpoint; on a --resume that has nothing left to train, the one it found (the line named
-    step run.steps, which did not exist); with nothing saved, says so."""
+    step run.steps, which did not exist) and only the files there are (it named a report a killed run never wrote);
+    with nothing saved, says so."""
     policy = "the trained policy, as of the last checkpoint (a transformers model directory): "
     assert main([TINY, *COMMON, "run.steps=2", "run.save_every=2", f"run.dir={tmp_path}"]) == 0
-    assert policy + str(tmp_path / "checkpoints" / "step_000002" / "trainer") in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert policy + str(tmp_path / "checkpoints" / "step_000002" / "trainer") in out
+    assert f"done: {tmp_path}/metrics.jsonl, curves.png, report.md\n" in out
+    for made_at_the_end in ("curves.png", "report.md"):  # as a run killed after its last checkpoint leaves it
+        (tmp_path / made_at_the_end).unlink()
     assert main([TINY, *COMMON, "run.steps=1", f"run.dir={tmp_path}", "--resume"]) == 0
-    assert policy + str(tmp_path / "checkpoints" / "step_000002" / "trainer") in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert policy + str(tmp_path / "checkpoints" / "step_000002" / "trainer") in out
+    assert f"done: {tmp_path}/metrics.jsonl\n" in out
     assert main([TINY, *COMMON, "run.steps=1", "run.save_every=0", f"run.dir={tmp_path / 'unsaved'}"]) == 0
     assert policy + "not saved (run.save_every=0)" in capsys.readouterr().out
 
