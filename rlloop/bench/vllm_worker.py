@@ -23,17 +23,18 @@ def main() -> None:
     sys.stdout = sys.stderr
     from vllm import LLM, SamplingParams
 
-    # No prefix cache: every timed round would reuse the KV of the same prompts from the round before, where the JAX
-    # engine prefills them each time; the columns must be the same work.
-    llm = LLM(
-        model=model, dtype=dtype, skip_tokenizer_init=True, seed=0, enforce_eager=False, enable_prefix_caching=False
-    )
+    # vLLM's default prefix cache: a prompt's n samples share its prefill, as the JAX engine's fan-out copies one
+    # prompt's KV into its samples' slots (without it vLLM prefilled every prompt n times). Emptied before each
+    # round: the next would reuse the KV of the same prompts, which the JAX engine prefills anew each time.
+    llm = LLM(model=model, dtype=dtype, skip_tokenizer_init=True, seed=0, enforce_eager=False)
     params = SamplingParams(n=n, temperature=1.0, top_p=1.0, top_k=0, max_tokens=new_tokens, ignore_eos=True)
     params.detokenize = False
     out.write("ready\n")
     out.flush()
     for line in sys.stdin:
         prompts = [{"prompt_token_ids": ids} for ids in json.loads(line)]
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not empty its prefix cache")
         results = llm.generate(prompts, params, use_tqdm=False)
         tokens = sum(len(c.token_ids) for r in results for c in r.outputs)
         out.write(json.dumps({"tokens": tokens}) + "\n")
