@@ -12,6 +12,8 @@ from rlloop import checkpoint
 from rlloop.checkpoint import checkpoint_marks, latest_checkpoint, save_checkpoint, set_aside_earlier, verify
 from rlloop.errors import CheckpointError, TrainerDied
 
+TINY = str(Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml")
+
 
 def trainer_writing(nbytes: int):
     def save(path):
@@ -211,8 +213,7 @@ def test_a_resume_under_another_trainer_layout_is_refused_before_anything_starts
     from rlloop.config import load_config
     from rlloop.loop import train
 
-    tiny = str(Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml")
-    cfg = load_config(tiny, [f"run.dir={tmp_path}"])
+    cfg = load_config(TINY, [f"run.dir={tmp_path}"])
     assert cfg.train_parallel == "ddp"
     save_checkpoint(tmp_path, 2, {"train_parallel": "fsdp"}, trainer_writing(256))
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
@@ -238,7 +239,7 @@ def test_a_resume_with_another_model_is_refused_before_anything_starts(tmp_path)
     from rlloop.data import load_inputs
     from rlloop.run_dir import resume_point
 
-    cfg = load_config(str(Path(__file__).parents[2] / "examples" / "grpo_dapo_tiny.yaml"), [f"run.dir={tmp_path}"])
+    cfg = load_config(TINY, [f"run.dir={tmp_path}"])
     model = json.loads((Path(cfg.model.path) / "config.json").read_text())
 
     def trainer_of(config: dict):
@@ -254,6 +255,38 @@ def test_a_resume_with_another_model_is_refused_before_anything_starts(tmp_path)
         resume_point(cfg, True, inputs)
     save_checkpoint(tmp_path, 3, {}, trainer_of(model | {"torch_dtype": "bfloat16", "extra_key": 1}))
     assert resume_point(cfg, True, inputs)[0].name == "step_000003"  # the same shapes: another dtype resumes
+
+
+def test_a_resume_is_not_told_that_it_replaces_the_run_it_continues(tmp_path, caplog):
+    """The checkpoints in run.dir are an earlier run's only for a fresh start, which is warned; --resume continues
+    them, with no such warning and nothing to set aside."""
+    from rlloop.config import load_config
+    from rlloop.run_dir import earlier_run
+
+    save_checkpoint(tmp_path, 2, {}, trainer_writing(256))
+    cfg = load_config(TINY, [f"run.dir={tmp_path}"])
+    with caplog.at_level("WARNING", logger="rlloop"):
+        assert earlier_run(cfg, resume=True).checkpoints == frozenset()
+        assert len(earlier_run(cfg, resume=False).checkpoints) == 1
+    assert caplog.text.count("holds an earlier run") == 1  # the fresh start's
+
+
+def test_a_resume_names_the_settings_it_changes_and_that_a_decaying_lr_moves(tmp_path, caplog):
+    """Resumed with another train.lr and another run.steps under a cosine decay than the run's config.yaml: the
+    checkpoint found names the changed lr, and says the lr moves, as the schedule now spans the new run.steps."""
+    from rlloop.config import load_config, to_yaml
+    from rlloop.data import load_inputs
+    from rlloop.run_dir import resume_point
+
+    cfg = load_config(TINY, [f"run.dir={tmp_path}", "train.lr_decay=cosine", "run.steps=20"])
+    inputs = load_inputs(cfg)
+    save_checkpoint(tmp_path, 2, {"data": inputs.data.state_dict()}, trainer_writing(256))
+    started = ["train.lr=0.5", "train.lr_decay=cosine", "run.steps=10"]
+    (tmp_path / "config.yaml").write_text(to_yaml(load_config(TINY, [f"run.dir={tmp_path}", *started])))
+    with caplog.at_level("WARNING", logger="rlloop"):
+        assert resume_point(cfg, True, inputs)[0].name == "step_000002"
+    assert f"train.lr: 0.5 -> {cfg.train.lr}" in caplog.text
+    assert "(train.lr_decay cosine decays over the new run.steps from here: lr moves)" in caplog.text
 
 
 def _rollouts(directory: Path, steps, tag: str) -> dict[str, str]:

@@ -32,18 +32,23 @@ def rows(run_dir: Path) -> list[dict]:
 
 def test_train_only_replays_a_run_exactly(tmp_path):
     """Across a resume too: the replay stops after step 2's checkpoint and continues from it (a replayed run's
-    checkpoint has no prompt cursor to restore). With DAPO's overlong shaping, which makes the rewards trained on
-    differ from the verifier's that `rollout/raw_reward` reports."""
+    checkpoint has no prompt cursor to restore, but the restart counts a resume goes on from). With DAPO's overlong
+    shaping, which makes the rewards trained on differ from the verifier's that `rollout/raw_reward` reports. The
+    replay keeps the recipe's eval period: with no engine to evaluate on, it trains without evaluating."""
     original, replay = tmp_path / "original", tmp_path / "replay"
     shaping = ["grpo.overlong_buffer=8", "grpo.std_scale=false"]
     assert main([TINY, *COMMON, *shaping, f"run.dir={original}", "tracking.save_rollouts=true"]) == 0
-    replaying = [TINY, *COMMON, *shaping, f"run.dir={replay}", "--debug", "train-only"]
+    replaying = [TINY, *COMMON, *shaping, "run.eval_every=1", f"run.dir={replay}", "--debug", "train-only"]
     replaying += ["--replay", str(original / "rollouts")]
     assert main([*replaying, "run.steps=2", "run.save_every=1"]) == 0
-    assert load_state(latest_checkpoint(replay))["train_parallel"] == "ddp"  # what a resume checks its layout against
+    state = load_state(latest_checkpoint(replay))
+    assert state["train_parallel"] == "ddp"  # what a resume checks its layout against
+    restarts = ("train/restarts", "rollout/engine_restarts")
+    assert [state["totals"].get(key) for key in restarts] == [0, 0]  # what a resume counts on from
     assert main([*replaying, "--resume"]) == 0
     before, after = rows(original), rows(replay)
     assert [r["step"] for r in after] == [1, 2, 3]
+    assert not any(key.startswith("eval/") for r in after for key in r)
     saved = [json.loads(line) for line in rollouts_file(original / "rollouts", 1).read_text().splitlines()]
     assert any(r["reward"] != r["raw_reward"] for r in saved)  # some responses were shaped
     keys = ("train/loss", "train/grad_norm", "train/entropy", "train/logprob_abs_diff", "train/tokens")
