@@ -247,6 +247,25 @@ def test_staleness_counts_weight_updates_not_steps(setup):
     assert staleness == [1, 0]
 
 
+def test_fully_async_takes_a_step_that_published_nothing_for_no_newer_weights(setup):
+    """A step that trains nothing is done at once, while the step before it still trains: the newest weights the
+    producer admits chunks by stay the last published ones. Taken for step 3's, a chunk one update too stale (step
+    2's is still to come) was started, only to be dropped."""
+    cluster, tok = setup
+    overrides = ["rollout.backend=hf", "cluster.use_ray=false", "loop.mode=fully_async", "rollout.prompts_per_step=2"]
+    cfg = load_config(TINY, [*overrides, "loop.max_staleness=0"])
+    data, _ = load_datasets(cfg, tok)
+    with closing(RolloutManager(cfg, cluster, tok, data)) as rollout:
+        source = FullyAsyncRollout(rollout)
+        try:
+            source.trained(1)
+            source.trained(3, published=False)  # step 2 still trains
+            assert source.version == 1
+            assert rollout.updates_behind(source.version, 4) == 1  # step 2's update
+        finally:
+            source.close()
+
+
 def test_async_generates_a_step_only_once_every_step_before_its_weights_is_done(setup):
     """A step that trains nothing (dynamic sampling kept no group) is done at once, while the step before it still
     trains: that let the next generation pull before the step before had published, on older weights than the
