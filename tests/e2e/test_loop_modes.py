@@ -2,6 +2,7 @@
 without losing or repeating a prompt, and 2 engines that share every step's work and every weight version."""
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -298,17 +299,24 @@ def test_each_steps_breakdown_fits_in_its_time_across_evals_and_checkpoints(tmp_
 
 
 def test_fully_async_resume_trains_the_same_prompts_in_the_same_order(tmp_path):
-    """Prompts in flight at a checkpoint are drawn again after --resume: none lost, none trained twice. (async's
-    resume is held to the same samples, losses and weights in tests/e2e/test_tiny_run.py.)"""
+    """Prompts in flight at a checkpoint are drawn again after --resume: none lost, none trained twice. Both from a
+    run stopped at the checkpoint's step and from the straight run's own checkpoint, saved while the producer
+    generated step 3's chunk (the stopped run's had drawn nothing ahead). (async's resume is held to the same
+    samples, losses and weights in tests/e2e/test_tiny_run.py.)"""
     common = LOCAL + ["rollout.backend=hf", "loop.mode=fully_async", "loop.max_staleness=100", "run.save_every=2"]
     train(load_config(TINY, common + ["run.steps=4", f"run.dir={tmp_path / 'straight'}"]))
     train(load_config(TINY, common + ["run.steps=2", f"run.dir={tmp_path / 'cut'}"]))
     train(load_config(TINY, common + ["run.steps=4", f"run.dir={tmp_path / 'cut'}"]), resume=True)
+    shutil.copytree(tmp_path / "straight", tmp_path / "mid")
+    shutil.rmtree(tmp_path / "mid/checkpoints/step_000004")
+    for step in (3, 4):  # what the resumed run trains, then, and not the copy's
+        (tmp_path / f"mid/rollouts/step_{step:06d}.jsonl").unlink()
+    train(load_config(TINY, common + ["run.steps=4", f"run.dir={tmp_path / 'mid'}"]), resume=True)
 
     def order(run_dir):
         return [r["prompt_index"] for _, rows in sorted(trained_rows(run_dir).items()) for r in rows[::8]]
 
-    assert order(tmp_path / "cut") == order(tmp_path / "straight")
+    assert order(tmp_path / "cut") == order(tmp_path / "straight") == order(tmp_path / "mid")
     assert len(order(tmp_path / "straight")) == 4 * 4
 
 
