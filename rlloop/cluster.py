@@ -18,8 +18,9 @@ import logging
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from pathlib import Path
 
 from rlloop.actor_calls import WorkerCalls, kill_unanswered
 from rlloop.config import TORCH_DEVICE, Config
@@ -324,11 +325,15 @@ class Cluster:
         """Stop the workers (gracefully first, so shared memory is released); Ray is left running. The heap
         this process froze (`freeze_heap`: the driver's, and without Ray the workers' too) is the collector's again:
         frozen, what the run left in reference cycles was never freed (a failed in-process run's traceback held its
-        engine, whose JAX arrays outlived it)."""
+        engine, whose JAX arrays outlived it). The disk transport's default root in the run directory goes too, once
+        empty: the trainer's sender removes only its run's versions in it, and an empty `sync/` was left."""
         try:
             self._close_workers()
         finally:
             gc.unfreeze()
+            if self.cfg.sync.dir is None:  # a sync.dir of the user's, which other runs may share, stays
+                with suppress(OSError):  # not empty, or never made (shm, Ray)
+                    Path(self.cfg.sync_config().dir).rmdir()
 
     def _close_workers(self) -> None:
         workers = [*self.engines, *self.trainers]

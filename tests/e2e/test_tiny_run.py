@@ -143,6 +143,7 @@ def test_local_run_resumes_exactly_where_it_stopped(tmp_path, mode):
     assert [m["rollout/reward_failures"] for m in a] == [sum(odd[:k]) for k in range(1, 5)]
     # sync: each step sampled by the previous policy; async: one version older, but for the step after a checkpoint
     assert [m["rollout/weight_version"] for m in b] == ([0, 1, 2, 3] if mode == "sync" else [0, 0, 2, 2])
+    assert not (tmp_path / "a" / "sync").exists()  # the disk transport's versions went with the run, and their dir
     a_weights, b_weights = (tmp_path / d / "checkpoints/step_000004/trainer/model.safetensors" for d in "ab")
     assert a_weights.read_bytes() == b_weights.read_bytes()
     # the trained policy is a model directory of its own, tokenizer and chat template included: it passes the checks
