@@ -1,7 +1,7 @@
 """RolloutManager.collect on the real tiny model: grouping, DAPO dynamic sampling, overlong shaping, the train batch."""
 
 import json
-from contextlib import closing
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +12,7 @@ from rlloop.cluster import Cluster
 from rlloop.config import load_config
 from rlloop.data import Prompt, load_datasets
 from rlloop.rollout_manager import RolloutManager, RolloutTally, distinct, rollout_metrics, sampling_seed, top_up
-from rlloop.schedules import AsyncRollout, FullyAsyncRollout
+from rlloop.schedules import FullyAsyncRollout, rollout_schedule
 from rollout import Completion
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -247,42 +247,39 @@ def test_staleness_counts_weight_updates_not_steps(setup):
     assert staleness == [1, 0]
 
 
+@contextmanager
+def schedule_of(setup, overrides: list[str]):
+    """The `loop.mode` schedule `overrides` set, over the module's cluster with its own manager and data, closed
+    after; yields (manager, schedule)."""
+    cluster, tok = setup
+    cfg = load_config(TINY, ["rollout.backend=hf", "cluster.use_ray=false", *overrides])
+    data, _ = load_datasets(cfg, tok)
+    with closing(RolloutManager(cfg, cluster, tok, data)) as rollout, closing(rollout_schedule(rollout)) as schedule:
+        yield rollout, schedule
+
+
 def test_fully_async_takes_a_step_that_published_nothing_for_no_newer_weights(setup):
     """A step that trains nothing is done at once, while the step before it still trains: the newest weights the
     producer admits chunks by stay the last published ones. Taken for step 3's, a chunk one update too stale (step
     2's is still to come) was started, only to be dropped."""
-    cluster, tok = setup
-    overrides = ["rollout.backend=hf", "cluster.use_ray=false", "loop.mode=fully_async", "rollout.prompts_per_step=2"]
-    cfg = load_config(TINY, [*overrides, "loop.max_staleness=0"])
-    data, _ = load_datasets(cfg, tok)
-    with closing(RolloutManager(cfg, cluster, tok, data)) as rollout:
-        source = FullyAsyncRollout(rollout)
-        try:
-            source.trained(1)
-            source.trained(3, published=False)  # step 2 still trains
-            assert source.version == 1
-            assert rollout.updates_behind(source.version, 4) == 1  # step 2's update
-        finally:
-            source.close()
+    fully_async = ["loop.mode=fully_async", "rollout.prompts_per_step=2", "loop.max_staleness=0"]
+    with schedule_of(setup, fully_async) as (rollout, source):
+        source.trained(1)
+        source.trained(3, published=False)  # step 2 still trains
+        assert source.version == 1
+        assert rollout.updates_behind(source.version, 4) == 1  # step 2's update
 
 
 def test_async_generates_a_step_only_once_every_step_before_its_weights_is_done(setup):
     """A step that trains nothing (dynamic sampling kept no group) is done at once, while the step before it still
     trains: that let the next generation pull before the step before had published, on older weights than the
     async schedule calls for (and than a run resumed at that point would use)."""
-    cluster, tok = setup
-    cfg = load_config(TINY, ["rollout.backend=hf", "cluster.use_ray=false", "loop.mode=async"])
-    data, _ = load_datasets(cfg, tok)
-    with closing(RolloutManager(cfg, cluster, tok, data)) as rollout:
-        schedule = AsyncRollout(rollout)
-        try:
-            schedule.trained(1)
-            schedule.trained(3, published=False)  # step 2 still training
-            assert schedule.trained_through == 1
-            schedule.trained(2)
-            assert schedule.trained_through == 3 and rollout.unpublished == {3}
-        finally:
-            schedule.close()
+    with schedule_of(setup, ["loop.mode=async"]) as (rollout, schedule):
+        schedule.trained(1)
+        schedule.trained(3, published=False)  # step 2 still training
+        assert schedule.trained_through == 1
+        schedule.trained(2)
+        assert schedule.trained_through == 3 and rollout.unpublished == {3}
 
 
 def test_dynamic_sampling_over_samples_by_the_kept_fraction():
@@ -303,48 +300,23 @@ def test_async_resumes_at_the_prompts_of_the_step_generated_ahead(setup):
     """A checkpoint after step 1 in async, taken once step 2 (generated ahead) has drawn its prompts: the resumed run
     draws those prompts again (step 2 trains after the checkpoint). The e2e resume tests reach this only when their
     thread timing puts the draw before the checkpoint, which it did in none of them."""
-    cluster, tok = setup
-    cfg = load_config(
-        TINY,
-        ["rollout.backend=hf", "cluster.use_ray=false", "loop.mode=async", "rollout.prompts_per_step=2", "run.steps=4"],
-    )
-    data, _ = load_datasets(cfg, tok)
-    with closing(RolloutManager(cfg, cluster, tok, data)) as rollout:
-        schedule = AsyncRollout(rollout)
-        try:
-            schedule.next(1)  # starts step 2 in the rollout thread (step 0's weights: no wait)
-            ahead = schedule.pending.batch.result()  # step 2 has drawn its prompts, not trained on them
-            cursor = schedule.resume_state()
-        finally:
-            schedule.close()
-    assert _drawn_from(cfg, tok, cursor, 2) == [p.index for p in ahead.samples.prompts]
+    with schedule_of(setup, ["loop.mode=async", "rollout.prompts_per_step=2", "run.steps=4"]) as (rollout, schedule):
+        schedule.next(1)  # starts step 2 in the rollout thread (step 0's weights: no wait)
+        ahead = schedule.pending.batch.result()  # step 2 has drawn its prompts, not trained on them
+        cursor = schedule.resume_state()
+    assert _drawn_from(rollout.cfg, setup[1], cursor, 2) == [p.index for p in ahead.samples.prompts]
 
 
 def test_fully_async_resumes_at_the_oldest_buffered_prompt(setup):
     """fully_async's checkpoint with groups buffered and not trained: the resumed run draws the oldest of them first."""
-    cluster, tok = setup
-    cfg = load_config(
-        TINY,
-        [
-            "rollout.backend=hf",
-            "cluster.use_ray=false",
-            "loop.mode=fully_async",
-            "rollout.prompts_per_step=2",
-            "loop.max_staleness=8",
-        ],
-    )
-    data, _ = load_datasets(cfg, tok)
-    with closing(RolloutManager(cfg, cluster, tok, data)) as rollout:
-        source = FullyAsyncRollout(rollout)
-        try:
-            source.next(1)
-            with source.cond:  # the producer buffers the next chunk
-                assert source.cond.wait_for(lambda: len(source.buffer) == source.want, timeout=120)
-                buffered = [g.prompt.index for g in source.buffer]
-            cursor = source.resume_state()
-        finally:
-            source.close()
-    assert _drawn_from(cfg, tok, cursor, 2) == buffered
+    fully_async = ["loop.mode=fully_async", "rollout.prompts_per_step=2", "loop.max_staleness=8"]
+    with schedule_of(setup, fully_async) as (rollout, source):
+        source.next(1)
+        with source.cond:  # the producer buffers the next chunk
+            assert source.cond.wait_for(lambda: len(source.buffer) == source.want, timeout=120)
+            buffered = [g.prompt.index for g in source.buffer]
+        cursor = source.resume_state()
+    assert _drawn_from(rollout.cfg, setup[1], cursor, 2) == buffered
 
 
 def test_a_batch_of_mixed_versions_reports_its_oldest():
