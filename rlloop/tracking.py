@@ -117,6 +117,7 @@ class Tracker:
         fresh.write_text("".join(json.dumps(m) + "\n" for m in kept))
         os.replace(fresh, self.path)
         self.file = open(self.path, "a")
+        self.summary = RunSummary(kept)
         self.wandb = self._start_wandb(start_step) if cfg.tracking.wandb else None
         # A step's W&B sample table waits for the step's metrics: in the async modes step k + 1's samples come before
         # step k's metrics, and W&B drops a step below the last it has (every step before a table's went missing)
@@ -175,7 +176,13 @@ class Tracker:
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        self._to_wandb("log", lambda run: run.log(metrics | self._tables.pop(step, {}), step=step))
+        summary = self.summary.add(row)
+
+        def to_wandb(run) -> None:
+            run.log(metrics | self._tables.pop(step, {}), step=step)
+            run.summary.update(summary)
+
+        self._to_wandb("log", to_wandb)
         if self.bar is not None:
             postfix = {"reward": metrics.get("rollout/raw_reward"), "tok/s": metrics.get("perf/rollout_tok_per_s")}
             self.bar.set_postfix({k: f"{v:.3g}" for k, v in postfix.items() if v is not None}, refresh=False)
@@ -211,8 +218,8 @@ class Tracker:
         self.close(failed=error is not None)
 
     def close(self, failed: bool = False) -> None:
-        """The report, the curves and W&B's summary; W&B marks the run failed when `failed` (an error, Ctrl-C), where
-        it showed a stopped run as finished."""
+        """The report, the curves and W&B's summary (again: a resumed run that logged no step has sent none); W&B
+        marks the run failed when `failed` (an error, Ctrl-C), where it showed a stopped run as finished."""
         if self.bar is not None:
             self.bar.close()
         self.file.close()
@@ -220,7 +227,7 @@ class Tracker:
         if rows:
             plot_curves(rows, self.run_dir / "curves.png")
             (self.run_dir / "report.md").write_text(make_report(self.cfg, rows))
-            self._to_wandb("summarise", lambda run: run.summary.update(run_summary(rows)))
+            self._to_wandb("summarise", lambda run: run.summary.update(self.summary.values))
         self._to_wandb("finish", lambda run: run.finish(exit_code=1 if failed else 0))
 
     def _to_wandb(self, what: str, call) -> None:
@@ -244,19 +251,31 @@ def _plain(value):
     return float(value) if isinstance(value, numbers.Real) else value
 
 
-def run_summary(rows: list[dict]) -> dict[str, float]:
-    """What W&B shows for the run as a whole: the last eval scores, the last reward, mean throughput."""
-    summary = {"steps": max(r["step"] for r in rows)}
-    for key in sorted({k for r in rows for k in r if k.startswith("eval/")}):
-        if values := _series(rows, key)[1]:
-            summary[f"final/{key}"] = values[-1]
-    reward = _series(rows, "rollout/raw_reward")[1]
-    if reward:
-        summary["final/rollout/raw_reward"] = reward[-1]
-    for key in ("perf/rollout_tok_per_s", "perf/step_s"):
-        if values := _series(rows, key)[1]:  # none before the first step (a run stopped after its step-0 eval)
-            summary[f"mean/{key}"] = _mean(values)
-    return summary
+class RunSummary:
+    """What W&B shows for the run as a whole: the last eval scores, the last reward, mean throughput. Kept up to date
+    row by row and sent with each step, not only as the run ends: `ray job stop` signals W&B's service as well as the
+    driver, and the summary a stopped run wrote at its end never reached W&B."""
+
+    MEANS = ("perf/rollout_tok_per_s", "perf/step_s")  # none before the first step (a run stopped after its eval)
+
+    def __init__(self, rows: list[dict] = ()):
+        self.values: dict[str, float] = {}
+        self._totals = {key: [0.0, 0] for key in self.MEANS}
+        for row in rows:
+            self.add(row)
+
+    def add(self, row: dict) -> dict[str, float]:
+        self.values["steps"] = max(row["step"], self.values.get("steps", row["step"]))
+        for key, value in row.items():
+            if not isinstance(value, (int, float)):  # an eval key with no number
+                continue
+            if key.startswith("eval/") or key == "rollout/raw_reward":
+                self.values[f"final/{key}"] = value
+            elif key in self._totals:
+                total = self._totals[key]
+                total[0], total[1] = total[0] + value, total[1] + 1
+                self.values[f"mean/{key}"] = total[0] / total[1]
+        return dict(self.values)
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:

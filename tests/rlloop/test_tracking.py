@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,7 +72,7 @@ def test_a_resume_killed_while_it_rewrites_the_metrics_loses_no_line(tmp_path, m
 def test_numpy_scalars_are_logged_as_numbers_and_odd_rows_do_not_break_the_summary(tmp_path):
     import numpy as np
 
-    from rlloop.tracking import plot_curves, run_summary
+    from rlloop.tracking import RunSummary, plot_curves
 
     tracker = Tracker(load_config(TINY, ["tracking.progress=false", f"run.dir={tmp_path}"]))
     tracker.log(1, {"rollout/raw_reward": np.float32(0.25), "train/tokens": np.int64(7), "train/flag": np.bool_(1)})
@@ -78,7 +80,7 @@ def test_numpy_scalars_are_logged_as_numbers_and_odd_rows_do_not_break_the_summa
     assert read_metrics(tmp_path / "metrics.jsonl") == [
         {"step": 1, "rollout/raw_reward": 0.25, "train/tokens": 7.0, "train/flag": 1.0}
     ]
-    assert "final/eval/x" not in run_summary([{"step": 1, "eval/x": None}])  # an eval key with no number
+    assert "final/eval/x" not in RunSummary([{"step": 1, "eval/x": None}]).values  # an eval key with no number
     plot_curves([{"step": 1, "train/other": 1.0}], tmp_path / "none.png")  # no curve to draw: no figure
     assert not (tmp_path / "none.png").exists()
 
@@ -86,12 +88,12 @@ def test_numpy_scalars_are_logged_as_numbers_and_odd_rows_do_not_break_the_summa
 def test_a_run_stopped_after_its_step_0_eval_reports_that_and_no_nan(tmp_path):
     """Its report read "reward: first 1 steps nan -> last 1 steps nan" and "mean per step: step_s nan, ...", and W&B's
     summary had mean/perf/step_s = nan."""
-    from rlloop.tracking import make_report, run_summary
+    from rlloop.tracking import RunSummary, make_report
 
     rows = [{"step": 0, "eval/tiny_arith": 0.148}]
     report = make_report(load_config(TINY), rows)
     assert "nan" not in report and "- eval/tiny_arith: step 0: 0.148" in report
-    assert run_summary(rows) == {"steps": 0, "final/eval/tiny_arith": 0.148}
+    assert RunSummary(rows).values == {"steps": 0, "final/eval/tiny_arith": 0.148}
 
 
 def test_a_run_that_starts_over_before_its_first_checkpoint_logs_each_step_once(tmp_path):
@@ -187,6 +189,40 @@ def test_a_wandb_that_fails_stops_wandb_not_the_run(tmp_path, failure):
     assert "started " + str(failure == "killed") in lines and "steps [1, 2]" in lines, out.stdout
     said = "W&B did not start" if failure == "unreachable" else "W&B failed to log"
     assert said in out.stderr and "metrics.jsonl" in out.stderr, out.stderr[-3000:]
+
+
+WANDB_STOPPED = """
+import sys, time
+from rlloop.config import load_config
+from rlloop.tracking import Tracker
+
+overrides = ["tracking.progress=false", "tracking.wandb=true", "tracking.mode=offline", "run.dir=" + sys.argv[2]]
+tracker = Tracker(load_config(sys.argv[1], overrides))
+for step in (1, 2, 3):
+    tracker.log(step, {"rollout/raw_reward": step / 10, "perf/step_s": float(step)})
+print("logged", flush=True)
+time.sleep(120)
+"""
+
+
+def test_wandb_has_the_runs_summary_while_it_runs_not_only_at_its_end(tmp_path):
+    """`ray job stop` signals every process of the job, W&B's service too: the summary a finishing run wrote never
+    reached W&B. Here the driver and W&B's service are signalled together, after W&B wrote what it had (its flush
+    interval made short); W&B's log of the run must hold the summary of the steps logged."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env |= {"NETRC": str(tmp_path / "no_netrc"), "WANDB_X_TRANSACTION_LOG_FLUSH_INTERVAL": "0.2"}
+    run = [sys.executable, "-c", WANDB_STOPPED, TINY, str(tmp_path)]
+    job = subprocess.Popen(
+        run, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert job.stdout.readline() == "logged\n", job.stderr.read()[-3000:]
+        time.sleep(2)
+    finally:
+        os.killpg(job.pid, signal.SIGTERM)  # the job's processes, as Ray's job supervisor signals them
+        job.wait(timeout=60)
+    (log,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")  # W&B's own record of the run
+    assert b"mean/perf/step_s" in log.read_bytes() and b"final/rollout/raw_reward" in log.read_bytes()
 
 
 def test_wandb_run_is_continued_on_resume_and_new_for_a_run_from_step_0(tmp_path, monkeypatch):
