@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_origin
 
 from omegaconf import OmegaConf
 from pydantic import (
@@ -41,6 +41,7 @@ from rlloop.config_types import (
     component_kwargs,
     knobs_of,
 )
+from rlloop.model_shape import engine_tp
 from rlloop.rewards import wrong_answer_score
 from rollout import EngineConfig
 from rollout.buckets import default_prefill_buckets
@@ -331,8 +332,6 @@ class Config(Section):
 
     # -- the components' configs, built here and nowhere else ------------------------------------------------------
     def engine_config(self) -> EngineConfig:
-        from rlloop.placement import engine_tp  # rlloop.placement builds on this module
-
         knobs = component_kwargs(self.rollout, EngineConfig)
         # No prompt longer than data.max_prompt_len reaches the engine (rlloop.data drops it): its prefill programs, and
         # the positions each GRPO fan-out copies, stop there instead of at the engine's own max_seq_len - 1.
@@ -378,9 +377,20 @@ def run_id_for(run_dir: Path) -> str:
     return f"{re.sub(r'[^A-Za-z0-9_.-]', '-', Path(run_dir).name)[:32]}-{digest}"
 
 
+def mapping_settings() -> tuple[str, ...]:
+    """The settings whose value is a mapping (the sections' `dict[...]` fields): one value each, which a child file or
+    an override replaces as a whole."""
+    return tuple(
+        f"{section}.{name}"
+        for section, field in Config.model_fields.items()
+        for name, setting in field.annotation.model_fields.items()
+        if get_origin(setting.annotation) is dict
+    )
+
+
 def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     """Read `path` (following `inherit:`), apply `a.b=c` overrides, validate. Raises ConfigError."""
-    data = read_config(Path(path), overrides)
+    data = read_config(Path(path), overrides, mapping_settings())
     try:
         return Config.model_validate(data)
     except ValidationError as e:

@@ -7,7 +7,6 @@ Relative paths in a file resolve against that file's directory when they exist t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import get_origin
 
 import yaml
 from omegaconf import OmegaConf
@@ -18,8 +17,9 @@ from rlloop.config_errors import ConfigError, path_errors
 PATH_KEYS = ("model.path", "model.tokenizer", "data.path", "eval.path")
 
 
-def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
-    """One YAML file merged over the file it `inherit`s from, with its relative paths made absolute."""
+def _load_yaml(path: Path, whole: tuple[str, ...], seen: tuple[Path, ...] = ()) -> dict:
+    """One YAML file merged over the file it `inherit`s from (`whole`: the settings replaced, not merged), with its
+    relative paths made absolute."""
     path = path.resolve()
     by = f" (inherited by {seen[-1]})" if seen else ""
     if path.is_dir():
@@ -59,10 +59,10 @@ def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
                     node[section][name] = str((path.parent / value).resolve())
     parent = node.pop("inherit", None)
     if parent is None:
-        return _merge({}, node, mapping_settings())  # its null mappings read as {}
+        return _merge({}, node, whole)  # its null mappings read as {}
     if not isinstance(parent, str):
         raise ConfigError(f"inherit: expected a file path, got {parent!r}")
-    base = _load_yaml(path.parent / parent, seen + (path,))
+    base = _load_yaml(path.parent / parent, whole, seen + (path,))
     for key, value in node.items():
         if isinstance(base.get(key), dict) and not isinstance(value, dict):
             raise ConfigError(
@@ -70,22 +70,10 @@ def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
                 f"got {type(value).__name__} {value!r:.60}"
             )
     try:
-        return _merge(base, node, mapping_settings())
+        return _merge(base, node, whole)
     except Exception as e:  # OmegaConf's errors, TypeError for containers it cannot merge
         reason = " ".join(str(e).split()) or type(e).__name__
         raise ConfigError(f"{path}: cannot merge it over {path.parent / parent}: {reason}") from None
-
-
-def mapping_settings() -> tuple[str, ...]:
-    """The settings whose value is a mapping: the `dict[...]` fields of rlloop.config's sections."""
-    from rlloop.config import Config  # here, not above: rlloop.config reads its files through this module
-
-    return tuple(
-        f"{section}.{name}"
-        for section, field in Config.model_fields.items()
-        for name, setting in field.annotation.model_fields.items()
-        if get_origin(setting.annotation) is dict
-    )
 
 
 def _merge(base: dict, over: dict, whole: tuple[str, ...]) -> dict:
@@ -124,19 +112,20 @@ def _check_override(item: str) -> None:
         raise ConfigError(f"override {item!r}: key {key!r} has an empty or space-padded part; expected key.path=value")
 
 
-def read_config(path: Path, overrides: list[str] = ()) -> dict:
+def read_config(path: Path, overrides: list[str] = (), whole: tuple[str, ...] = ()) -> dict:
     """The plain dict of `path` (following `inherit:`) with the `a.b=c` overrides applied, one at a time so that an
-    error names the override that caused it. Raises ConfigError; the keys are validated by rlloop.config."""
-    merged = _load_yaml(path)
+    error names the override that caused it. The `whole` settings (mapping-valued ones, "section.name") are replaced
+    as a whole by a child file or an override, not merged. Raises ConfigError; rlloop.config validates the keys."""
+    merged = _load_yaml(path, whole)
     for item in overrides:
         _check_override(item)
         key = item.split("=", 1)[0]
         # the mapping settings at or under `key` are replaced; `cluster.rollout_resources.node_a=1` sets one entry
-        whole = tuple(s for s in mapping_settings() if f"{s}.".startswith(f"{key}."))
+        replaced = tuple(s for s in whole if f"{s}.".startswith(f"{key}."))
         try:
             override = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
             _no_null_sections(override, f"override {item!r}")
-            merged = _merge(merged, override, whole)
+            merged = _merge(merged, override, replaced)
         except ConfigError:
             raise
         except Exception as e:  # OmegaConf's errors, and yaml's or TypeError for values it cannot parse or merge

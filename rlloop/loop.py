@@ -23,9 +23,10 @@ from rlloop.engine_pool import RestartCount
 from rlloop.errors import TrainerDied
 from rlloop.profiling import profile_dir
 from rlloop.ray_session import ray_session
+from rlloop.replay import ReplayRollout
 from rlloop.rollout_manager import RolloutManager
 from rlloop.run_dir import EarlierRun, earlier_run, resume_point, run_dir_held
-from rlloop.schedules import RolloutSchedule, rollout_schedule
+from rlloop.schedules import AsyncRollout, FullyAsyncRollout, RolloutSchedule, SyncRollout
 from rlloop.step_clock import StepClock
 from rlloop.step_end import StepEnds, Training, evaluates
 from rlloop.tracking import Tracker
@@ -156,3 +157,16 @@ def start_training(cfg: Config, cluster: Cluster, step: int, samples, batches: R
         return metrics | {"perf/train_s": blocked - push_s, "perf/sync_s": push_s + time.perf_counter() - t1}
 
     return wait
+
+
+def rollout_schedule(manager: RolloutManager, start: int = 0) -> RolloutSchedule:
+    """The batch source of `loop.mode` for a run that has trained `start` steps, or of the saved rollouts in
+    `run.replay` (--debug train-only)."""
+    cfg = manager.cfg
+    if cfg.run.replay is not None:
+        return ReplayRollout(cfg.run.replay)
+    if cfg.loop.mode == "async":
+        return AsyncRollout(manager, start)
+    if cfg.loop.mode == "fully_async":
+        return FullyAsyncRollout(manager, start)
+    return SyncRollout(manager)

@@ -11,51 +11,19 @@ needs 348 GB of KV cache, 174 GB per chip at TP 2: it fits a 192 GB TPU v7x chip
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from rlloop.config import Config, ConfigError
+from rlloop.model_shape import model_shape
 from rlloop.placement import ENGINE_GPU_MEM_FRACTION
 from rollout.cost import cache_dtype, engine_memory, kv_bytes_per_token, param_count
-from rollout.model_config import ModelConfig
 from rollout.weight_table import copies_tied_head
 from trainer.memory import ITEMSIZE, trainer_memory
 
 MAX_RANKS = 256  # searched for the fewest fsdp ranks whose shares fit
 
 GB = 1e9
-
-
-# config.json of the reference recipe's model, so that its plan is known before the first download.
-SHIPPED_CONFIGS = Path(__file__).parent / "assets" / "model_configs"
-
-
-def model_shape(path: str) -> ModelConfig | None:
-    """The model's architecture from its config.json: a local directory, a hub id in the local cache, or a copy
-    shipped with rlloop (the reference model); None when none has it."""
-    shipped = SHIPPED_CONFIGS / (path.replace("/", "--") + ".json")
-    if os.path.isdir(path):
-        try:
-            return ModelConfig.from_dir(path)
-        except (ValueError, KeyError, TypeError, AttributeError, OSError):  # `[]`, a field of the wrong type
-            return None  # reported as a model error naming model.path by rlloop.model.check_model
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(path, "config.json")
-    except Exception:  # a malformed repo id: the model loader names it
-        return None
-    if not isinstance(cached, str):
-        cached = str(shipped) if shipped.is_file() else None
-    if cached is None:
-        return None
-    try:
-        with open(cached) as f:
-            return ModelConfig.from_hf_dict(json.load(f))
-    except (ValueError, KeyError, TypeError, AttributeError, OSError):  # a family the JAX engine has no decoder for
-        return None  # (the hf backend runs it), or a config.json not of the shape ModelConfig reads
 
 
 @dataclass

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rlloop.config import Config, ModelSection
 from rlloop.errors import ModelError
+from rlloop.model_shape import engine_tp
 from trainer.model_support import position_bias_from_columns, sliding_window_layers, unapplied_logit_scaling
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")  # what the engine (safetensors) and trainer read
@@ -99,9 +100,7 @@ def _check_weights(path: Path) -> None:
 
 def _check_engine_tp(cfg: Config, shape, where: str) -> None:
     """An engine splits heads and MLP channels over its chips (tensor parallel, rollout.sharding.check_tp): each of
-    those sizes must divide by its tp, cluster.rollout_chips / cluster.rollout_engines (rlloop.placement.engine_tp)."""
-    from rlloop.placement import engine_tp
-
+    those sizes must divide by its tp (rlloop.model_shape.engine_tp), cluster.rollout_chips / rollout_engines."""
     tp = engine_tp(cfg)
     if shape.splits_over(tp):
         return

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from rlloop.config import ClusterSection, Config
 from rlloop.errors import ClusterError
+from rlloop.model_shape import engine_tp
 from rlloop.workers import CPU_AFFINITY_ENV
-from rollout.model_config import ModelConfig
 
 # Passed to every actor: offline switches, tokens and caches must reach workers on other nodes too.
 FORWARDED_ENV = (
@@ -160,33 +160,6 @@ def actor_options(
         "runtime_env": runtime_env,
         "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, bundle),
     }
-
-
-# Narrower models decode too little per step to split it: the embedded tiny model (hidden 64) ran 0.67x at 16 rows
-# and 1.06x at 64 with a device per core of 2, widths 128 to 768 ran 1.12-1.42x (docs/benchmarks-history.md).
-CPU_TP_MIN_HIDDEN = 128
-
-
-def engine_tp(cfg: Config) -> int:
-    """Devices in one engine's mesh, its tensor-parallel size: its chips. On CPU, one XLA host device per core
-    (`cpu_engine_tp`): XLA:CPU runs most of a decode step's ops (attention over the cache, norms, cache writes,
-    small dots) on one thread each, so one device leaves the other cores idle for much of the step, where a
-    single-threaded device per core splits every op (docs/design.md §5.10)."""
-    c = cfg.cluster
-    chips = c.rollout_chips // c.rollout_engines
-    if c.device != "cpu" or c.cpus_per_actor == 1:
-        return chips
-    from rlloop.memory import model_shape  # imported here: rlloop.memory imports this module
-
-    return cpu_engine_tp(model_shape(cfg.model.path), chips, chips * c.cpus_per_actor)
-
-
-def cpu_engine_tp(shape: ModelConfig | None, chips: int, cores: int) -> int:
-    """A CPU engine's mesh size: a device per core when the model (None: unknown) is wide enough and splits over
-    them, else a device per chip."""
-    if shape is None or shape.hidden_size < CPU_TP_MIN_HIDDEN or not shape.splits_over(cores):
-        return chips
-    return cores
 
 
 def cpu_engine_xla_flags(devices: int, cores: int) -> str:

@@ -353,18 +353,3 @@ class FullyAsyncRollout(RolloutSchedule):
             self.stopping = True
             self.cond.notify_all()
         self.thread.join()
-
-
-def rollout_schedule(manager: RolloutManager, start: int = 0) -> RolloutSchedule:
-    """The batch source of `loop.mode` for a run that has trained `start` steps, or of the saved rollouts in
-    `run.replay` (--debug train-only)."""
-    cfg = manager.cfg
-    if cfg.run.replay is not None:
-        from rlloop.replay import ReplayRollout  # which builds on this module
-
-        return ReplayRollout(cfg.run.replay)
-    if cfg.loop.mode == "async":
-        return AsyncRollout(manager, start)
-    if cfg.loop.mode == "fully_async":
-        return FullyAsyncRollout(manager, start)
-    return SyncRollout(manager)

@@ -3,10 +3,12 @@
 
 They exchange plain data (token ids, numpy arrays keyed by HF names, small dataclasses), so each can be read,
 tested and replaced alone (docs/design.md §2). Every import statement is checked, lazy ones inside functions too.
-Also what the driver and a JAX engine's process load as they start: every run and every restart waits for it.
+Inside each package no module imports, even lazily, one that imports it back. Also what the driver and a JAX
+engine's process load as they start: every run and every restart waits for it.
 """
 
 import ast
+import graphlib
 from pathlib import Path
 
 import pytest
@@ -54,6 +56,53 @@ def test_the_check_sees_lazy_and_relative_imports(tmp_path):
         "rollout/a.py:5 imports ray",
         "rollout/b.py:2 imports rlloop",
     ]
+
+
+def import_graph(package: str, root: Path = ROOT) -> dict[str, set[str]]:
+    """Which of `package`'s modules each of its modules imports: every import, lazy ones too, but not those under
+    `if TYPE_CHECKING:` (annotations only, never run)."""
+    modules = {
+        ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): path
+        for path in sorted((root / package).rglob("*.py"))
+    }
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        typing_only = {
+            id(inner)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+            for inner in ast.walk(node)
+        }
+        imported = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                submodules = {f"{node.module}.{alias.name}" for alias in node.names} & modules.keys()
+                imported |= submodules or {node.module}  # `from rollout import cost` is rollout.cost's import
+        graph[name] = (imported & modules.keys()) - {name}
+    return graph
+
+
+@pytest.mark.parametrize("package", ("rlloop", *COMPONENTS))
+def test_no_module_imports_one_that_imports_it_back(package):
+    """A cycle forces a lazy import with a comment saying why, and hides which module builds on which."""
+    graphlib.TopologicalSorter(import_graph(package)).prepare()  # CycleError names the modules of a cycle
+
+
+def test_the_cycle_check_sees_lazy_cycles_and_not_annotations(tmp_path):
+    fake = tmp_path / "rlloop"
+    fake.mkdir()
+    (fake / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rlloop.b import B\n")
+    (fake / "b.py").write_text("import rlloop.a\n")
+    assert import_graph("rlloop", tmp_path) == {"rlloop.a": set(), "rlloop.b": {"rlloop.a"}}
+    (fake / "c.py").write_text("from rlloop import b\n\ndef f():\n    from rlloop.c import x\n")
+    (fake / "a.py").write_text("def f():\n    from rlloop import c\n")
+    with pytest.raises(graphlib.CycleError):
+        graphlib.TopologicalSorter(import_graph("rlloop", tmp_path)).prepare()
 
 
 def test_the_driver_checks_a_run_without_importing_jax():

@@ -69,7 +69,8 @@ def main() -> None:
     model, dtype, max_batch, max_seq_len, cores = sys.argv[1:6]
     cores = [int(c) for c in cores.split(",")]
     os.sched_setaffinity(0, cores)
-    from rlloop.placement import cpu_engine_tp, cpu_engine_xla_flags
+    from rlloop.model_shape import cpu_engine_tp
+    from rlloop.placement import cpu_engine_xla_flags
     from rollout.model_config import ModelConfig
 
     # as a run sets up an engine actor of one chip on these cores

@@ -10,7 +10,7 @@ stop ids; the benchmark checkpoints carry no EOS id and requests set ignore_eos,
 bytes, as the JAX engine counts them with `rollout.cost`, by the peaks that `rlloop.bench.peaks` measures on the same
 device. The "jax" column is one engine in this process, one XLA device on all its cores; "jax_tp" one engine in a
 process of its own as a run starts it on several cores, a single-threaded device per core, tensor-parallel
-(rlloop.placement.cpu_engine_tp); `--engines N` adds N JAX engines side by side, each in its own process on 1/N of the
+(rlloop.model_shape.cpu_engine_tp); `--engines N` adds N JAX engines side by side, each in its own process on 1/N of the
 cores with 1/N of the prompts (`engine_worker.py`), as `cluster.rollout_engines` runs them (N: 2 by default, 1 on a
 single core; at most the cores the run has); the same requests, so the same tokens and FLOPs. --threads T runs it all
 on T of the cores the process may use (the JSON's "threads" and "cpus": the cores it ran on). Timings are
@@ -146,8 +146,8 @@ def bench_model(name: str, args, workdir: Path, peaks: dict) -> dict:
     try:
         from rlloop.bench.engine_worker import engines_runner
 
-        # Engine processes: one as a run starts it on all the cores (a device per core, rlloop.placement.cpu_engine_tp)
-        # where there are several, and --engines N of them side by side.
+        # Engine processes: one as a run starts it on all the cores (a device per core,
+        # rlloop.model_shape.cpu_engine_tp) where there are several, and --engines N of them side by side.
         workers = {"jax_tp": 1} if len(os.sched_getaffinity(0)) > 1 else {}
         if args.engines > 1:
             workers["jax_engines"] = args.engines

@@ -11,8 +11,9 @@ from transformers import AutoTokenizer
 from rlloop.cluster import Cluster
 from rlloop.config import load_config
 from rlloop.data import Prompt, load_datasets
+from rlloop.loop import rollout_schedule
 from rlloop.rollout_manager import RolloutManager, RolloutTally, distinct, rollout_metrics, sampling_seed, top_up
-from rlloop.schedules import FullyAsyncRollout, rollout_schedule
+from rlloop.schedules import FullyAsyncRollout
 from rollout import Completion
 
 ROOT = Path(__file__).resolve().parents[2]
