@@ -229,6 +229,23 @@ def test_bnpo_fsdp_equals_ddp_on_two_ranks(two_rank_results):
         assert fsdp_metrics[key] == pytest.approx(ddp_metrics[key], rel=1e-4, abs=1e-6), key
 
 
+def test_bnpo_over_two_ranks_is_the_mean_of_each_ranks_own_loss(two_rank_results, tiny_qwen3_dir):
+    """bnpo normalises by each rank's own tokens and averages over the ranks (TRL's, and DDP's, semantics): the
+    two-rank loss is the mean of the losses each rank's share gives on one rank, not their sum (which the test above,
+    fsdp against ddp, would not see: both would be scaled alike)."""
+    name, n, minibatches, agg, kl_coef = BNPO
+    batch = random_batch(n, seed=n)
+    shares = []
+    for rank in (0, 1):
+        trainer = Trainer(make_config(tiny_qwen3_dir, minibatches, agg, kl_coef))
+        shares.append(trainer.compute_gradients(shard_batch(batch, rank, 2, minibatches))[1])
+    for parallel in MODES:
+        _, metrics = rank_results(two_rank_results, parallel, name)
+        for key in ("train/loss", "train/pg_loss"):
+            want = (shares[0][key] + shares[1][key]) / 2
+            assert metrics[key] == pytest.approx(want, rel=1e-4, abs=1e-6), (parallel, key)
+
+
 def test_fsdp_holds_half_the_state_per_rank(two_rank_results):
     """Parameters, gradients and AdamW state after a step, per rank, as held in memory (local shards)."""
     for name, *_ in CASES:

@@ -72,6 +72,13 @@ def test_packing_respects_budget_and_keeps_every_sample():
     assert [4] in groups
 
 
+def test_packing_fills_the_budget_exactly():
+    """The budget is inclusive: rows x padded length equal to it fit one micro-batch (2 x 10 and 4 x 5 at 20), so no
+    forward is spent on samples that fit with the others."""
+    lengths = {0: 10, 1: 10, 2: 5, 3: 5, 4: 5, 5: 5}
+    assert pack_micro_batches(lengths, 20) == [[0, 1], [2, 3, 4, 5]]
+
+
 def full_logits_reference(model, mb, temperature):
     """Straightforward: the whole [B, L, V] fp32 logits from HF's own forward, a full log-softmax and softmax, then the
     response tokens picked out row by row. Returns [B, R] log-probs and entropies, 0 on padding."""

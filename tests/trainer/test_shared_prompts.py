@@ -56,6 +56,14 @@ def test_rows_group_samples_by_prompt_within_the_budget():
             assert all(len(row) == 1 for row in rows)
 
 
+def test_a_shared_row_may_fill_the_budget_exactly():
+    """The budget is inclusive: a prompt of 3 and responses of 4 and 3 (a 10-token row) fit one row at budget 10, and
+    a third response of 1 token starts a new row."""
+    batch = TrainBatch([[5, 6, 7]] * 3, [[8] * 4, [9] * 3, [10]], [1.0, -1.0, 0.5])
+    rows = shared_prompt_rows(batch, [0, 1, 2], 10)
+    assert rows == [[0, 1], [2]] and row_length(batch, rows[0]) == 10
+
+
 @pytest.mark.parametrize(
     "family,attention,split",
     [("qwen3", "sdpa", False), ("qwen3", "eager", False), ("llama", "sdpa", False), ("qwen3", BLOCKED_SDPA, True)]
