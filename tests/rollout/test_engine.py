@@ -269,31 +269,6 @@ def test_bad_requests_name_the_limit(engine):
         small_engine("no-such-org/no-such-model")
 
 
-def test_scheduler_prefills_each_prompt_once_and_packs_buckets():
-    from rollout.scheduler import Request, Scheduler, pack_prefills
-
-    a, b = [1, 2, 3, 4], [5, 6]
-    sched = Scheduler(3)
-    sched.add([Request(0, j, a, j) for j in range(4)] + [Request(1, 0, b, 9)])
-    first = sched.admit()  # 3 slots: a's leader + 2 copies
-    assert first.slots == [0, 1, 2] and first.prefill == [(0, a)] and first.copies == [(0, 1), (0, 2)]
-    sched.release(1)
-    second = sched.admit()  # a's 4th sample copies from a running sibling
-    assert second.slots == [1] and second.prefill == [] and len(second.copies) == 1
-    assert second.copies[0][0] in (0, 2) and second.copies[0][1] == 1
-    assert sched.extent() == 3
-    for s in (0, 1, 2):
-        sched.release(s)
-    third = sched.admit()
-    assert third.slots == [0] and third.prefill == [(0, b)] and not sched.waiting
-    batches = pack_prefills([(0, a[:-1]), (2, b[:-1]), (1, [7] * 7)], (4, 8), num_slots=3)
-    assert [bt.tokens.size for bt in batches] == [4, 8]  # 3 + 1 tokens fill bucket 4; 7 tokens go to bucket 8
-    first_batch = batches[0]
-    assert first_batch.tokens.tolist() == [1, 2, 3, 5] and first_batch.positions.tolist() == [0, 1, 2, 0]
-    assert first_batch.segments.tolist() == [0, 0, 0, 1] and first_batch.slots.tolist() == [0, 0, 0, 2]
-    assert batches[1].slots.tolist() == [1] * 7 + [3]  # padding targets slot 3 == num_slots: dropped
-
-
 def test_bfloat16_engine_logprobs_track_hf_fp32(tiny_qwen3_dir, hf):
     eng = small_engine(tiny_qwen3_dir, dtype="bfloat16", prefill_buckets=(32,), decode_buckets=(8,))
     prompts = _prompts(np.random.default_rng(5), 2)

@@ -226,3 +226,22 @@ def test_top_p_exactly_reached_by_the_top_token_keeps_only_it():
     )
     assert set(np.asarray(tok).tolist()) == {0}
     np.testing.assert_allclose(np.asarray(lp), 0.0, atol=1e-6)
+
+
+def test_greedy_ties_take_the_first_index_of_the_maximum_like_argmax():
+    """bf16 logits tie often at the top: greedy takes the first index of the row maximum, as np.argmax, torch.argmax
+    and HF's greedy search do, whether the tied tokens share one of the sampler's CDF blocks (25 tokens at V = 1000)
+    or lie in different ones. Its log-prob is the log-softmax at that token."""
+    vocab = 1000
+    logits = np.random.default_rng(0).normal(size=(5, vocab)).astype(np.float32)
+    ties = [(3, 7), (30, 900), (5, 6, 999), (24, 25), tuple(range(vocab))]  # one block, two blocks, both, an edge, all
+    for r, cols in enumerate(ties):
+        logits[r, list(cols)] = 9.0
+    tokens, logprobs = sample_jit(jnp.asarray(logits), *rows(5, temperature=0.0))
+    want = logits.argmax(-1)
+    assert want.tolist() == [3, 30, 5, 24, 0]
+    np.testing.assert_array_equal(np.asarray(tokens), want)
+    z = logits.astype(np.float64)
+    log_softmax = z - z.max(-1, keepdims=True)
+    log_softmax -= np.log(np.exp(log_softmax).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(logprobs), log_softmax[np.arange(5), want], atol=1e-5)
