@@ -431,6 +431,7 @@ DATA = [  # (id, files: name -> text | bytes | None (a directory) | a list of ro
      ["column 'reward_model.ground_truth' (data.answer_key) not found"]),
     ("blank-lines-only", {"d.jsonl": "\n  \n\n"}, [], ["d.jsonl: no rows (empty file)"]),
     ("empty-json-array", {"d.json": "[]"}, [], ["d.json: no rows"]),  # was "cannot read as json ... broken?"
+    ("empty-json-object", {"d.json": " {} \n"}, [], ["d.json: no rows"]),
     ("zero-row-parquet", {"d.parquet": pd.DataFrame({"prompt": [], "x": []}).to_parquet()}, [], ["d.parquet: no rows"]),
     ("int-prompt", {"d.jsonl": rows(r0={"prompt": 5})}, [],
      ["row 0 (0-based), data.prompt_key 'prompt'", "list of chat messages", "got int 5"]),
@@ -535,7 +536,7 @@ def score(response, answer):
     if kind == "huge":
         return 10**400
     return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "none": None, "str": "high", "numstr": "1.5",
-            "list": [1.0], "np": __import__("numpy").float32(0.5), "int": 1}.get(kind, 1.0)
+            "list": [1.0], "bytes": b"1.5", "np": __import__("numpy").float32(0.5), "int": 1}.get(kind, 1.0)
 """
 
 
@@ -565,8 +566,8 @@ def scorer(reward_modules):
 # (what the function does, the reward the sample gets, whether it counts as a failure); failure_reward is -7
 # fmt: off
 REWARDS = [("raise", -7.0, 1), ("hang", -7.0, 1), ("exit", -7.0, 1), ("ctrlc", -7.0, 1), ("huge", -7.0, 1),
-           ("nan", -7.0, 1), ("inf", -7.0, 1), ("-inf", -7.0, 1),
-           ("none", -7.0, 1), ("str", -7.0, 1), ("numstr", -7.0, 1), ("list", -7.0, 1), ("np", 0.5, 0), ("int", 1.0, 0)]
+           ("nan", -7.0, 1), ("inf", -7.0, 1), ("-inf", -7.0, 1), ("none", -7.0, 1), ("str", -7.0, 1),
+           ("numstr", -7.0, 1), ("list", -7.0, 1), ("bytes", -7.0, 1), ("np", 0.5, 0), ("int", 1.0, 0)]
 # fmt: on
 
 

@@ -229,6 +229,19 @@ def test_long_prompts_are_dropped_and_counted_or_an_error(tmp_path, tok, caplog)
         strict.next_batch(2)
 
 
+def test_long_eval_prompts_are_left_out_even_when_long_training_prompts_are_an_error(tmp_path, tok):
+    """data.on_long_prompt=error is for the training data: the eval set, read with the training data's limit, leaves
+    out the rows past it rather than ending the run."""
+    path = tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows(6, long_every=3)))  # rows 0 and 3 far too long
+    cfg = load_config(TINY, ["data.on_long_prompt=error", f"eval.path={path}"])
+    train, held_out = load_datasets(cfg, tok)
+    held_out.validate()
+    kept = [p.index for p in map(held_out.get, range(len(held_out))) if p is not None]
+    assert kept == [1, 2, 4, 5] and held_out.dropped == 2
+    assert train.cfg.on_long_prompt == "error"
+
+
 def test_every_prompt_too_long_is_an_error_not_a_hang(tok):
     with pytest.raises(DataError, match="every prompt"):
         PromptData(DataSection(path=str(TRAIN), max_prompt_len=5), tok).next_batch(2)

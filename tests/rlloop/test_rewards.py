@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -184,6 +185,38 @@ def test_a_dying_worker_fails_only_the_sample_that_killed_it():
     )
     try:
         assert scorer.score(["slow", "die"], ["1", "1"]) == [1.0, -7.0] and scorer.errors == 1
+    finally:
+        scorer.close()
+
+
+def test_a_worker_killed_from_outside_mid_sample_costs_that_sample_nothing():
+    """The OOM killer ends a worker while it scores a sample that is fine: the sample runs once more on a new worker
+    and is scored, not given the failure reward (only a sample that kills its worker again is to blame)."""
+    scorer = RewardScorer(
+        RewardSection(fn="tests.rlloop.reward_fns:dies_later", timeout_s=30.0, failure_reward=-7.0, workers=1)
+    )
+    try:
+        assert scorer.score(["ok"], ["1"]) == [1.0]  # the worker is up
+        (worker,) = multiprocessing.active_children()
+        killer = threading.Timer(0.4, os.kill, (worker.pid, signal.SIGKILL))  # "slow" runs for 1 s
+        killer.start()
+        assert scorer.score(["slow"], ["1"]) == [1.0]
+        killer.join()
+        assert (scorer.errors, scorer.timeouts, scorer.worker_starts) == (0, 0, 2)
+    finally:
+        scorer.close()
+
+
+def test_each_sample_of_a_chunk_has_its_own_time_limit():
+    """reward.timeout_s is per sample, from the answer to the sample before: six samples of 1 s each, sent to the one
+    worker in chunks of three, all finish within a 2.5-s limit (a chunk's third ends 3 s after the chunk was sent)."""
+    scorer = RewardScorer(
+        RewardSection(fn="tests.rlloop.reward_fns:dies_later", timeout_s=2.5, failure_reward=-1.0, workers=1)
+    )
+    try:
+        assert scorer._chunk_size(6) == 3
+        assert scorer.score(["slow"] * 6, ["1"] * 6) == [1.0] * 6
+        assert (scorer.errors, scorer.timeouts) == (0, 0)
     finally:
         scorer.close()
 

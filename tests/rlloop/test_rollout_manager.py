@@ -1,40 +1,25 @@
-"""RolloutManager.collect on the real tiny model: grouping, DAPO dynamic sampling, overlong shaping, the train batch."""
+"""RolloutManager.collect on the real tiny model: grouping, DAPO dynamic sampling, overlong shaping, the train batch,
+the evaluation (the loop modes' batch sources: test_schedules.py)."""
 
 import json
-from contextlib import closing, contextmanager
-from pathlib import Path
+from contextlib import closing
 
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
 
-from rlloop.cluster import Cluster
 from rlloop.config import load_config
 from rlloop.data import Prompt, load_datasets
-from rlloop.loop import rollout_schedule
-from rlloop.rollout_manager import RolloutManager, RolloutTally, distinct, rollout_metrics, sampling_seed, top_up
-from rlloop.schedules import FullyAsyncRollout
+from rlloop.rollout_manager import (
+    Group,
+    RolloutManager,
+    RolloutTally,
+    distinct,
+    rollout_metrics,
+    sampling_seed,
+    top_up,
+)
 from rollout import Completion
-
-ROOT = Path(__file__).resolve().parents[2]
-TINY = str(ROOT / "examples" / "grpo_dapo_tiny.yaml")
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    cfg = load_config(
-        TINY,
-        [
-            "rollout.backend=hf",
-            "cluster.use_ray=false",
-            "sync.transport=disk",
-            f"run.dir={tmp_path_factory.mktemp('run')}",
-        ],
-    )
-    cluster = Cluster(cfg)
-    tok = AutoTokenizer.from_pretrained(cfg.model.path)
-    yield cluster, tok
-    cluster.close()
+from tests.rlloop.conftest import ROOT, TINY
 
 
 def run_collect(setup, overrides):
@@ -210,27 +195,6 @@ def test_sampling_seeds_never_repeat_across_steps_rounds_and_chunks():
     assert len(set(seeds)) == len(seeds)
 
 
-def test_a_resumed_fully_async_run_draws_new_samples_for_its_first_chunk(setup):
-    """Chunks are numbered on from the step a run starts at: started at step 5 on the same weights and prompts, the
-    first chunk must not be sampled with the seed of a fresh run's first chunk (and so be the same tokens)."""
-    cluster, tok = setup
-    # the engines keep version 0: staleness allowed past the resumed step's 5 versions
-    overrides = ["rollout.backend=hf", "cluster.use_ray=false", "rollout.prompts_per_step=2", "loop.max_staleness=8"]
-    cfg = load_config(TINY, overrides)
-    tokens = []
-    for start in (0, 0, 5):
-        data, _ = load_datasets(cfg, tok)  # each from the top: the same prompts
-        with closing(RolloutManager(cfg, cluster, tok, data)) as rollout:
-            source = FullyAsyncRollout(rollout, start=start)
-            try:
-                batch = source.next(start + 1)
-            finally:
-                source.close()
-        tokens.append([c.token_ids for c in batch.samples.completions])
-    assert tokens[0] == tokens[1]  # a chunk's samples are its seed's: the same start draws the same
-    assert tokens[2] != tokens[0]
-
-
 def test_staleness_counts_weight_updates_not_steps(setup):
     """The engines hold version 0. At step 2 the trainer holds step 1's update, unless step 1 published nothing (it
     kept no group, or its update was non-finite): then the samples of version 0 are as fresh as can be. Counted in
@@ -248,76 +212,12 @@ def test_staleness_counts_weight_updates_not_steps(setup):
     assert staleness == [1, 0]
 
 
-@contextmanager
-def schedule_of(setup, overrides: list[str]):
-    """The `loop.mode` schedule `overrides` set, over the module's cluster with its own manager and data, closed
-    after; yields (manager, schedule)."""
-    cluster, tok = setup
-    cfg = load_config(TINY, ["rollout.backend=hf", "cluster.use_ray=false", *overrides])
-    data, _ = load_datasets(cfg, tok)
-    with closing(RolloutManager(cfg, cluster, tok, data)) as rollout, closing(rollout_schedule(rollout)) as schedule:
-        yield rollout, schedule
-
-
-def test_fully_async_takes_a_step_that_published_nothing_for_no_newer_weights(setup):
-    """A step that trains nothing is done at once, while the step before it still trains: the newest weights the
-    producer admits chunks by stay the last published ones. Taken for step 3's, a chunk one update too stale (step
-    2's is still to come) was started, only to be dropped."""
-    fully_async = ["loop.mode=fully_async", "rollout.prompts_per_step=2", "loop.max_staleness=0"]
-    with schedule_of(setup, fully_async) as (rollout, source):
-        source.trained(1)
-        source.trained(3, published=False)  # step 2 still trains
-        assert source.version == 1
-        assert rollout.updates_behind(source.version, 4) == 1  # step 2's update
-
-
-def test_async_generates_a_step_only_once_every_step_before_its_weights_is_done(setup):
-    """A step that trains nothing (dynamic sampling kept no group) is done at once, while the step before it still
-    trains: that let the next generation pull before the step before had published, on older weights than the
-    async schedule calls for (and than a run resumed at that point would use)."""
-    with schedule_of(setup, ["loop.mode=async"]) as (rollout, schedule):
-        schedule.trained(1)
-        schedule.trained(3, published=False)  # step 2 still training
-        assert schedule.trained_through == 1
-        schedule.trained(2)
-        assert schedule.trained_through == 3 and rollout.unpublished == {3}
-
-
 def test_dynamic_sampling_over_samples_by_the_kept_fraction():
     assert top_up(want=12, kept=0, drawn=0) == 12  # the first round draws the batch
     assert top_up(want=12, kept=6, drawn=12) == 12  # half kept: 6 missing / 0.5
     assert top_up(want=12, kept=9, drawn=12) == 4  # 3 missing / 0.75
     assert top_up(want=12, kept=1, drawn=12) == 12  # never more than a batch per round
     assert top_up(want=12, kept=0, drawn=12) == 12
-
-
-def _drawn_from(cfg, tok, cursor, n):
-    data, _ = load_datasets(cfg, tok)
-    data.load_state_dict(cursor)
-    return [p.index for p in data.next_batch(n)]
-
-
-def test_async_resumes_at_the_prompts_of_the_step_generated_ahead(setup):
-    """A checkpoint after step 1 in async, taken once step 2 (generated ahead) has drawn its prompts: the resumed run
-    draws those prompts again (step 2 trains after the checkpoint). The e2e resume tests reach this only when their
-    thread timing puts the draw before the checkpoint, which it did in none of them."""
-    with schedule_of(setup, ["loop.mode=async", "rollout.prompts_per_step=2", "run.steps=4"]) as (rollout, schedule):
-        schedule.next(1)  # starts step 2 in the rollout thread (step 0's weights: no wait)
-        ahead = schedule.pending.batch.result()  # step 2 has drawn its prompts, not trained on them
-        cursor = schedule.resume_state()
-    assert _drawn_from(rollout.cfg, setup[1], cursor, 2) == [p.index for p in ahead.samples.prompts]
-
-
-def test_fully_async_resumes_at_the_oldest_buffered_prompt(setup):
-    """fully_async's checkpoint with groups buffered and not trained: the resumed run draws the oldest of them first."""
-    fully_async = ["loop.mode=fully_async", "rollout.prompts_per_step=2", "loop.max_staleness=8"]
-    with schedule_of(setup, fully_async) as (rollout, source):
-        source.next(1)
-        with source.cond:  # the producer buffers the next chunk
-            assert source.cond.wait_for(lambda: len(source.buffer) == source.want, timeout=120)
-            buffered = [g.prompt.index for g in source.buffer]
-        cursor = source.resume_state()
-    assert _drawn_from(rollout.cfg, setup[1], cursor, 2) == buffered
 
 
 def test_a_batch_of_mixed_versions_reports_its_oldest():
@@ -372,3 +272,76 @@ def test_evaluation_samples_with_its_own_settings_and_stops_at_eos(setup):
         assert train.stop_token_ids == (7,)  # under ignore_eos only the ids asked for by name stop it
         assert (evaluation.temperature, evaluation.top_k, evaluation.top_p) == (0.6, top_k, top_p)
         assert not evaluation.ignore_eos and set(evaluation.stop_token_ids) == {*rollout.stop_ids, 7}
+
+
+def test_advantages_are_computed_from_the_overlong_shaped_rewards(setup):
+    """DAPO's overlong shaping is a reward term: the group advantages are GRPO's over the shaped rewards (the trainer
+    is told to prefer the shorter of two right answers), not over the reward function's raw ones. With the last 12 of
+    16 tokens penalised, responses of different lengths in a group get different penalties."""
+    cfg, (samples, _) = run_collect(setup, ["rollout.prompts_per_step=6", "grpo.overlong_buffer=12"])
+    g = cfg.rollout.group_size
+    penalty = (samples.rewards - samples.raw_rewards).astype(np.float64).reshape(-1, g)
+    assert (penalty.std(axis=1) > 0).any()  # shaping changed the spread within some group
+    groups = samples.rewards.astype(np.float64).reshape(-1, g)
+    want = (groups - groups.mean(axis=1, keepdims=True)) / (groups.std(axis=1, ddof=1, keepdims=True) + 1e-4)
+    want[(groups == groups[:, :1]).all(axis=1)] = 0.0
+    np.testing.assert_allclose(samples.advantages, want.reshape(-1), rtol=1e-5, atol=1e-6)
+
+
+def test_dynamic_sampling_draws_only_what_the_kept_fraction_says_is_missing(setup):
+    """After a round, the next draws the missing groups over the share kept so far (`top_up`), not a whole batch
+    again. Replayed round by round with the same seeds (a generation is its seed's), collect must have drawn those
+    counts, and some round less than a batch."""
+    cluster, tok = setup
+    overrides = ["rollout.backend=hf", "cluster.use_ray=false", *DYNAMIC_PAIRS]
+    overrides += ["reward.fn=tests.rlloop.reward_fns:fails_on_odd_length", "reward.failure_reward=-1"]
+    cfg = load_config(TINY, overrides)
+    want = cfg.rollout.prompts_per_step
+    data, _ = load_datasets(cfg, tok)
+    with closing(RolloutManager(cfg, cluster, tok, data)) as rollout:
+        rollout.collect(1)
+    drawn_by_collect = data.state_dict()["position"]  # no prompt is too long: each draw moves it by one
+
+    replay, _ = load_datasets(cfg, tok)
+    draws, kept = [], 0
+    with closing(RolloutManager(cfg, cluster, tok, replay)) as rollout:
+        for round_ in range(cfg.grpo.max_sampling_rounds):
+            draws.append(top_up(want, kept, sum(draws)))
+            groups, _ = rollout.groups(replay.next_batch(draws[-1]), sampling_seed(cfg.run.seed, 1, round_))
+            kept += sum(not grp.zero_std for grp in groups)
+            if kept >= want:
+                break
+    assert drawn_by_collect == sum(draws), draws
+    assert min(draws) < want, draws  # the kept fraction cut some round's draw
+
+
+def test_evaluation_counts_a_wrong_answer_of_reward_0_as_wrong(setup):
+    """Held-out accuracy is the share of samples the reward calls right. `math` scores a wrong answer 0 (DAPO -1):
+    accuracy must be the share that scored 1, which the same generation (its seed's) gives again here."""
+    cluster, tok = setup
+    overrides = ["rollout.backend=hf", "cluster.use_ray=false", "reward.fn=math", "eval.max_prompts=8"]
+    cfg = load_config(TINY, overrides)
+    data, eval_data = load_datasets(cfg, tok)
+    with closing(RolloutManager(cfg, cluster, tok, data, eval_data)) as rollout:
+        accuracy = rollout.evaluate()[f"eval/{cfg.eval.name}"]
+        prompts = [eval_data.get(i) for i in range(cfg.eval.max_prompts)]  # the tiny eval rows all fit, each once
+        again = rollout.generate(prompts, cfg.eval.samples, rollout.sampling(cfg.run.seed, evaluating=True))
+    assert set(again.rewards.tolist()) <= {0.0, 1.0} and (again.rewards == 0.0).any()  # some wrong answers
+    assert accuracy == pytest.approx(float((again.rewards == 1.0).mean()))
+
+
+def test_a_steps_tally_sums_every_round():
+    """A dynamic-sampling step's rollout time, tokens and rewards are those of all its rounds, kept or not."""
+
+    def group(rewards, length):
+        done = [Completion(0, j, [5] * length, [-1.0] * length, "stop", 0, 0) for j in range(len(rewards))]
+        return Group(Prompt(0, [1, 2], "3", []), done, ["x"] * len(rewards), np.array(rewards, np.float32))
+
+    tally = RolloutTally()
+    tally.add([group([1.0, -1.0], 3)], {"wall_s": 1.5, "busy_s": 1.0})
+    tally.add([group([1.0, 1.0], 5)], {"wall_s": 2.5, "busy_s": 2.0})
+    m = tally.metrics()
+    assert m["perf/rollout_s"] == 1.5 + 2.5 and m["perf/rollout_busy_s"] == 1.0 + 2.0
+    assert m["rollout/tokens"] == 2 * 3 + 2 * 5
+    assert m["perf/rollout_tok_per_s"] == pytest.approx(16 / 4.0)
+    assert m["rollout/raw_reward"] == pytest.approx(0.5) and m["rollout/zero_std_ratio"] == 0.5

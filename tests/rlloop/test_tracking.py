@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlloop.config import load_config
-from rlloop.tracking import Tracker, make_report, read_metrics
+from rlloop.tracking import RunSummary, Tracker, make_report, read_metrics
 
 TINY = str(Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml")
 
@@ -72,7 +72,7 @@ def test_a_resume_killed_while_it_rewrites_the_metrics_loses_no_line(tmp_path, m
 def test_numpy_scalars_are_logged_as_numbers_and_odd_rows_do_not_break_the_summary(tmp_path):
     import numpy as np
 
-    from rlloop.tracking import RunSummary, plot_curves
+    from rlloop.tracking import plot_curves
 
     tracker = Tracker(load_config(TINY, ["tracking.progress=false", f"run.dir={tmp_path}"]))
     tracker.log(1, {"rollout/raw_reward": np.float32(0.25), "train/tokens": np.int64(7), "train/flag": np.bool_(1)})
@@ -88,12 +88,43 @@ def test_numpy_scalars_are_logged_as_numbers_and_odd_rows_do_not_break_the_summa
 def test_a_run_stopped_after_its_step_0_eval_reports_that_and_no_nan(tmp_path):
     """Its report read "reward: first 1 steps nan -> last 1 steps nan" and "mean per step: step_s nan, ...", and W&B's
     summary had mean/perf/step_s = nan."""
-    from rlloop.tracking import RunSummary, make_report
-
     rows = [{"step": 0, "eval/tiny_arith": 0.148}]
     report = make_report(load_config(TINY), rows)
     assert "nan" not in report and "- eval/tiny_arith: step 0: 0.148" in report
     assert RunSummary(rows).values == {"steps": 0, "final/eval/tiny_arith": 0.148}
+
+
+def test_summary_means_are_over_the_steps_that_logged_the_key():
+    """mean/perf/step_s over the rows that have it: a step-0 eval row, and steps without a step time, do not count."""
+    rows = [{"step": 0, "eval/x": 0.1}, {"step": 1, "perf/step_s": 2.0}, {"step": 2}, {"step": 3, "perf/step_s": 4.0}]
+    rows += [{"step": 4, "perf/rollout_tok_per_s": 30.0}]
+    values = RunSummary(rows).values
+    assert values["mean/perf/step_s"] == (2.0 + 4.0) / 2 and values["mean/perf/rollout_tok_per_s"] == 30.0
+    assert values["steps"] == 4 and values["final/eval/x"] == 0.1
+
+
+def test_a_resumed_runs_summary_covers_the_steps_before_its_checkpoint(tmp_path):
+    """W&B's summary after a resume: mean step time over every step in metrics.jsonl (the kept ones before the
+    checkpoint too), not only those since the resume; the last reward is the redone step's."""
+    cfg = load_config(TINY, ["tracking.progress=false", f"run.dir={tmp_path}"])
+    tracker = Tracker(cfg)
+    for s in (1, 2, 3):
+        tracker.log(s, {"perf/step_s": float(s), "rollout/raw_reward": s / 10})
+    tracker.close()
+    tracker = Tracker(cfg, start_step=2)  # step 3 is redone
+    tracker.log(3, {"perf/step_s": 9.0, "rollout/raw_reward": 0.9})
+    tracker.close()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert tracker.summary.values["mean/perf/step_s"] == pytest.approx(sum(r["perf/step_s"] for r in rows) / 3)
+    assert tracker.summary.values["steps"] == 3 and tracker.summary.values["final/rollout/raw_reward"] == 0.9
+
+
+def test_report_compares_the_mean_reward_of_the_first_and_last_steps():
+    """9 steps: a third of them, 3, at each end: (0.1 + 0.2 + 0.3) / 3 -> (0.7 + 0.8 + 0.9) / 3."""
+    rows = [{"step": s, "rollout/raw_reward": s / 10} for s in range(1, 10)]
+    report = make_report(load_config(TINY), rows)
+    assert "- reward (rollout/raw_reward): first 3 steps 0.200 -> last 3 steps 0.800" in report
 
 
 def test_a_run_that_starts_over_before_its_first_checkpoint_logs_each_step_once(tmp_path):
