@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_origin
+from typing import Annotated, Any, Literal
 
 from omegaconf import OmegaConf
 from pydantic import (
@@ -40,6 +40,7 @@ from rlloop.config_types import (
     TopK,
     component_kwargs,
     knobs_of,
+    mapping_settings,
 )
 from rlloop.model_shape import engine_tp
 from rlloop.rewards import wrong_answer_score
@@ -377,20 +378,9 @@ def run_id_for(run_dir: Path) -> str:
     return f"{re.sub(r'[^A-Za-z0-9_.-]', '-', Path(run_dir).name)[:32]}-{digest}"
 
 
-def mapping_settings() -> tuple[str, ...]:
-    """The settings whose value is a mapping (the sections' `dict[...]` fields): one value each, which a child file or
-    an override replaces as a whole."""
-    return tuple(
-        f"{section}.{name}"
-        for section, field in Config.model_fields.items()
-        for name, setting in field.annotation.model_fields.items()
-        if get_origin(setting.annotation) is dict
-    )
-
-
 def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     """Read `path` (following `inherit:`), apply `a.b=c` overrides, validate. Raises ConfigError."""
-    data = read_config(Path(path), overrides, mapping_settings())
+    data = read_config(Path(path), overrides, mapping_settings(Config))
     try:
         return Config.model_validate(data)
     except ValidationError as e:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Annotated, ClassVar, get_args
+from typing import Annotated, ClassVar, get_args, get_origin
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator
 
@@ -92,3 +92,14 @@ def component_kwargs(section: BaseModel, component: type) -> dict:
     return {
         name: getattr(section, name) for name in component.__pydantic_fields__ if name in type(section).model_fields
     }
+
+
+def mapping_settings(root: type[BaseModel]) -> tuple[str, ...]:
+    """The settings ("section.name") of `root`'s sections whose value is a mapping (a `dict[...]` field): one value
+    each, which a child file or an override replaces as a whole."""
+    return tuple(
+        f"{section}.{name}"
+        for section, field in root.model_fields.items()
+        for name, setting in field.annotation.model_fields.items()
+        if get_origin(setting.annotation) is dict
+    )
