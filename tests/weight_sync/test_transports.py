@@ -1,11 +1,15 @@
 """Round trips through the shm and disk transports: bit-exact for every dtype, zero-copy shm, keyframes and deltas."""
 
+import subprocess
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
 from wsync_values import special_tensor
 
+from tests.weight_sync.conftest import transport_pair
 from trainer.parallel import to_numpy
 from weight_sync import TRANSPORTS, SyncConfig, make_receiver, make_sender
 from weight_sync.manifest import check_named_arrays
@@ -22,13 +26,6 @@ ALL_DTYPES = [
     np.uint8,
     np.bool_,
 ]
-
-
-def _pair(transport, run_id, tmp_path, **kw):
-    keep = kw.pop("keep", 2)
-    kw.setdefault("delta", False)
-    cfg = SyncConfig(run_id=run_id, transport=transport, dir=tmp_path, keep=keep, **kw)
-    return make_sender(cfg), make_receiver(cfg)  # a receiver reads only run_id, transport, dir and delta
 
 
 def _state(rng):
@@ -50,7 +47,7 @@ def _assert_bits_equal(got: dict, want: dict):
 @pytest.mark.parametrize("delta", [False, True])
 def test_round_trip_bit_exact_all_dtypes(transport, delta, run_id, tmp_path):
     rng = np.random.default_rng(0)
-    sender, receiver = _pair(transport, run_id, tmp_path, delta=delta, keyframe_every=4)
+    sender, receiver = transport_pair(transport, run_id, tmp_path, delta=delta, keyframe_every=4)
     with sender, receiver:
         assert receiver.pull() is None
         state = _state(rng)
@@ -79,7 +76,7 @@ def test_hf_state_dict_in_bf16_and_fp32(transport, run_id, tmp_path, tiny_qwen3_
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.bfloat16)
     sd = dict(model.state_dict())
     sd["extra.fp32"] = torch.randn(7, 3)
-    sender, receiver = _pair(transport, run_id, tmp_path)
+    sender, receiver = transport_pair(transport, run_id, tmp_path)
     with sender, receiver:
         sender.push({n: to_numpy(t) for n, t in sd.items()}, 1)
         version, got = receiver.pull()
@@ -103,7 +100,7 @@ def test_contiguous_input_is_not_copied_before_the_transport():
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_big_endian_arrays_arrive_with_their_values(transport, run_id, tmp_path):
     """A '>f4' array's dtype is named float32 like a '<f4' one's: its bytes must be swapped, not sent as they are."""
-    sender, receiver = _pair(transport, run_id, tmp_path)
+    sender, receiver = transport_pair(transport, run_id, tmp_path)
     state = {"w": np.array([1.0, -2.5, 3e-40], ">f4"), "i": np.arange(6, dtype=">i8").reshape(2, 3)[:, ::2]}
     with sender, receiver:
         sender.push(state, 0)
@@ -115,7 +112,7 @@ def test_big_endian_arrays_arrive_with_their_values(transport, run_id, tmp_path)
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_torch_tensors_are_refused_with_a_pointer_to_numpy(transport, run_id, tmp_path):
-    sender, receiver = _pair(transport, run_id, tmp_path)
+    sender, receiver = transport_pair(transport, run_id, tmp_path)
     with sender, receiver:
         for t in (torch.zeros(3), torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))):
             with pytest.raises(ValueError, match=r"'lm_head\.weight' is a torch .*pass numpy arrays.*export_weights"):
@@ -124,7 +121,7 @@ def test_torch_tensors_are_refused_with_a_pointer_to_numpy(transport, run_id, tm
 
 
 def test_shm_reads_are_zero_copy_views_valid_until_buffer_reused(run_id):
-    sender, receiver = _pair("shm", run_id, None)
+    sender, receiver = transport_pair("shm", run_id, None)
     a = {"w": np.full(1000, 1.0, np.float32)}
     with sender, receiver:
         sender.push(a, 0)
@@ -139,7 +136,7 @@ def test_shm_reads_are_zero_copy_views_valid_until_buffer_reused(run_id):
 def test_shm_views_of_an_older_version_outlive_the_next_push(run_id):
     """A pull of at most an older version reads the buffer the next push reuses: what it returns must still last
     until two more pushes, as every pull's arrays do."""
-    sender, receiver = _pair("shm", run_id, None)
+    sender, receiver = transport_pair("shm", run_id, None)
     with sender, receiver:
         sender.push({"w": np.full(1000, 1.0, np.float32)}, 1)
         sender.push({"w": np.full(1000, 2.0, np.float32)}, 2)
@@ -151,7 +148,7 @@ def test_shm_views_of_an_older_version_outlive_the_next_push(run_id):
 
 def test_sender_copies_input_before_push_returns(run_id):
     """The trainer's arrays may alias live parameters: changing them after push must not change what was sent."""
-    sender, receiver = _pair("shm", run_id, None, delta=True)
+    sender, receiver = transport_pair("shm", run_id, None, delta=True)
     w = np.arange(100, dtype=np.float32)
     with sender, receiver:
         sender.push({"w": w}, 0)
@@ -165,7 +162,7 @@ def test_sender_copies_input_before_push_returns(run_id):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_keyframe_when_delta_not_worth_it_and_on_shape_change(transport, run_id, tmp_path):
     rng = np.random.default_rng(0)
-    sender, receiver = _pair(transport, run_id, tmp_path, delta=True, keyframe_every=100)
+    sender, receiver = transport_pair(transport, run_id, tmp_path, delta=True, keyframe_every=100)
     w = rng.standard_normal(4096).astype(np.float32)
     with sender, receiver:
         assert sender.push({"w": w}, 0).keyframe
@@ -181,23 +178,9 @@ def test_keyframe_when_delta_not_worth_it_and_on_shape_change(transport, run_id,
         assert version == 3 and got["w"].tobytes() == np.zeros(10, np.float32).tobytes()
 
 
-def test_disk_receiver_applies_a_chain_of_deltas(run_id, tmp_path):
-    """A receiver that missed versions catches up through the retained deltas without asking for a keyframe."""
-    sender, receiver = _pair("disk", run_id, tmp_path, delta=True, keep=4)
-    w = np.arange(1000, dtype=np.float32)
-    sender.push({"w": w}, 0)
-    assert receiver.pull()[0] == 0
-    for v in (1, 2, 3):
-        w = w.copy()
-        w[v * 10] = -v
-        assert not sender.push({"w": w}, v).keyframe
-    version, got = receiver.pull()
-    assert version == 3 and got["w"].tobytes() == w.tobytes() and receiver.keyframe_requests == 0
-
-
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_receiver_with_wrong_base_requests_keyframe(transport, run_id, tmp_path):
-    sender, receiver = _pair(transport, run_id, tmp_path, delta=True, keep=1)
+    sender, receiver = transport_pair(transport, run_id, tmp_path, delta=True, keep=1)
     w = np.arange(1000, dtype=np.float32)
     with sender, receiver:
         sender.push({"w": w}, 0)
@@ -220,113 +203,9 @@ def test_receiver_with_wrong_base_requests_keyframe(transport, run_id, tmp_path)
         assert receiver.pull()[1]["w"].tobytes() == w.tobytes()
 
 
-def test_disk_versions_past_twelve_digits_are_read(run_id, tmp_path):
-    sender, receiver = _pair("disk", run_id, tmp_path)
-    with sender, receiver:
-        for version in (10**12 - 1, 10**12):
-            sender.push({"w": np.full(3, version % 7, np.float32)}, version)
-            assert receiver.pull()[0] == version
-
-
-def test_a_disk_version_gone_stale_on_nfs_is_pruned_not_corrupt(run_id, tmp_path, monkeypatch):
-    """Another host's prune shows up on NFS as ESTALE, not FileNotFoundError: a newer version exists, the read is
-    not refused (which would remember a good version as bad)."""
-    import errno
-    from pathlib import Path
-
-    sender, receiver = _pair("disk", run_id, tmp_path)
-    with sender, receiver:
-        sender.push({"w": np.zeros(3, np.float32)}, 1)
-        read_bytes = Path.read_bytes
-
-        def stale(path):
-            if path.name == "manifest.json":
-                raise OSError(errno.ESTALE, "Stale file handle", str(path))
-            return read_bytes(path)
-
-        monkeypatch.setattr(Path, "read_bytes", stale)
-        assert receiver.pull() is None and receiver.refused == 0
-        monkeypatch.setattr(Path, "read_bytes", read_bytes)
-        assert receiver.pull()[0] == 1
-
-
-def test_disk_prunes_old_versions(run_id, tmp_path):
-    sender, receiver = _pair("disk", run_id, tmp_path, keep=2)
-    for v in range(5):
-        sender.push({"w": np.full(4, v, np.int32)}, v)
-    kept = sorted(p.name for p in (tmp_path / run_id).iterdir() if p.name.startswith("v"))
-    assert kept == ["v000000000003", "v000000000004"]
-    assert receiver.pull()[1]["w"].tolist() == [4] * 4
-
-
-def test_a_closed_disk_sender_leaves_no_versions_behind_unless_another_took_over(run_id, tmp_path):
-    """Each version is a copy of the model, and no later sender reads them (it starts a new epoch): a finished run
-    left its last two, up to 16 GB for a 4B model in bf16."""
-    sender, _ = _pair("disk", run_id, tmp_path)
-    sender.push({"w": np.zeros(4, np.int32)}, 1)
-    successor, _ = _pair("disk", run_id, tmp_path)  # a rebuilt trainer's, before the old one's close ran
-    successor.push({"w": np.ones(4, np.int32)}, 1)
-    sender.close()
-    assert [p.name for p in (tmp_path / run_id).iterdir() if p.name.startswith("v")] == ["v000000000001"]
-    successor.close()
-    assert not (tmp_path / run_id).exists()
-
-
-def test_a_replaced_disk_sender_cannot_publish_and_its_versions_are_passed_over(run_id, tmp_path):
-    """Two senders of one directory (a rebuilt trainer's beside the dead one's, or two runs with the same run id and
-    sync dir): the replaced one's pushes fail, and a version it renamed into place before it could notice is never
-    loaded, nor does it stand in the way of the current sender's lower-numbered versions (it held every receiver
-    until the new numbering passed it, and took a place among those kept)."""
-    first, receiver = _pair("disk", run_id, tmp_path)
-    first.push({"w": np.full(8, 1.0, np.float32)}, 1)
-    second, _ = _pair("disk", run_id, tmp_path)
-    second.push({"w": np.full(8, 2.0, np.float32)}, 1)
-    with pytest.raises(RuntimeError, match="another weight sender took .* over"):
-        first.push({"w": np.full(8, 3.0, np.float32)}, 5)
-    versions = lambda: sorted(p.name for p in (tmp_path / run_id).iterdir() if p.name.startswith("v"))  # noqa: E731
-    assert versions() == ["v000000000001"]
-    # the race the check cannot close: the first sender's rename lands just after the second took over
-    first._check_still_writer = lambda: None
-    first.push({"w": np.full(8, 3.0, np.float32)}, 5)
-    version, got = receiver.pull()
-    assert version == 1 and (got["w"] == 2.0).all() and receiver.refused == 0
-    for v in (2, 3):
-        second.push({"w": np.full(8, float(v), np.float32)}, v)
-        version, got = receiver.pull()
-        assert version == v and (got["w"] == v).all()
-    assert versions() == ["v000000000002", "v000000000003"]  # the slipped-in one removed, keep=2 of the second's
-    second.close()
-
-
-def test_disk_push_that_fails_midway_leaves_nothing_and_the_version_can_be_pushed_again(run_id, tmp_path, monkeypatch):
-    """A full disk mid-write: the receiver keeps the last version, nothing half-written stays in the directory, and
-    pushing the same version again works (its leftover temporary directory blocked it)."""
-    import weight_sync.disk as disk
-
-    sender, receiver = _pair("disk", run_id, tmp_path)
-    sender.push({"w": np.full(1000, 1.0, np.float32)}, 1)
-    receiver.pull()
-
-    def write_half_then_fail(tensors, path):
-        open(path, "wb").write(b"\0" * 100)
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(disk, "save_file", write_half_then_fail)
-    with pytest.raises(OSError):
-        sender.push({"w": np.full(1000, 2.0, np.float32)}, 2)
-    monkeypatch.undo()
-    assert sorted(p.name for p in (tmp_path / run_id).iterdir() if p.name.startswith((".tmp-v", "v"))) == [
-        "v000000000001"
-    ]
-    assert receiver.pull() is None  # nothing newer than what it has
-    sender.push({"w": np.full(1000, 2.0, np.float32)}, 2)
-    version, got = receiver.pull()
-    assert version == 2 and (got["w"] == 2.0).all()
-
-
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_bad_input_names_the_problem(transport, run_id, tmp_path):
-    sender, receiver = _pair(transport, run_id, tmp_path)
+    sender, receiver = transport_pair(transport, run_id, tmp_path)
     with sender, receiver:
         with pytest.raises(ValueError, match="embed.weight"):
             sender.push({"embed.weight": np.zeros(3, np.complex64)}, 0)
@@ -338,17 +217,6 @@ def test_bad_input_names_the_problem(transport, run_id, tmp_path):
         with pytest.raises(ValueError, match="version 5 is not newer"):
             sender.push({"w": np.zeros(3, np.float32)}, 5)
         assert receiver.pull()[0] == 5  # the bad pushes lost nothing
-
-
-def test_disk_refuses_a_tensor_named_like_the_safetensors_metadata(run_id, tmp_path):
-    """safetensors keeps its metadata under "__metadata__": a tensor of that name would be pushed but never pulled."""
-    sender, receiver = _pair("disk", run_id, tmp_path)
-    with sender, receiver:
-        with pytest.raises(ValueError, match="'__metadata__' is reserved by safetensors"):
-            sender.push({"__metadata__": np.ones(3, np.float32), "w": np.zeros(3, np.float32)}, 0)
-        assert receiver.pull() is None and sender.version is None  # nothing was published
-        sender.push({"w": np.zeros(3, np.float32)}, 0)
-        assert receiver.pull()[0] == 0
 
 
 def test_factory_errors(run_id, tmp_path):
@@ -369,61 +237,14 @@ def test_factory_errors(run_id, tmp_path):
         make_sender(SyncConfig(run_id=run_id, transport="shm", delta=False))
 
 
-DISK_READER = r"""
-import hashlib, sys
-from weight_sync import SyncConfig, make_receiver
-
-version, arrays = make_receiver(SyncConfig(run_id=sys.argv[2], transport="disk", dir=sys.argv[1], delta=True)).pull()
-print(version)
-for name in sorted(arrays):
-    print(name, arrays[name].dtype.name, hashlib.sha256(arrays[name].tobytes()).hexdigest())
-"""
-
-
-def test_disk_version_readable_by_another_process(run_id, tmp_path):
-    """Nothing but the directory is shared: a fresh process (as on another host) reads the same bits."""
-    import hashlib
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    rng = np.random.default_rng(5)
-    state = _state(rng)
-    sender = make_sender(SyncConfig(run_id=run_id, transport="disk", dir=tmp_path, delta=False))
-    sender.push(state, 11)
-    out = subprocess.run(
-        [sys.executable, "-c", DISK_READER, str(tmp_path), run_id],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=Path(__file__).resolve().parents[2],
-        timeout=120,
-    ).stdout.split("\n")
-    assert out[0] == "11"
-    want = [f"{n} {state[n].dtype.name} {hashlib.sha256(state[n].tobytes()).hexdigest()}" for n in sorted(state)]
-    assert out[1 : 1 + len(want)] == want
-
-
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_restarted_sender_starts_a_new_epoch(transport, run_id, tmp_path):
-    """A resumed run pushes lower version numbers than the crashed one: receivers must follow, not ignore them."""
-    sender, receiver = _pair(transport, run_id, tmp_path, delta=True)
-    sender.push({"w": np.full(100, 57, np.int32)}, 57)
-    assert receiver.pull()[0] == 57
-    sender.close()
-    resumed = make_sender(SyncConfig(run_id=run_id, transport=transport, dir=tmp_path, delta=True))
-    with resumed, receiver:
-        resumed.push({"w": np.full(100, 40, np.int32)}, 40)
-        version, got = receiver.pull()
-        assert version == 40 and (got["w"] == 40).all()
-
-
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_random_rounds_with_skipped_pulls_always_bit_exact(transport, run_id, tmp_path):
     """Deltas, keyframes, chains and keyframe requests interleaved at random: whatever a pull returns is exactly the
     version it names."""
     rng = np.random.default_rng(7)
-    sender, receiver = _pair(transport, run_id, tmp_path, delta=True, keyframe_every=int(rng.integers(3, 9)), keep=3)
+    sender, receiver = transport_pair(
+        transport, run_id, tmp_path, delta=True, keyframe_every=int(rng.integers(3, 9)), keep=3
+    )
     state = {
         f"t{i}": special_tensor(dt, (int(rng.integers(50, 400)),), rng)
         for i, dt in enumerate([np.float32, ml_dtypes.bfloat16, np.float16, np.int32])
@@ -451,7 +272,7 @@ def test_random_rounds_with_skipped_pulls_always_bit_exact(transport, run_id, tm
 def test_wrong_base_is_caught_by_the_reconstruction_checksum_and_healed(transport, run_id, tmp_path):
     """If the receiver's copy differs from what the sender diffed against (here: the caller scribbled on the
     returned arrays), applying a delta gives wrong bits: the checksum refuses it and a keyframe repairs the state."""
-    sender, receiver = _pair(transport, run_id, tmp_path, delta=True, keyframe_every=100)
+    sender, receiver = transport_pair(transport, run_id, tmp_path, delta=True, keyframe_every=100)
     w = np.arange(4096, dtype=np.float32)
     with sender, receiver:
         sender.push({"w": w}, 0)
@@ -466,30 +287,6 @@ def test_wrong_base_is_caught_by_the_reconstruction_checksum_and_healed(transpor
         assert sender.push({"w": w}, 2).keyframe
         version, got = receiver.pull()
         assert version == 2 and got["w"].tobytes() == w.tobytes()
-
-
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_late_receiver_gets_a_forced_keyframe(transport, run_id, tmp_path):
-    """A restarted engine joins with no base: force_keyframe makes the next push one it can load on its own."""
-    sender, first = _pair(transport, run_id, tmp_path, delta=True)
-    w = np.arange(1000, dtype=np.float32)
-    with sender, first:
-        sender.push({"w": w}, 0)
-        w = w.copy()
-        w[3] = -3
-        assert not sender.push({"w": w}, 1).keyframe
-        late = make_receiver(SyncConfig(run_id=run_id, transport=transport, dir=tmp_path, delta=True))
-        with late:
-            sender.force_keyframe()
-            w = w.copy()
-            w[4] = -4
-            assert sender.push({"w": w}, 2).keyframe
-            version, got = late.pull()
-            assert version == 2 and got["w"].tobytes() == w.tobytes() and late.keyframe_requests == 0
-            w = w.copy()
-            w[5] = -5
-            assert not sender.push({"w": w}, 3).keyframe  # one forced keyframe, then deltas again
-            assert late.pull()[1]["w"].tobytes() == w.tobytes()
 
 
 def test_weights_are_readable_by_their_owner_only(run_id, tmp_path):
@@ -518,7 +315,7 @@ def test_weights_are_readable_by_their_owner_only(run_id, tmp_path):
 def test_a_pull_of_at_most_a_version_loads_it_though_a_newer_one_is_out(transport, delta, run_id, tmp_path):
     """The async loop mode's engine loads step k - 2's weights for step k even when k - 1's are out already."""
     rng = np.random.default_rng(0)
-    sender, receiver = _pair(transport, run_id, tmp_path, delta=delta, keyframe_every=4)
+    sender, receiver = transport_pair(transport, run_id, tmp_path, delta=delta, keyframe_every=4)
     with sender, receiver:
         states = [_state(rng) for _ in range(3)]
         sender.push(states[0], 0)
@@ -539,7 +336,7 @@ def test_a_pull_of_at_most_a_version_loads_it_though_a_newer_one_is_out(transpor
 def test_a_pull_of_at_most_an_unpublished_version_loads_the_newest_below_it(transport, delta, run_id, tmp_path):
     """Versions have gaps (a step whose update was skipped pushes nothing): at_most may name one never published."""
     rng = np.random.default_rng(0)
-    sender, receiver = _pair(transport, run_id, tmp_path, delta=delta)
+    sender, receiver = transport_pair(transport, run_id, tmp_path, delta=delta)
     with sender, receiver:
         states = [_state(rng) for _ in range(2)]
         sender.push(states[0], 3)
@@ -552,3 +349,36 @@ def test_a_pull_of_at_most_an_unpublished_version_loads_the_newest_below_it(tran
         version, got = receiver.pull()
         assert version == 5
         _assert_bits_equal(got, states[1])
+
+
+DISK_READER = r"""
+import hashlib, sys
+from weight_sync import SyncConfig, make_receiver
+
+version, arrays = make_receiver(SyncConfig(run_id=sys.argv[2], transport="disk", dir=sys.argv[1], delta=True)).pull()
+print(version)
+for name in sorted(arrays):
+    print(name, arrays[name].dtype.name, hashlib.sha256(arrays[name].tobytes()).hexdigest())
+"""
+
+
+def test_disk_version_readable_by_another_process(run_id, tmp_path):
+    """Nothing but the directory is shared: a fresh process (as on another host) reads the same bits."""
+    import hashlib
+    from pathlib import Path
+
+    rng = np.random.default_rng(5)
+    state = _state(rng)
+    sender = make_sender(SyncConfig(run_id=run_id, transport="disk", dir=tmp_path, delta=False))
+    sender.push(state, 11)
+    out = subprocess.run(
+        [sys.executable, "-c", DISK_READER, str(tmp_path), run_id],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=120,
+    ).stdout.split("\n")
+    assert out[0] == "11"
+    want = [f"{n} {state[n].dtype.name} {hashlib.sha256(state[n].tobytes()).hexdigest()}" for n in sorted(state)]
+    assert out[1 : 1 + len(want)] == want
