@@ -205,3 +205,66 @@ def test_a_raw_entry_longer_than_its_tensor_is_refused_though_its_checksums_agre
     payload[:32] = np.frombuffer(header, np.uint8)
     with pytest.raises(CorruptVersion):
         decode_payload(payload)
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_a_refused_version_is_refused_once_and_asked_about_once(delta, run_id, tmp_path):
+    """The engine pulls between every decode dispatch: a corrupt version it refused must not be read, verified and
+    refused again at each pull (sync/refused would count pulls, not versions, and a delta receiver would send one
+    keyframe request per pull); a receiver without delta never asks for a keyframe (every version is one)."""
+    rng = np.random.default_rng(4)
+    cfg = SyncConfig(run_id=run_id, transport="disk", delta=delta, dir=tmp_path, keyframe_every=100)
+    sender, receiver = make_sender(cfg), make_receiver(cfg)
+    with sender, receiver:
+        sender.push(_weights(0), 0)
+        assert receiver.pull()[0] == 0
+        sender.push(_weights(1), 1)
+        _flip(tmp_path / run_id / "v000000000001" / "weights.safetensors", 100, rng)
+        for _ in range(3):
+            assert receiver.pull() is None and receiver.version == 0
+            assert receiver.refused == 1 and receiver.keyframe_requests == int(delta)
+        sender.push(_weights(2), 2)
+        version, got = receiver.pull()
+        assert version == 2 and all(got[n].tobytes() == a.tobytes() for n, a in _weights(2).items())
+        assert receiver.refused == 1 and receiver.keyframe_requests == int(delta)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_payload_s_length_must_match_its_entries_exactly(verify):
+    """decode_payload takes any buffer, which may be longer than the payload (a reused transport buffer): the header's
+    total length is checked against both the buffer and the entries, with or without the data checksums (verify=False
+    skips only those), so a truncated payload or a total that claims bytes after the last entry is refused."""
+    payload = _keyframe_payload(_weights(0))
+    n = payload.nbytes
+    room = np.zeros(2 * n, np.uint8)  # a reused buffer: the payload at its start, zeros after it
+    room[:n] = payload
+    manifest, blobs = decode_payload(room, verify=verify)
+    assert all(blobs[k].tobytes() == a.tobytes() for k, a in _weights(0).items())
+    for total in (n + 8, n + 64, n - 8):
+        bad = room.copy()
+        bad[24:32] = np.frombuffer(struct.pack("<Q", total), np.uint8)  # the header's u64 total length
+        with pytest.raises(CorruptVersion, match="payload length disagrees with its entries|lies outside"):
+            decode_payload(bad, verify=verify)
+    for cut in (1, 8, 200):
+        with pytest.raises(CorruptVersion, match="bad payload header"):
+            decode_payload(payload[: n - cut], verify=verify)
+
+
+def test_disk_refuses_a_weights_file_with_bytes_appended(run_id, tmp_path, caplog):
+    """The checksums cover the header and each tensor's bytes; what lies after the last tensor is covered by the
+    rule that the tensors end the file: a weights file grown by anything (a botched copy, two writers' bytes) is
+    refused, named, and the receiver keeps its version."""
+    sender = make_sender(SyncConfig(run_id=run_id, transport="disk", delta=False, dir=tmp_path))
+    receiver = make_receiver(SyncConfig(run_id=run_id, transport="disk", delta=False, dir=tmp_path))
+    with sender, receiver:
+        sender.push(_weights(0), 0)
+        assert receiver.pull()[0] == 0
+        sender.push(_weights(1), 1)
+        with open(tmp_path / run_id / "v000000000001" / "weights.safetensors", "ab") as f:
+            f.write(b"\0" * 64)
+        with caplog.at_level("WARNING", logger="weight_sync.protocol"):
+            assert receiver.pull() is None and receiver.refused == 1 and receiver.version == 0
+        assert "refused version 1 (bytes after the last tensor)" in caplog.text
+        sender.push(_weights(2), 2)
+        version, got = receiver.pull()
+        assert version == 2 and all(got[n].tobytes() == a.tobytes() for n, a in _weights(2).items())

@@ -1,6 +1,10 @@
 """The disk transport: a version is a directory published by a rename, read by any process, pruned to `keep`, and
 what a killed or replaced writer left is removed or passed over; its files are its owner's alone."""
 
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -135,3 +139,49 @@ def test_disk_refuses_a_tensor_named_like_the_safetensors_metadata(run_id, tmp_p
         assert receiver.pull() is None and sender.version is None  # nothing was published
         sender.push({"w": np.zeros(3, np.float32)}, 0)
         assert receiver.pull()[0] == 0
+
+
+def test_a_new_disk_sender_removes_what_a_killed_one_left_half_written(run_id, tmp_path):
+    """A writer killed mid-push (SIGKILL, OOM) leaves its .tmp- directory: a copy of the model that nobody will rename
+    into place. The next sender of the run removes it (and the dead one's versions), and never shows it."""
+    script = (
+        "import os, signal, sys, numpy as np, weight_sync.disk as disk\n"
+        "from weight_sync import SyncConfig, make_sender\n"
+        "s = make_sender(SyncConfig(run_id=sys.argv[2], transport='disk', dir=sys.argv[1], delta=False))\n"
+        "s.push({'w': np.ones(1000, np.float32)}, 1)\n"
+        "def killed(tensors, path):\n"
+        "    open(path, 'wb').write(b'\\0' * 100)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "disk.save_file = killed\n"
+        "s.push({'w': np.full(1000, 2.0, np.float32)}, 2)\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path), run_id], cwd=Path(__file__).resolve().parents[2], timeout=120
+    )
+    assert p.returncode == -signal.SIGKILL
+    left = lambda: sorted(n for n in os.listdir(tmp_path / run_id) if n.startswith((".tmp-", "v")))  # noqa: E731
+    assert left()[0].startswith(".tmp-v000000000002-") and left()[1:] == ["v000000000001"]  # what the kill left
+    sender, receiver = transport_pair("disk", run_id, tmp_path)
+    with sender, receiver:
+        assert left() == [] and receiver.pull() is None
+        sender.push({"w": np.full(1000, 3.0, np.float32)}, 1)
+        assert left() == ["v000000000001"]
+        version, got = receiver.pull()
+        assert version == 1 and (got["w"] == 3.0).all()
+
+
+def test_disk_sync_bytes_are_the_version_s_files(run_id, tmp_path):
+    """sync/bytes is what a version costs the transport: for disk, both files of its directory (weights and
+    manifest); a delta's are far fewer than full_bytes."""
+    sender, receiver = transport_pair("disk", run_id, tmp_path, delta=True, keyframe_every=100)
+    w = np.arange(4096, dtype=np.float32)
+    with sender, receiver:
+        for version in (0, 1):
+            w = w.copy()
+            w[version] = -1.0
+            stats = sender.push({"w": w}, version)
+            assert stats.keyframe == (version == 0)
+            files = list((tmp_path / run_id / f"v{version:012d}").iterdir())
+            assert sorted(f.name for f in files) == ["manifest.json", "weights.safetensors"]
+            assert stats.metrics()["sync/bytes"] == sum(f.stat().st_size for f in files)
+        assert stats.bytes < stats.full_bytes / 10

@@ -382,3 +382,53 @@ def test_disk_version_readable_by_another_process(run_id, tmp_path):
     assert out[0] == "11"
     want = [f"{n} {state[n].dtype.name} {hashlib.sha256(state[n].tobytes()).hexdigest()}" for n in sorted(state)]
     assert out[1 : 1 + len(want)] == want
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("delta", [False, True])
+def test_fp8_weights_round_trip_bit_exact(transport, delta, run_id, tmp_path):
+    """fp8 (ml_dtypes float8_e4m3fn and float8_e5m2: SUPPORTED_DTYPES) as a quantized export hands them over: every
+    bit pattern, NaNs included, arrives as it was, as a keyframe and as deltas on it."""
+    rng = np.random.default_rng(0)
+    sender, receiver = transport_pair(transport, run_id, tmp_path, delta=delta, keyframe_every=4)
+    state = {
+        name: rng.integers(0, 256, size=(64, 8), dtype=np.uint8).view(dt)
+        for name, dt in (("e4m3", ml_dtypes.float8_e4m3fn), ("e5m2", ml_dtypes.float8_e5m2))
+    }
+    with sender, receiver:
+        for version in range(3):
+            stats = sender.push(state, version)
+            assert stats.keyframe == (not delta or version == 0)
+            got = receiver.pull()
+            assert got is not None and got[0] == version
+            _assert_bits_equal(got[1], state)
+            state = {n: a.copy() for n, a in state.items()}
+            for a in state.values():
+                a.view(np.uint8).reshape(-1)[rng.integers(0, a.size, 3)] ^= 0x5A
+        assert receiver.refused == 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_tensor_without_a_name_is_refused(transport, run_id, tmp_path):
+    """Names are Hugging Face parameter names, the engine's key for each tensor: an empty or non-string one is a
+    caller's bug, refused before anything is published."""
+    sender, receiver = transport_pair(transport, run_id, tmp_path)
+    with sender, receiver:
+        for bad in ("", 0, None):
+            with pytest.raises(ValueError, match="must be a non-empty string"):
+                sender.push({"w": np.zeros(3, np.float32), bad: np.ones(3, np.float32)}, 0)
+        assert receiver.pull() is None and sender.version is None  # nothing was published
+
+
+@pytest.mark.parametrize(
+    "knob,value",
+    [("keyframe_every", 0), ("keep", 0), ("keep", -1), ("dir", ""), ("keyframes_every", 5)],  # the last: misspelt
+)
+def test_a_bad_sync_knob_is_refused_where_the_config_is_made_naming_it(knob, value, run_id):
+    """The YAML's sync: section is built from SyncConfig's fields: a bad knob must fail when the config is made, with
+    its name, not later in a trainer actor (keyframe_every), never for a transport that ignores it (keep, for shm),
+    and never silently (an empty dir is the working directory; a misspelt knob would keep the default)."""
+    import pydantic
+
+    with pytest.raises(pydantic.ValidationError, match=knob):
+        SyncConfig(run_id=run_id, transport="shm", **{knob: value})
