@@ -341,6 +341,8 @@ MODEL_CASES = [  # (id, how to break a copy d of the tiny model, overrides (defa
      [f"model.path={MODEL}", "model.tokenizer={d}"], ["model.tokenizer: the tokenizer in", "has no chat template"]),
     ("vocab-mismatch", lambda d: edit_json(d / "config.json", vocab_size=50), [],
      ["the tokenizer's ids go up to 98 but", "vocab_size 50", "point model.tokenizer at the model's own tokenizer"]),
+    ("vocab-one-short", lambda d: edit_json(d / "config.json", vocab_size=98), [],  # ids run to vocab_size - 1
+     ["the tokenizer's ids go up to 98 but", "vocab_size 98"]),
     ("remote-code-model", lambda d: edit_json(d / "config.json", auto_map=AUTO_MAP), [],
      ["auto_map: ['AutoConfig', 'AutoModelForCausalLM']", "model.trust_remote_code: true"]),
     ("remote-code-tokenizer", lambda d: edit_json(d / "tokenizer_config.json", auto_map={"AutoTokenizer": ["t.T"]}),
@@ -622,3 +624,18 @@ def test_reward_failures_are_counted_in_the_rollout_metrics(reward_modules, tmp_
     every = load_config(TINY, [*overrides, "reward.fn=nan_rewards:every", f"run.dir={tmp_path / 'every'}"])
     with pytest.raises(RewardError, match="failed on each of the last 16 samples"):
         train(every)
+
+
+def test_a_model_whose_context_is_exactly_prompt_plus_response_passes(capsys, tmp_path):
+    """The context check's edge: data.max_prompt_len + rollout.max_response_len positions are what a sample can
+    take, so a model with exactly that many (max_position_embeddings) runs it; one fewer is refused."""
+    from rlloop.config import load_config
+
+    cfg = load_config(TINY)
+    need = cfg.data.max_prompt_len + cfg.rollout.max_response_len
+    d = Path(shutil.copytree(MODEL, tmp_path / "model"))
+    edit_json(d / "config.json", max_position_embeddings=need)
+    assert main([TINY, f"model.path={d}", "--dry-run"]) == 0, capsys.readouterr().err
+    assert "model, tokenizer and data: checked" in capsys.readouterr().out
+    edit_json(d / "config.json", max_position_embeddings=need - 1)
+    run(capsys, tmp_path, f"model.path={d}", kind="model", named=[f"= {need} tokens, beyond the model's"])

@@ -73,6 +73,7 @@ BAD_OVERRIDES = [
     (["reward.fn=no_such_module:score"], "reward.fn"),
     (["reward.fn=tests.rlloop.reward_fns:missing"], "reward.fn"),
     (["grpo.overlong_buffer=9000"], "overlong_buffer"),
+    (["grpo.overlong_buffer=8192"], "grpo.overlong_buffer must be < rollout.max_response_len"),  # all of it
     (["loop.mode=async", "grpo.tis_cap=null"], "grpo.tis_cap"),
     (["loop.mode=fully_async", "grpo.tis_cap=null"], "loop.mode=fully_async"),
     (["loop.mode=eventually"], "loop.mode"),

@@ -50,3 +50,33 @@ def test_a_steps_rounds_add_up_per_engine_and_padding_weighs_by_slots():
     one = RolloutTally()  # one engine: no per-engine metrics
     one.add([], {**merge_stats({0: engine_stats(1, 10, 1.0, 5.0, 1.0)}), "wall_s": 1.0})
     assert not any(k.startswith("rollout/engine_") for k in one.metrics())
+
+
+def test_each_engine_samples_its_share_with_a_seed_of_its_own():
+    """Engine 0 keeps the call's seed (one engine samples as the call says); every other engine mixes in its index,
+    so two engines' shares never draw the same random stream row for row."""
+    from rlloop.engine_shares import share_sampling
+    from rollout import SamplingParams, mix_seed
+
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=1234)
+    shares = [share_sampling(sampling, e) for e in range(4)]
+    assert shares[0] == sampling
+    assert [s.seed for s in shares[1:]] == [mix_seed(1234, e) for e in (1, 2, 3)]
+    assert len({s.seed for s in shares}) == 4
+    assert all(s.max_new_tokens == 8 and s.temperature == 1.0 for s in shares)  # only the seed differs
+
+
+def test_an_engines_tokens_per_second_are_over_its_generate_seconds_not_its_busy_seconds():
+    """rollout/engine_N/tok_per_s is tokens over the seconds of the engine's generate calls (wall_s), which include
+    what its busy_s leaves out (host-side scheduling): with the two apart, the rate follows wall_s."""
+    tally = RolloutTally()
+    rounds = [
+        {0: engine_stats(0, 100, 1.0, 300.0, 4.0), 1: engine_stats(0, 100, 2.0, 100.0, 2.5)},
+        {0: engine_stats(0, 100, 0.5, 60.0, 2.0), 1: engine_stats(0, 100, 0.5, 50.0, 0.5)},
+    ]
+    for r in rounds:
+        tally.add([], {**merge_stats(r), "wall_s": max(s["wall_s"] for s in r.values())})
+    got = tally.metrics()
+    assert got["rollout/engine_0/busy_s"] == 1.5 and got["rollout/engine_1/busy_s"] == 2.5
+    assert got["rollout/engine_0/tok_per_s"] == pytest.approx((300 + 60) / (4.0 + 2.0))
+    assert got["rollout/engine_1/tok_per_s"] == pytest.approx((100 + 50) / (2.5 + 0.5))

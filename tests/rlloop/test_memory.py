@@ -142,3 +142,54 @@ def test_a_cpu_host_counts_every_device_of_an_engine(capsys):
     assert [load_config(REAL, [*host, *layout]).engine_config().tp for layout in layouts] == [1, 2, 2]
     needs = [float(n.rsplit(" ", 1)[1]) for n in needs]
     assert needs[1] == needs[2] and needs[1] - needs[0] == pytest.approx(151_936 * 2_560 * 2 / 1e9, abs=0.05), needs
+
+
+def test_a_cpu_host_counts_every_engine_and_every_trainer_rank():
+    """One CPU host holds all the actors: two engines and two trainer ranks need twice an engine's and twice a
+    rank's memory. A host of just that much fits; a host a little smaller is refused, naming the total."""
+    layout = ["cluster.device=cpu", "cluster.rollout_chips=2", "cluster.rollout_engines=2", "cluster.train_chips=2"]
+    small = [*layout, "rollout.max_batch=16"]
+    plan = plan_memory(load_config(REAL, [*small, "cluster.device_memory_gb=1"]))
+    assert load_config(REAL, small).engine_config().tp == 1
+    need = 2 * plan.engine["total"] + 2 * plan.trainer["total"]
+    assert f"all actors together need {need / 1e9:.1f} GB" in plan.fixes["host"]
+    assert not plan_memory(load_config(REAL, [*small, f"cluster.device_memory_gb={need / 1e9 * 1.01}"])).fixes
+    assert plan_memory(load_config(REAL, [*small, f"cluster.device_memory_gb={need / 1e9 * 0.99}"])).fixes["host"]
+
+
+def test_a_trainer_rank_on_a_gpu_has_all_of_it_not_jax_s_share():
+    """JAX's 0.9 share of a GPU (XLA_PYTHON_CLIENT_MEM_FRACTION) is set for the engine's actor only: a trainer rank
+    on a GPU of its own may use all of it, so a rank that needs 95% of the GPU fits."""
+    gpu = ["cluster.device=gpu", "rollout.max_batch=8", "cluster.device_memory_gb=null"]
+    unchecked = plan_memory(load_config(REAL, gpu))
+    assert unchecked.device_bytes is None and not unchecked.fixes
+    memory_gb = unchecked.trainer["total"] / 0.95 / 1e9
+    assert unchecked.engine["total"] < 0.9 * memory_gb * 1e9  # the engine fits JAX's share
+    plan = plan_memory(load_config(REAL, [*gpu, f"cluster.device_memory_gb={memory_gb}"]))
+    assert not plan.fixes, plan.fixes
+    # the same rank on a GPU 10% smaller than it needs is refused
+    smaller = plan_memory(load_config(REAL, [*gpu, f"cluster.device_memory_gb={memory_gb * 0.95 * 0.9}"]))
+    assert "trainer" in smaller.fixes
+
+
+def test_the_rank_count_a_trainer_is_told_to_shard_over_is_a_config_that_loads_and_fits():
+    """The named rank count must split the batch into train.minibatches equal shares per rank too: 192 samples in
+    64 minibatches split over 3 ranks (3 x 64 = 192), not 2 (2 x 64 = 128 does not divide 192), though 2 would fit."""
+    over = ["cluster.device_memory_gb=48", "rollout.max_batch=8", "train.micro_batch_tokens=1024"]
+    over += ["cluster.train_chips=1", "rollout.prompts_per_step=24", "train.minibatches=64"]
+    fix = plan_memory(load_config(REAL, over)).fixes["trainer"]
+    ranks = int(fix.split("shard over ")[1].split()[0])
+    sharded = plan_memory(load_config(REAL, [*over, f"cluster.train_chips={ranks}", "train.parallel=fsdp"]))
+    assert "trainer" not in sharded.fixes and sharded.trainer["total"] <= 48e9
+
+
+def test_a_chip_with_room_for_one_row_is_told_one_row_fits_not_that_the_weights_do_not():
+    """The weights fit and leave room for one row of KV cache (max_seq_len positions) and a half: the fix is
+    rollout.max_batch <= 1, which fits; 'the weights alone do not fit' would send the user to buy chips."""
+    plan = plan_memory(load_config(REAL))
+    per_row = plan.engine["kv_cache"] // load_config(REAL).rollout.max_batch  # per chip, tp applied
+    memory_gb = (plan.engine["weights"] + 1.5 * per_row) / 1e9
+    fix = plan_memory(load_config(REAL, [f"cluster.device_memory_gb={memory_gb}"])).fixes["rollout"]
+    assert "rollout.max_batch <= 1 fits" in fix and "the weights alone" not in fix
+    one = plan_memory(load_config(REAL, [f"cluster.device_memory_gb={memory_gb}", "rollout.max_batch=1"]))
+    assert "rollout" not in one.fixes

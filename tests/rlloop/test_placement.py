@@ -293,3 +293,50 @@ def test_a_cluster_address_where_no_ray_answers_is_one_clear_error(tmp_path):
         ClusterError, match=rf"no Ray head answers at 127.0.0.1:{port} \(cluster.address or RAY_ADDRESS"
     ):
         start_ray(cfg)  # before ray.init: the suite's Ray, where one runs in this worker, is not touched
+
+
+@pytest.mark.parametrize("colocate", [False, True])
+def test_a_plan_whose_roles_must_share_a_host_packs_them_strictly(colocate):
+    """sync.transport=shm needs the engines and the trainer ranks on one host (same_host): STRICT_PACK, colocated
+    or not; otherwise Ray may PACK them across nodes."""
+    over = ["cluster.device=gpu", "cluster.rollout_engines=2"] + (["cluster.colocate=true"] if colocate else [])
+    cluster = load_config(REAL, over).cluster
+    assert plan_placement(cluster, same_host=True).strategy == "STRICT_PACK"
+    assert plan_placement(cluster, same_host=False).strategy == "PACK"
+
+
+def test_a_cluster_with_exactly_what_the_plan_asks_holds_it():
+    """shortfall names only what the plan asks beyond what there is: a host of exactly the plan's resources is
+    not short (the local Ray was refused for holding the recipe's plan exactly), one chip less is."""
+    plan = plan_placement(load_config(REAL).cluster, same_host=True)
+    total = plan.total()
+    assert plan.shortfall(dict(total)) == {}
+    assert plan.shortfall({**total, "TPU": total["TPU"] - 1}) == {"TPU": (total["TPU"], total["TPU"] - 1)}
+    assert plan.shortfall({"CPU": total["CPU"]}) == {"TPU": (total["TPU"], 0.0)}
+
+
+def test_each_cpu_actor_is_pinned_to_its_own_bundle_s_cores():
+    """On a CPU host every actor's environment names its bundle's cores (plan.cores): the engine the first four,
+    each trainer rank the next two, none shared; pinned to cores 0.. each, they all piled onto the same ones."""
+    from rlloop.placement import actor_env
+    from rlloop.workers import CPU_AFFINITY_ENV
+
+    cfg = load_config(REAL, ["cluster.device=cpu", "cluster.cpus_per_actor=2", "cluster.rollout_chips=2"])
+    plan = plan_placement(cfg.cluster, same_host=True)
+    pinned = {
+        role: actor_env(cfg, 2, rollout=role.startswith("rollout"), cores=plan.cores(b))[CPU_AFFINITY_ENV]
+        for role, b in plan.roles().items()
+    }
+    assert pinned == {"rollout engine 0": "0,1,2,3", "trainer rank 0": "4,5", "trainer rank 1": "6,7"}
+
+
+def test_a_cpu_engine_of_the_narrowest_width_that_splits_gets_a_device_per_core(tmp_path):
+    """CPU_TP_MIN_HIDDEN is the narrowest width measured faster split (128 to 768 ran 1.12-1.42x): a model of
+    exactly that width splits over the cores; one narrower does not."""
+    from rlloop.model_shape import CPU_TP_MIN_HIDDEN
+
+    over = ["cluster.device=cpu", "cluster.cpus_per_actor=2", "cluster.rollout_chips=1", "cluster.train_chips=1"]
+    wide = load_config(REAL, [*over, f"model.path={qwen3_dir(tmp_path / 'w', CPU_TP_MIN_HIDDEN, 4, 2)}"])
+    assert wide.engine_config().tp == 2
+    narrow = load_config(REAL, [*over, f"model.path={qwen3_dir(tmp_path / 'n', CPU_TP_MIN_HIDDEN - 32, 4, 2)}"])
+    assert narrow.engine_config().tp == 1

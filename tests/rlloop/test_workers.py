@@ -182,3 +182,28 @@ def test_a_version_refused_by_two_engines_counts_twice(tmp_path):
         weights.write_bytes(bytes(flipped))
         pulled = cluster.pull_weights()
     assert pulled["sync/refused"] == 2 and pulled["rollout/engine_1/version"] == 0  # both kept what they had
+
+
+def test_each_generate_call_shares_its_prompts_as_if_the_engines_were_idle(tmp_path):
+    """Two local engines: work handed out is taken back in full once a call returns (prompt + response tokens x
+    n samples), so the same call made again is shared out the same way: 3 equal prompts, 2 to engine 0 and 1 to
+    engine 1, every time (work left over counted against an idle engine skewed the next calls)."""
+    from contextlib import closing
+    from pathlib import Path
+
+    from rlloop.cluster import Cluster
+    from rlloop.config import load_config
+
+    tiny = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml"
+    overrides = ["cluster.use_ray=false", "cluster.rollout_chips=2", "cluster.rollout_engines=2"]
+    cfg = load_config(tiny, overrides + [f"run.dir={tmp_path}"])
+    n, new = 2, 4
+    sampling = SamplingParams(max_new_tokens=new, ignore_eos=True, seed=3)
+    with closing(Cluster(cfg)) as cluster:
+        cluster.warmup()
+        shares = []
+        for _ in range(3):
+            completions, stats = cluster.pool.generate([[5, 6, 7]] * 3, n, sampling)
+            assert len(completions) == 3 * n and all(len(c.token_ids) == new for c in completions)
+            shares.append((stats["engine_0/tokens"] / (n * new), stats["engine_1/tokens"] / (n * new)))
+    assert shares == [(2, 1)] * 3
