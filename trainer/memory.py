@@ -49,12 +49,12 @@ def trainer_memory(
     state = params * per_param // (world_size if sharded else 1)
     tokens = max(cfg.micro_batch_tokens, longest_sample)
     per_layer = tokens * (16 * hidden + 3 * intermediate) * item
-    if cfg.device == "cpu" and cfg.dtype != "float32":  # one layer at a time, so counted once either way
-        per_layer += tokens * 4 * ((q_size or hidden) + (kv_size or hidden)) * 4
     if cfg.gradient_checkpointing:
         activations = layers * tokens * hidden * item + per_layer
     else:
         activations = layers * per_layer
+    if cfg.device == "cpu" and cfg.dtype != "float32":  # made and freed by one layer's backward at a time: once
+        activations += tokens * 4 * ((q_size or hidden) + (kv_size or hidden)) * 4
     logits = 5 * min(chunk_elements(cfg.device), tokens * vocab) * 4
     if cfg.dtype != "float32":
         logits += 2 * vocab * hidden * 4

@@ -9,7 +9,8 @@ from rlloop.config import load_config
 from rlloop.memory import plan_memory
 from rlloop.placement import actor_env
 from rlloop.run import main
-from trainer import TrainBatch, Trainer
+from trainer import LossConfig, TrainBatch, Trainer, TrainerConfig
+from trainer.memory import trainer_memory
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 REAL, TINY = str(EXAMPLES / "grpo_dapo.yaml"), str(EXAMPLES / "grpo_dapo_tiny.yaml")
@@ -193,3 +194,55 @@ def test_a_chip_with_room_for_one_row_is_told_one_row_fits_not_that_the_weights_
     assert "rollout.max_batch <= 1 fits" in fix and "the weights alone" not in fix
     one = plan_memory(load_config(REAL, [f"cluster.device_memory_gb={memory_gb}", "rollout.max_batch=1"]))
     assert "rollout" not in one.fixes
+
+
+def test_an_fsdp_rank_holds_fp32_shards_of_the_reference_model_whatever_the_dtype():
+    """Under fsdp the shards are fp32 (the masters, and the KL term's reference copy of the model, loaded in fp32 and
+    sharded alike: trainer/policy_model.py): a rank's state is the same in bf16 as in fp32, 16 bytes per parameter plus
+    4 for the reference, over the ranks."""
+
+    shape = dict(params=1_000_000, hidden=64, intermediate=128, layers=2, vocab=128, world_size=2)
+    state = {
+        dtype: trainer_memory(TrainerConfig("m", dtype=dtype, parallel="fsdp", loss=LossConfig(kl_coef=0.05)), **shape)[
+            "state"
+        ]
+        for dtype in ("float32", "bfloat16")
+    }
+    assert state["bfloat16"] == state["float32"] == 1_000_000 * (16 + 4) // 2
+
+
+def test_checkpointed_activations_are_each_layers_input_and_one_layers_recompute():
+    """With gradient checkpointing a micro-batch keeps each layer's input (tokens x hidden values) and, during the
+    backward, one layer's recomputed intermediates: what one layer of the un-checkpointed model keeps."""
+
+    layers, tokens, hidden = 4, 1000, 64
+    shape = dict(params=1_000_000, hidden=hidden, intermediate=128, layers=layers, vocab=128)
+    for dtype, item in (("float32", 4), ("bfloat16", 2)):
+        cfg = dict(micro_batch_tokens=tokens, dtype=dtype, device="cuda")  # no CPU attention copies
+        plain = trainer_memory(TrainerConfig("m", **cfg), **shape)["activations"]
+        ckpt = trainer_memory(TrainerConfig("m", gradient_checkpointing=True, **cfg), **shape)["activations"]
+        assert plain % layers == 0
+        assert ckpt == layers * tokens * hidden * item + plain // layers, dtype
+
+
+@pytest.mark.parametrize("checkpointed", [True, False])
+def test_only_a_cpu_rank_below_fp32_counts_attentions_fp32_copies_once(checkpointed):
+    """On a GPU a bf16 micro-batch keeps the same activations as an fp32 one at half the bytes; on CPU below fp32 the
+    attention backward adds its fp32 copies (trainer/cpu_flash.py: 4 fp32 tensors of q's and of k's widths), made and
+    freed by one layer at a time, so once, with gradient checkpointing or without (they were counted once per layer
+    without it)."""
+
+    tokens, q_size, kv_size = 1000, 128, 64
+    shape = dict(params=1_000_000, hidden=64, intermediate=128, layers=2, vocab=128, q_size=q_size, kv_size=kv_size)
+    act = {
+        (device, dtype): trainer_memory(
+            TrainerConfig(
+                "m", device=device, dtype=dtype, micro_batch_tokens=tokens, gradient_checkpointing=checkpointed
+            ),
+            **shape,
+        )["activations"]
+        for device in ("cpu", "cuda")
+        for dtype in ("float32", "bfloat16")
+    }
+    assert act["cuda", "bfloat16"] * 2 == act["cuda", "float32"] == act["cpu", "float32"]
+    assert act["cpu", "bfloat16"] - act["cuda", "bfloat16"] == tokens * 4 * (q_size + kv_size) * 4
