@@ -301,3 +301,109 @@ def test_fsdp_export_goes_through_weight_sync_bit_exactly(two_rank_results, tmp_
 def test_a_rejected_share_fails_every_rank(two_rank_results):
     assert "advantages" in (two_rank_results / "rejected_rank1.txt").read_text()
     assert "another rank rejected" in (two_rank_results / "rejected_rank0.txt").read_text()
+
+
+def test_fsdp_counts_the_micro_batches_of_samples_not_its_fillers(two_rank_results):
+    """train/micro_batches is the work the batch took over the ranks: fsdp's fillers (a rank with fewer micro-batches
+    joining the others' collectives) are not micro-batches of the batch, so fsdp reports what ddp does on the same
+    shares (the ranks' counts differ: micro_batch_tokens=30)."""
+    for name, *_ in CASES:
+        _, ddp = rank_results(two_rank_results, "ddp", name)
+        _, fsdp = rank_results(two_rank_results, "fsdp", name)
+        assert fsdp["train/micro_batches"] == ddp["train/micro_batches"], name
+
+
+def gradients_on_rank(rank, world_size, model_dir, init_file, out_dir):
+    """Module-level for mp.spawn: `compute_gradients` of this rank's share under ddp."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        trainer = Trainer(make_config(model_dir, 1, "dapo", 0.0, "ddp"), rank, world_size)
+        grads, _ = trainer.compute_gradients(shard_batch(random_batch(7, seed=7), rank, world_size, 1))
+        torch.save(grads, f"{out_dir}/grads_rank{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+    os._exit(0)
+
+
+def test_compute_gradients_on_two_ddp_ranks_is_the_whole_batchs_gradient(tiny_qwen3_dir, tmp_path):
+    """compute_gradients is the batch's gradient summed over the ranks: each ddp rank gets the one rank's gradient of
+    the whole batch, not its own share's part of it."""
+    want, _ = Trainer(make_config(tiny_qwen3_dir, 1, "dapo", 0.0)).compute_gradients(random_batch(7, seed=7))
+    args = (2, str(tiny_qwen3_dir), str(tmp_path / "rendezvous"), str(tmp_path))
+    mp.spawn(gradients_on_rank, args=args, nprocs=2, join=True)
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"grads_rank{rank}.pt")
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=f"rank {rank}: {name}")
+
+
+def start_from_own_files(rank, world_size, model_dirs, init_file, out_dir):
+    """Module-level for mp.spawn: each rank loads its own model directory (as ranks on hosts with different copies
+    of a checkpoint would) and exports what its ddp trainer starts from."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        trainer = Trainer(TrainerConfig(model_dirs[rank], parallel="ddp"), rank, world_size)
+        np.savez(f"{out_dir}/start_rank{rank}.npz", **trainer.export_weights())
+    finally:
+        torch.distributed.destroy_process_group()
+    os._exit(0)
+
+
+def test_every_rank_starts_from_rank_0s_weights(tmp_path):
+    """Rank 1's files hold other weights than rank 0's (another seed): the trainer broadcasts rank 0's at start, so
+    the replicas are the same model from the first step on, rank 0's."""
+    from tests.conftest import make_tiny_hf_model
+
+    dirs = [str(make_tiny_hf_model(tmp_path / f"model{r}", "qwen3", tie=True, seed=r)) for r in (0, 1)]
+    want = transformers.AutoModelForCausalLM.from_pretrained(dirs[0], dtype=torch.float32).state_dict()
+    other = transformers.AutoModelForCausalLM.from_pretrained(dirs[1], dtype=torch.float32).state_dict()
+    assert not torch.equal(want["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
+    mp.spawn(start_from_own_files, args=(2, dirs, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        got = dict(np.load(tmp_path / f"start_rank{rank}.npz"))
+        assert got.keys() <= want.keys() and got
+        for name, value in got.items():
+            np.testing.assert_array_equal(value, want[name].numpy(), err_msg=f"rank {rank}: {name}")
+
+
+def test_several_ranks_without_a_rendezvous_are_refused_saying_what_is_missing(tiny_qwen3_dir, monkeypatch):
+    """world_size > 1 outside torchrun or Ray, with no process group: a ValueError naming the ways to give one, raised
+    before torch tries an env:// rendezvous (whose own error names one variable only)."""
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError, match=r"MASTER_ADDR/MASTER_PORT in the environment, an init_method"):
+        Trainer(TrainerConfig(str(tiny_qwen3_dir)), rank=0, world_size=2)
+    assert not torch.distributed.is_initialized()
+
+
+def short_shares_on_rank(rank, world_size, model_dir, init_file, out_dir):
+    """Module-level for mp.spawn: rank 0 has 3 samples, rank 1 one (no minibatch_sizes), train.minibatches=3."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        trainer = Trainer(make_config(model_dir, 3, "dapo", 0.0, "ddp"), rank, world_size)
+        try:
+            outcome = trainer.train_step(random_batch(3 if rank == 0 else 1, seed=10 + rank))
+        except ValueError as e:
+            outcome = str(e)
+        with open(f"{out_dir}/short_rank{rank}.json", "w") as f:
+            json.dump(outcome, f)
+    finally:
+        torch.distributed.destroy_process_group()
+    os._exit(0)
+
+
+def test_ranks_with_fewer_samples_than_minibatches_take_the_fewest_ranks_steps(tiny_qwen3_dir, tmp_path):
+    """Shares of 3 and 1 samples under train.minibatches=3: every rank takes as many optimizer steps as the rank with
+    the fewest samples can (1), rather than fail the run."""
+    args = (2, str(tiny_qwen3_dir), str(tmp_path / "rendezvous"), str(tmp_path))
+    mp.spawn(short_shares_on_rank, args=args, nprocs=2, join=True)
+    outcomes = [json.loads((tmp_path / f"short_rank{r}.json").read_text()) for r in (0, 1)]
+    for outcome in outcomes:
+        assert isinstance(outcome, dict), outcome
+        assert outcome["train/minibatches"] == 1 and outcome["train/tokens"] > 0
+    assert outcomes[0] == outcomes[1]

@@ -221,3 +221,15 @@ def test_a_model_that_scales_its_logits_is_refused_not_scored_as_another(tmp_pat
     batch = make_batch(2, seed=1)
     with pytest.raises(NotImplementedError, match=knob):
         trainer.compute_logprobs(batch.prompts, batch.responses)
+
+
+@pytest.mark.parametrize("knob", ["final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier"])
+def test_a_model_whose_logit_scaling_is_one_is_scored_as_it_is(tmp_path, make_batch, knob):
+    """A scaling of 1 leaves the logits as they are (Granite and Cohere configs write their knob even so): such a
+    model is scored, with the log-probs it has without the knob, not refused."""
+    trainer = Trainer(TrainerConfig(str(make_tiny_hf_model(tmp_path / "m", "qwen3", seed=3))))
+    batch = make_batch(2, seed=1)
+    want = trainer.compute_logprobs(batch.prompts, batch.responses)
+    setattr(trainer.model.config, knob, 1.0)
+    for got, plain in zip(trainer.compute_logprobs(batch.prompts, batch.responses), want):
+        assert got.tolist() == plain.tolist()

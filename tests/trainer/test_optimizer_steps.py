@@ -130,3 +130,41 @@ def test_bf16_micro_batch_gradients_add_up_in_the_fp32_masters(tiny_qwen3_dir, m
     micro_error = float((micro - fp32).norm() / fp32.norm())
     assert 0 < bf16_error < 0.05, bf16_error  # bf16 compute does differ, by a few bf16 roundings
     assert micro_error <= 1.5 * bf16_error, (micro_error, bf16_error)
+
+
+def test_the_grad_norm_of_several_minibatches_is_their_mean(tiny_qwen3_dir, make_batch):
+    """train/grad_norm of a step of two minibatches is the mean of the two optimizer steps' pre-clip norms (as the
+    losses are per optimizer step), not the last one's. Reference as above: the first half's step by a one-minibatch
+    trainer, then the second half's gradient against the pre-step log-probs."""
+    batch = make_batch(8, seed=3)
+    first, second = batch.select(range(4)), batch.select(range(4, 8))
+    cfg = dict(lr=1e-2, max_grad_norm=1e9)
+    metrics = Trainer(TrainerConfig(tiny_qwen3_dir, minibatches=2, **cfg)).train_step(batch)
+
+    ref = Trainer(TrainerConfig(tiny_qwen3_dir, **cfg))
+    pre_step = [lp.tolist() for lp in ref.compute_logprobs(batch.prompts, batch.responses)]
+    norm1 = float(grads_of(ref, first).double().norm())
+    m1 = ref.train_step(first)
+    grads, _ = ref.compute_gradients(second, old_logprobs=pre_step[4:])
+    norm2 = float(torch.cat([grads[n].flatten() for n in ref.param_names]).double().norm())
+    np.testing.assert_allclose(m1["train/grad_norm"], norm1, rtol=1e-4)
+    assert abs(norm1 - norm2) > 0.1 * norm2  # the two steps' norms differ: mean and last one are told apart
+    np.testing.assert_allclose(metrics["train/grad_norm"], (norm1 + norm2) / 2, rtol=1e-4)
+
+
+def test_bf16_micro_batch_gradients_add_in_fp32_not_in_bf16(tiny_qwen3_dir, make_batch):
+    """With πold = πθ the policy gradient is linear in the advantages, and each micro-batch's bf16 gradient does not
+    depend on the others': a step's gradient is then the sum of the gradients of its samples taken apart (the rest's
+    advantages 0, skipped), up to fp32 rounding, when each micro-batch's gradient is added into the fp32 masters.
+    Adding them up in bf16 first would round a small share away against a large one (advantages 1e-3 x the rest)."""
+    batch = make_batch(4, seed=17, with_rollout_logprobs=False)
+    batch.advantages = [1.0, -0.8, 1e-3, -1e-3]
+    trainer = Trainer(TrainerConfig(tiny_qwen3_dir, dtype="bfloat16", micro_batch_tokens=1))  # one sample each
+    whole, metrics = trainer.compute_gradients(batch)
+    assert metrics["train/micro_batches"] == 4
+    big = TrainBatch(batch.prompts, batch.responses, [1.0, -0.8, 0.0, 0.0])
+    small = TrainBatch(batch.prompts, batch.responses, [0.0, 0.0, 1e-3, -1e-3])
+    parts = [trainer.compute_gradients(b)[0] for b in (big, small)]
+    for name in whole:
+        want = parts[0][name] + parts[1][name]
+        torch.testing.assert_close(whole[name], want, rtol=1e-5, atol=1e-7 * float(want.abs().max()), msg=name)

@@ -312,3 +312,56 @@ def test_the_trainer_steps_the_decay_once_per_update(tiny_qwen3_dir, make_batch)
     cfg = TrainerConfig(tiny_qwen3_dir, lr=1e-3, lr_decay="linear", total_updates=4, minibatches=2)
     trainer = Trainer(cfg)
     assert [trainer.train_step(make_batch(4, seed=s))["train/lr"] for s in (1, 2)] == pytest.approx([7.5e-4, 2.5e-4])
+
+
+def test_the_entropy_bonus_gradient_matches_an_independent_computation(tiny_qwen3_dir, make_batch):
+    """train.entropy_coef adds -coef x the token-mean entropy (dapo) to the loss, and its gradient with it: with every
+    advantage 0 the step's gradient is the entropy bonus's alone, from per-sample unpadded HF forwards."""
+    batch = make_batch(4, seed=16, with_rollout_logprobs=False)
+    batch.advantages = [0.0] * len(batch)
+    coef = 0.01
+    trainer = Trainer(TrainerConfig(tiny_qwen3_dir, micro_batch_tokens=30, loss=LossConfig(entropy_coef=coef)))
+    got, metrics = trainer.compute_gradients(batch)
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).eval()
+    total_tokens = sum(len(r) for r in batch.responses)
+    entropy_sum = 0.0
+    for p, r in zip(batch.prompts, batch.responses):
+        logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : len(p) + len(r) - 1].float()
+        logp = torch.log_softmax(logits, -1)
+        entropy_sum = entropy_sum - (logp.exp() * logp).sum()
+    objective = -coef * entropy_sum / total_tokens
+    objective.backward()
+    assert metrics["train/entropy"] == pytest.approx(float(entropy_sum.detach()) / total_tokens, rel=1e-5)
+    assert max(float(param.grad.abs().max()) for param in model.parameters()) > 1e-6  # the bonus has a gradient
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(got[name], param.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_a_model_with_dropout_modules_trains_deterministically_with_gradient_checkpointing(tmp_path, make_batch):
+    """Phi-3 applies its resid_pdrop and embd_pdrop through nn.Dropout modules, which gradient checkpointing's train
+    mode would switch on: every one is zeroed, so a checkpointed trainer's log-probs are the eval-mode model's."""
+    config = transformers.Phi3Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        resid_pdrop=0.5,
+        embd_pdrop=0.5,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(tmp_path / "phi3")
+    assert any(isinstance(m, torch.nn.Dropout) and m.p == 0.5 for m in model.modules())
+    batch = make_batch(4, seed=15)
+    ckpt_trainer = Trainer(TrainerConfig(str(tmp_path / "phi3"), gradient_checkpointing=True))
+    plain_trainer = Trainer(TrainerConfig(str(tmp_path / "phi3")))
+    for got, want in zip(
+        ckpt_trainer.compute_logprobs(batch.prompts, batch.responses),
+        plain_trainer.compute_logprobs(batch.prompts, batch.responses),
+    ):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
