@@ -57,7 +57,7 @@ class GenerateTally:
     prefill_padded: int = 0  # prefill positions run, padding included
     decode_rows: int = 0  # decode rows run, padding included
     decode_emitted: int = 0  # of those, rows that emitted a token
-    copy_rows: int = 0  # prompt caches copied to a group's other slots
+    copy_rows: int = 0  # rows the fan-out copy ran (its bucket's, padding included): prompt KV to siblings
     dispatches: int = 0
     bytes: float = 0.0  # read and written, by rollout.cost's count
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 import transformers
 
+from rollout import cost
 from rollout.compiles import compile_count
 from rollout.types import SamplingParams
-from rollout.weights import load_safetensors_dir
+from rollout.weights import load_safetensors_dir, params_from_named_arrays
 from tests.conftest import make_tiny_hf_model
 from tests.rollout.conftest import small_engine
 
@@ -376,3 +377,93 @@ def test_prefill_tokens_are_each_prompts_all_but_last_token(tiny_qwen3_dir):
     st = engine.stats()
     assert st["prefill_tokens"] == sum(len(p) - 1 for p in prompts)  # once per prompt, fan-out copies are free
     assert st["prompt_tokens"] == 3 * sum(len(p) for p in prompts)
+
+
+def test_weights_loaded_while_released_are_the_ones_it_resumes_with(tmp_path, tiny_qwen3_dir, hf):
+    """Colocation may load the trainer's new weights while the engine is released: it must resume with those, not
+    with the host copy it kept at release (the version number alone would say the new policy ran). The tiny models'
+    greedy tokens barely depend on the weights (they repeat the prompt's last token), so the log-probs tell."""
+    other_dir = make_tiny_hf_model(tmp_path / "other", "qwen3", tie=True, seed=7)
+    prompt = [4, 8, 15, 16, 23, 42]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    eng = small_engine(tiny_qwen3_dir)
+    eng.release()
+    eng.load_weights(load_safetensors_dir(str(other_dir)), version=1)
+    c = eng.generate([prompt], 1, sp)[0]
+    assert c.weight_version == 1
+    want, old = (_hf_logprobs(model, prompt, c.token_ids) for model in (_hf(other_dir), hf))
+    assert np.max(np.abs(want - old)) > 1e-2  # the two models tell apart
+    np.testing.assert_allclose(c.logprobs, want, atol=1e-4)
+
+
+def test_stats_bytes_flops_and_padding_count_what_the_programs_ran(tiny_qwen3_dir):
+    """The bench's MBU / MFU / pad figures come from stats(): checked from first principles on a run whose programs
+    are known. One 62-token prompt, 4 samples, 8 greedy tokens, 4 steps a dispatch, a 192-position cache in
+    64-position pages: one prefill of bucket 64 (61 tokens), 3 fan-out copies run as copy bucket 4 (one padding pair)
+    of the 64 positions a prompt can hold, then two dispatches of decode bucket 4 whose rows start at positions 61 and
+    65: by each dispatch's last step they reach 65 and 69, so both read two pages (128 positions) a row a step."""
+    eng = small_engine(tiny_qwen3_dir, max_seq_len=192, prefill_buckets=(64,))
+    mc = eng.model_cfg
+    assert eng.page_len == 64 and len(eng.cache.page_lens) == 3
+    prompt = [3 + (5 * i) % 120 for i in range(62)]
+    out = eng.generate([prompt], 4, SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+    assert [len(c.token_ids) for c in out] == [8] * 4
+    st = eng.stats()
+    assert (st["dispatches"], st["copy_rows"], st["prefill_tokens"], st["gen_tokens"]) == (2, 4, 61, 32)
+    # slots run: the prefill bucket's 64 positions and 2 dispatches x 4 steps x 4 rows; all but 61 + 32 are padding
+    assert (st["padded_slots"], st["pad_slots"]) == (64 + 2 * 4 * 4, 64 + 2 * 4 * 4 - 61 - 32)
+
+    host = params_from_named_arrays(mc, load_safetensors_dir(str(tiny_qwen3_dir)))
+    weights = sum(a.nbytes for a in jax.tree.leaves(host))
+    per_position = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4  # K and V, every layer, fp32 cache
+    prefill = weights + 64 * per_position  # the weights read, the bucket's K/V written
+    copies = 2 * 4 * 64 * per_position  # 4 rows of 64 positions, read and written
+    decode = 2 * 4 * (weights + 4 * 128 * per_position)  # 2 dispatches x 4 steps: the weights, 4 rows x 2 pages
+    assert st["bytes"] == prefill + copies + decode
+
+    # FLOPs: the prefill of 61 tokens once, then each sample's 8 decode tokens over a 62-token prompt
+    body = mc.num_layers * sum(a.size for a in jax.tree.leaves(host.layers[0]) if a.ndim == 2)
+    head, attn = mc.vocab_size * mc.hidden_size, 4 * mc.num_layers * mc.num_heads * mc.head_dim
+    want = 2 * body * 61 + attn * 61 * 62 / 2 + 4 * (2 * (body + head) * 8 + attn * sum(62 + j for j in range(8)))
+    assert st["flops"] == pytest.approx(want, rel=1e-12)
+    assert st["flops"] == pytest.approx(cost.generate_flops(mc, [61], [(62, 8)] * 4), rel=1e-12)
+
+
+def test_a_sequence_may_fill_the_cache_to_max_seq_len(engine, hf):
+    """prompt + max_new_tokens == max_seq_len is allowed (check_requests), so every one of the max_new_tokens comes
+    back: the last lands on the cache's last position."""
+    prompt = [3 + (7 * i) % 120 for i in range(engine.prefill_buckets[-1])]
+    max_new = engine.cfg.max_seq_len - len(prompt)
+    c = engine.generate([prompt], 1, SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True))[0]
+    assert (len(c.token_ids), c.finish_reason) == (max_new, "length")
+    assert c.token_ids == _hf_greedy(hf, prompt, max_new, eos=None)
+
+
+def test_a_stop_token_drawn_as_the_last_allowed_token_finishes_with_stop(engine):
+    """When the max_new_tokens-th token is a stop id, the row ended on the stop id: finish_reason 'stop', as the HF
+    backend reports it (its last token is a stop id), not 'length'."""
+    prompt = [5, 9, 17, 33]
+    free = engine.generate([prompt], 1, SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True))[0]
+    k = max(i for i, t in enumerate(free.token_ids) if t not in free.token_ids[:i])  # a first occurrence
+    sp = SamplingParams(temperature=0.0, max_new_tokens=k + 1, stop_token_ids=(free.token_ids[k],), ignore_eos=True)
+    c = engine.generate([prompt], 1, sp)[0]
+    assert c.token_ids == free.token_ids[: k + 1]
+    assert c.finish_reason == "stop"
+
+
+def test_load_weights_names_a_missing_or_unknown_tensor_and_keeps_the_loaded_ones(engine, tiny_qwen3_dir):
+    """A weight dict from another architecture (an extra layer, a renamed tensor) must be refused by name, not
+    loaded in part: an unknown tensor would be dropped without a word, a missing one fail somewhere inside."""
+    named = load_safetensors_dir(str(tiny_qwen3_dir))
+    extra = named | {"model.layers.2.mlp.up_proj.weight": named["model.layers.1.mlp.up_proj.weight"]}
+    with pytest.raises(
+        ValueError, match=r"unexpected weight 'model.layers.2.mlp.up_proj.weight' for a qwen3 model with 2 layers"
+    ):
+        engine.load_weights(extra, version=9)
+    gone = {k: v for k, v in named.items() if not k.startswith("model.layers.1.self_attn.")}
+    with pytest.raises(
+        ValueError, match=r"missing weight 'model.layers.1.self_attn.q_proj.weight' \(6 missing in all\)"
+    ):
+        engine.load_weights(gone, version=9)
+    c = engine.generate([[5, 6, 7]], 1, SamplingParams(temperature=0.0, max_new_tokens=4))[0]
+    assert c.weight_version == 0

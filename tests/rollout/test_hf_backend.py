@@ -308,3 +308,11 @@ def test_generation_keeps_one_steps_scores_not_every_steps(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     grew, scores = int(out.stdout.split()[-1]), 4 * 128 * vocab * 4
     assert grew < scores / 2, f"peak memory grew by {grew / 2**20:.0f} MiB; all the scores are {scores / 2**20:.0f} MiB"
+
+
+def test_top_k_zero_is_off_as_minus_one_is(engine):
+    """SamplingParams: top_k <= 0 is off. Both 0 and -1 sample from the whole (tempered) distribution alike."""
+    off = [SamplingParams(temperature=0.8, top_k=k, max_new_tokens=8, seed=4, ignore_eos=True) for k in (-1, 0)]
+    a, b = (engine.generate(PROMPTS, 2, sp) for sp in off)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert [c.logprobs for c in a] == [c.logprobs for c in b]

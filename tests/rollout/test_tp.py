@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from rollout.cost import engine_memory
 from rollout.kv_cache import init_cache
 from rollout.model import decode_step, logits_from_hidden, prefill
 from rollout.model_config import ModelConfig
@@ -115,3 +116,18 @@ def test_each_device_holds_the_planned_bytes_and_one_copy_of_the_weights_while_l
     before = _bytes_per_device(jax.live_arrays())
     engine.load_weights({n: np.ones(s, np.float32) for n, s in expected_shapes(engine.model_cfg).items()}, 1)
     assert peak and all(peak[d] <= before[d] for d in before), (before, peak)
+
+
+def test_an_lm_head_whose_vocab_does_not_divide_is_held_whole_on_each_device(tmp_path):
+    """Heads and MLP channels must divide by tp (check_tp); the vocabulary need not (127 here): the untied LM head is
+    then replicated, whole on both devices, and the memory plan counts it so."""
+    path = make_tiny_hf_model(tmp_path / "odd_vocab", "qwen3", tie=False, vocab_size=127)
+    engine = small_engine(path, tp=2)
+    mc = engine.model_cfg
+    head = engine.params.lm_head
+    assert head.shape == (mc.hidden_size, 127)
+    assert set(_bytes_per_device([head]).values()) == {mc.hidden_size * 127 * 4}  # whole on each of the 2 devices
+    wq = engine.params.layers[0].wq  # a dimension that divides is still split
+    assert wq.addressable_shards[0].data.shape == (mc.hidden_size, mc.q_size // 2)
+    plan = engine_memory(mc, 4, 8, 64, tp=2, head_copy=engine._head_copy, kv_itemsize=4)
+    assert set(_bytes_per_device(jax.tree.leaves(engine.params)).values()) == {plan["weights"]}
