@@ -137,6 +137,9 @@ def test_load_weights_swaps_model_without_compiling(tmp_path, engine, hf, tiny_q
     engine.load_weights(load_safetensors_dir(str(other_dir)), version=5)
     c = engine.generate([prompt], 1, sp)[0]
     assert c.weight_version == 5 and c.token_ids == _hf_greedy(_hf(other_dir), prompt, 10)
+    # the tiny models' greedy tokens barely depend on their weights (they repeat the prompt's last one): the
+    # log-probs are the new model's
+    np.testing.assert_allclose(c.logprobs, _hf_logprobs(_hf(other_dir), prompt, c.token_ids), atol=1e-4)
     # on CPU the tied head is multiplied from a copy in [D, V] (rollout.weight_table.copies_tied_head), made from the
     # new embedding, not the old one
     np.testing.assert_array_equal(np.asarray(engine.params.lm_head), np.asarray(engine.params.embed).T)
@@ -212,10 +215,13 @@ def test_weights_loaded_between_dispatches_apply_in_flight(tmp_path, tiny_qwen3_
     assert len(spanning) == 8 and len(late) == 4  # the first 8 rows were running when the weights changed
     assert all(c.last_weight_version == 1 for c in out)
     for c in spanning:
-        assert c.token_ids[:4] == _hf_greedy(hf, prompts[c.prompt_index], 4, eos=None)
+        prompt = prompts[c.prompt_index]
+        assert c.token_ids[:4] == _hf_greedy(hf, prompt, 4, eos=None)
+        np.testing.assert_allclose(c.logprobs[:4], _hf_logprobs(hf, prompt, c.token_ids[:4]), atol=1e-4)
     new = _hf(other_dir)
-    for c in late:
+    for c in late:  # log-probs too: the tiny models' greedy tokens barely depend on their weights
         assert c.token_ids == _hf_greedy(new, prompts[c.prompt_index], 12, eos=None)
+        np.testing.assert_allclose(c.logprobs, _hf_logprobs(new, prompts[c.prompt_index], c.token_ids), atol=1e-4)
 
 
 def test_a_sample_that_copies_a_running_siblings_prompt_kv_records_the_version_that_computed_it(tiny_qwen3_dir):
