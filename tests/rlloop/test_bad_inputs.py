@@ -639,3 +639,55 @@ def test_a_model_whose_context_is_exactly_prompt_plus_response_passes(capsys, tm
     assert "model, tokenizer and data: checked" in capsys.readouterr().out
     edit_json(d / "config.json", max_position_embeddings=need - 1)
     run(capsys, tmp_path, f"model.path={d}", kind="model", named=[f"= {need} tokens, beyond the model's"])
+
+
+def test_a_broken_jsonl_line_after_blank_lines_is_named_by_its_own_number(capsys, tmp_path):
+    """Blank lines in a jsonl file are no rows (datasets skips them): the line blamed is the broken one, counted as
+    an editor counts lines, not the first blank one."""
+    d = tmp_path / "data"
+    d.mkdir()
+    write_files(d, {"d.jsonl": jsonl([ROWS[0], "", "  ", '{"prompt": "x", "reward_model"', ROWS[1]])})
+    run(
+        capsys,
+        tmp_path,
+        f"data.path={d / 'd.jsonl'}",
+        "eval.path=null",
+        kind="data",
+        named=["d.jsonl line 4: not valid JSON"],
+    )
+
+
+@pytest.mark.parametrize(
+    "edits",
+    [
+        dict(use_sliding_window=True, sliding_window=32, max_window_layers=0, layer_types=None),  # sliding window
+        dict(model_type="mpt"),  # ALiBi
+    ],
+    ids=["sliding-window", "alibi"],
+)
+def test_what_only_shared_prompt_rows_cannot_train_passes_with_train_share_prompts_off(edits, capsys, tmp_path):
+    """The way out the sliding-window and ALiBi refusals name (train.share_prompts=false) works: the same model
+    passes the checks (dry run)."""
+    d = Path(shutil.copytree(MODEL, tmp_path / "model"))
+    edit_json(d / "config.json", **edits)
+    assert main([TINY, f"model.path={d}", "rollout.backend=hf", "train.share_prompts=false", "--dry-run"]) == 0
+    assert "model, tokenizer and data: checked" in capsys.readouterr().out
+
+
+def test_under_ignore_eos_only_the_stop_ids_count_against_the_engine_row(capsys, tmp_path):
+    """With rollout.ignore_eos the model's and tokenizer's EOS ids end nothing: the 15 rollout.stop_token_ids that
+    are refused beside three EOS ids (stop-ids-past-the-engine-row) fit the JAX engine's row of 16 alone."""
+    d = Path(shutil.copytree(MODEL, tmp_path / "model"))
+    edit_json(d / "generation_config.json", eos_token_id=[2, 3, 4])
+    stops = f"rollout.stop_token_ids={list(range(5, 20))}"
+    assert main([TINY, f"model.path={d}", stops, "rollout.ignore_eos=true", "--dry-run"]) == 0
+    assert "model, tokenizer and data: checked" in capsys.readouterr().out
+
+
+def test_a_model_with_pytorch_bin_weights_only_passes_the_weight_check(capsys, tmp_path):
+    """pytorch_model*.bin is one of the weight files the checks accept (WEIGHT_PATTERNS): a model directory holding
+    only those passes (dry run), as one holding only *.safetensors does."""
+    d = Path(shutil.copytree(MODEL, tmp_path / "model"))
+    (d / "model.safetensors").rename(d / "pytorch_model.bin")
+    assert main([TINY, f"model.path={d}", "--dry-run"]) == 0
+    assert "model, tokenizer and data: checked" in capsys.readouterr().out

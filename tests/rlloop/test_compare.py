@@ -87,3 +87,37 @@ def test_nothing_judged_is_not_agreement(tmp_path, capsys):
     }
     assert "nothing judged" in captured.err
     assert main([a, "--out", str(tmp_path / "c.png")]) == 0  # without --vs: an overlay, nothing asked to be judged
+
+
+def test_distance_is_the_mean_gap_in_b_s_seed_spreads_and_the_tolerance_is_inclusive(tmp_path, capsys):
+    """Unsmoothed (--smooth 1), from first principles: B's three seeds sit at -0.25, 0, +0.25 around one curve, so
+    their standard deviation (n-1) is 0.25 at every step; A is that curve +0.5, -0.5, +0.5, ...: a gap of 0.5 at
+    every step (gaps of either sign count, they do not cancel), 2.0 spreads. 2.0 is within a tolerance of 2, not of
+    1.99. All values are multiples of 1/4, so the arithmetic is exact."""
+    base = [-1.0 + 0.25 * t for t in range(6)]
+    b = [write_run(tmp_path / f"b{i}", [v + d for v in base]) for i, d in enumerate((-0.25, 0.0, 0.25))]
+    a = write_run(tmp_path / "a", [v + (0.5 if t % 2 == 0 else -0.5) for t, v in enumerate(base)])
+    out = ["--smooth", "1", "--out", str(tmp_path / "c.png")]
+    assert main([a, "--vs", *b, *out]) == 0
+    verdict = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert verdict["rollout/raw_reward"] == {"distance": 2.0, "within": True}
+    assert main([a, "--vs", *b, *out, "--tolerance", "1.99"]) == 1
+    verdict = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert verdict["rollout/raw_reward"] == {"distance": 2.0, "within": False}
+
+
+def test_b_s_spread_is_floored_by_the_noise_of_one_smoothed_point(tmp_path, capsys):
+    """B's two seeds zigzag +-0.2 around a line rising 0.05 a step and differ by only 0.001: their spread across
+    seeds (~0.0007) understates how far a smoothed point can move, so it is floored by B's own noise: each point
+    lies 0.075 (the line's rise over a 4-step window's lag) +-0.2 from its rolling mean, as many + as -: a std of
+    0.2, and one mean of 4 points has a standard error of 0.2 / sqrt(4) = 0.1. A is the smooth line +0.01 (no
+    noise of its own, so the floor must be B's): B's smoothed curve is the line +0.0005, a gap of 0.0095, 0.095
+    spreads: within, where the seeds' spread alone called it OUTSIDE by 13 spreads."""
+    line = [-0.8 + 0.05 * t for t in range(1, 10)]
+    zigzag = [v + (0.2 if t % 2 else -0.2) for t, v in enumerate(line, 1)]
+    b = [write_run(tmp_path / f"b{i}", [v + 0.001 * i for v in zigzag]) for i in (0, 1)]
+    a = write_run(tmp_path / "a", [v + 0.01 for v in line])
+    assert main([a, "--vs", *b, "--smooth", "4", "--out", str(tmp_path / "c.png")]) == 0
+    verdict = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rollout/raw_reward"]
+    assert verdict["within"] is True
+    assert verdict["distance"] == pytest.approx(0.0095 / 0.1, rel=1e-6)

@@ -167,11 +167,15 @@ def test_unloadable_model_exits_2_naming_the_key(tmp_path, override, named, caps
     assert err.startswith("model error: ") and named in err, err
 
 
-def test_inherit_cycle(tmp_path, capsys):
-    write(tmp_path, "inherit: b.yaml\n", "a.yaml")
-    write(tmp_path, "inherit: a.yaml\n", "b.yaml")
-    assert main([str(tmp_path / "a.yaml")]) == 2
-    assert "cycle" in capsys.readouterr().err
+def test_an_inherit_cycle_is_named_as_one(tmp_path, capsys):
+    """The cycle is said as such, naming the file it passes through again, not found by recursing until Python's
+    stack runs out (test_inherit_cycle's "cycle" also matched its own tmp_path, test_inherit_cycle0)."""
+    d = tmp_path / "recipes"
+    d.mkdir()
+    write(d, "inherit: b.yaml\n", "a.yaml")
+    write(d, "inherit: a.yaml\n", "b.yaml")
+    assert main([str(d / "a.yaml")]) == 2
+    assert f"config error: inherit: cycle through {d / 'a.yaml'}" in capsys.readouterr().err
 
 
 def test_relative_paths_resolve_against_the_file(tmp_path):
@@ -496,3 +500,25 @@ def test_text_that_yaml_read_as_another_type_says_to_quote_it(text, overrides, n
     err = capsys.readouterr().err
     assert named in err and "(YAML reads yes/no/on/off as booleans, leading-zero numbers as octal" in err, err
     assert err.rstrip().endswith("quote it)"), err
+
+
+def test_every_path_setting_resolves_against_the_file_that_sets_it(tmp_path, monkeypatch):
+    """model.path, model.tokenizer, data.path and eval.path written relative in a recipe name what lies next to the
+    recipe, from whatever directory the run is started (and even where the working directory holds the same names:
+    the file's own neighbours win)."""
+    recipes = tmp_path / "recipes"
+    for where in (recipes, tmp_path):
+        for name in ("model", "tok"):
+            (where / name).mkdir(parents=True)
+        for name in ("train.jsonl", "eval.jsonl"):
+            (where / name).write_text("")
+    path = write(
+        recipes,
+        f"inherit: {TINY}\nmodel:\n  path: model\n  tokenizer: tok\n"
+        "data:\n  path: train.jsonl\neval:\n  path: eval.jsonl\n",
+    )
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(path)
+    assert (cfg.model.path, cfg.model.tokenizer, cfg.data.path, cfg.eval.path) == tuple(
+        str(recipes / name) for name in ("model", "tok", "train.jsonl", "eval.jsonl")
+    )

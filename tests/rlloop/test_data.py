@@ -333,3 +333,12 @@ def test_the_dropped_count_survives_a_resume(tmp_path, tok):
     resumed.load_state_dict(json.loads(json.dumps(trained.state_dict())))
     assert resumed.dropped == trained.dropped
     assert [p.index for p in resumed.next_batch(3)] == [p.index for p in trained.next_batch(3)]
+
+
+def test_a_missing_relative_data_file_is_named_not_looked_for_on_the_hub(tmp_path, tok, monkeypatch):
+    """A relative path to a .jsonl/.parquet file that is not there is a missing file (the message says so), not a
+    hub id that could not be downloaded."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("train.jsonl", "data/train.parquet"):
+        with pytest.raises(DataError, match=f"data.path {name}: no such file or directory"):
+            PromptData(DataSection(path=name), tok)

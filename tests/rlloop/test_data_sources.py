@@ -6,6 +6,7 @@ import logging
 import tracemalloc
 from pathlib import Path
 
+import datasets
 import pandas as pd
 import pytest
 from transformers import AutoTokenizer
@@ -205,3 +206,33 @@ def test_two_snapshots_of_one_name_give_their_own_rows(tmp_path, tok):
     for n, revision in ((3, "a"), (5, "b")):
         d = snapshot(tmp_path / revision / "snap", {"en/train-00000-of-00001.parquet": frame(n)}, readme)
         assert len(PromptData(DataSection(path=str(d), subset="en"), tok)) == n
+
+
+def test_a_save_to_disk_directory_gives_the_split_and_slice_asked_for(tmp_path, tok):
+    """`Dataset.save_to_disk` (one split, "train", a state.json) and `DatasetDict.save_to_disk` (dataset_dict.json)
+    read as `datasets` reads them: the slice of the split asked for, not the whole split."""
+    datasets.Dataset.from_pandas(frame(10)).save_to_disk(tmp_path / "one")
+    assert answers(DataSection(path=str(tmp_path / "one")), tok) == [str(i) for i in range(1, 11)]
+    assert answers(DataSection(path=str(tmp_path / "one"), split="train[:3]"), tok) == ["1", "2", "3"]
+    splits = datasets.DatasetDict(
+        train=datasets.Dataset.from_pandas(frame(6)), test=datasets.Dataset.from_pandas(frame(4, first=50))
+    )
+    splits.save_to_disk(tmp_path / "dict")
+    assert answers(DataSection(path=str(tmp_path / "dict"), split="test[50%:]"), tok) == ["53", "54"]
+
+
+def test_a_split_string_joining_splits_reads_each_of_them(tmp_path, tok):
+    """`data.split: train+test[:2]` on a snapshot directory reads what `datasets` reads: all of train, then the first
+    two rows of test."""
+    files = {"data/train-00000.parquet": frame(3), "data/test-00000.parquet": frame(4, first=50)}
+    snap = snapshot(tmp_path / "snap", files)
+    assert answers(DataSection(path=str(snap), split="train+test[:2]"), tok) == ["1", "2", "3", "51", "52"]
+
+
+def test_a_directory_of_one_file_no_name_puts_in_a_split_is_read_without_a_warning(tmp_path, tok, caplog):
+    """The warning that every file is trained on is for a directory whose files might hold a held-out set; one file
+    holds none: it is read, said at info level only."""
+    one = snapshot(tmp_path / "data", {"dapo-math-17k.parquet": frame(5)})
+    assert len(PromptData(DataSection(path=str(one)), tok)) == 5
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("rlloop")]
+    assert warned == []

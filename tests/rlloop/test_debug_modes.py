@@ -284,3 +284,15 @@ def test_rollout_only_refuses_a_trained_run_s_directory_and_a_replay_its_next_st
     assert main([TINY, *replay, *COMMON, f"run.dir={tmp_path}"]) == 2
     assert f"run.replay: {earlier} is in run.dir's rollouts.earlier/" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "rollouts.earlier"]
+
+
+def test_a_reward_function_that_breaks_mid_run_exits_1_saying_what_to_run_next(tmp_path, capsys):
+    """A reward function failing on a step's worth of samples in a row ends the run after it started: exit 1 (not 2,
+    a bad input found before the start), the error, and, as after a dead actor, what to run next: this run saved no
+    checkpoint, so start it again (once the function is fixed), not --resume."""
+    fn = "tests.rlloop.reward_fns:always_raises"
+    args = [TINY, *COMMON, f"reward.fn={fn}", f"run.dir={tmp_path}"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert f"reward error: reward.fn {fn} failed on each of the last" in err
+    assert "this run saved no checkpoint; start it again without --resume: python -m rlloop.run " in err
