@@ -21,7 +21,7 @@ from rlloop.engine_pool import RestartCount  # noqa: E402
 from rlloop.errors import ActorDied, ClusterError, TrainerDied  # noqa: E402
 from rlloop.ray_sync import get_mailbox  # noqa: E402
 from rollout import SamplingParams  # noqa: E402
-from trainer import TrainBatch  # noqa: E402
+from trainer import NonFiniteTraining, TrainBatch  # noqa: E402
 from weight_sync import Sender, encode_payload_into, payload_nbytes  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("ray")  # starts Ray: one at a time (tests/conftest.py)
@@ -213,3 +213,71 @@ def test_a_trainer_hung_while_an_engine_restarts_is_the_trainers_hang_not_the_en
     finally:
         cluster.close()
     assert not list(Path("/dev/shm").glob(f"rlloop_{cluster.sync_run_id}_*"))  # the killed trainer's are gone too
+
+
+def test_an_engine_rebuilt_from_the_trainers_weights_carries_the_version_last_pushed(ray_cluster, tmp_path):
+    """A rebuilt engine whose version the transport no longer holds loads the trainer's current weights, which are the
+    last version it pushed (here pushes with no train step between: the version is the push's, not a step count).
+    Its samples must carry that version, which staleness and the rollout records are counted from, and the next
+    version pushed must reach it."""
+    cluster = Cluster(load_config(TINY, ["run.max_restarts=1", f"run.dir={tmp_path}"]))
+    try:
+        cluster.warmup()
+        assert cluster.sync_weights(version=1)["sync/rollout_version"] == 1
+        for version in (2, 3):  # shm holds the last two: the engine's version 1 is gone, the trainer must give it
+            cluster.push_weights(version)
+        kill_engine(cluster.engines[0])
+        out, _ = cluster.generate([PROMPT], 2, SHORT)
+        assert cluster.restarts == 1 and {c.weight_version for c in out} == {3}
+        # and it follows the trainer from there: the next push is a keyframe (the new engine's receiver has no base
+        # for a delta on version 3), loaded at the next pull
+        assert cluster.sync_weights(version=4)["sync/rollout_version"] == 4
+    finally:
+        cluster.close()
+
+
+def test_a_trainer_found_dead_by_any_call_is_the_trainers_death(ray_cluster, tmp_path):
+    """A trainer rank found dead by a call (here a push) is TrainerDied, which the loop heals by rebuilding the cluster
+    from the last checkpoint; an ActorDied (an engine's) would end the run."""
+    cluster = Cluster(load_config(TINY, ["sync.transport=disk", f"run.dir={tmp_path}"]))
+    try:
+        cluster.warmup()
+        ray.kill(cluster.trainers[0])
+        with pytest.raises(TrainerDied, match=r"a trainer actor died during push_weights\(\)"):
+            cluster.push_weights(1)
+    finally:
+        cluster.close()
+
+
+def test_a_train_step_that_fails_after_the_runs_start_keeps_its_own_error(ray_cluster, tmp_path):
+    """Only a call of the run's start that raises is folded into one ClusterError line. Later, a trainer that stops
+    on non-finite steps (train.max_bad_steps) must raise NonFiniteTraining, as without Ray: the CLI labels it a
+    "training error"; as a ClusterError it was told as the cluster's fault."""
+    cfg = load_config(TINY, ["train.max_bad_steps=1", f"run.dir={tmp_path}"])
+    cluster = Cluster(cfg)
+    try:
+        cluster.warmup()
+        out, _ = cluster.generate([PROMPT], 2, SHORT)
+        batch = TrainBatch([PROMPT] * 2, [c.token_ids for c in out], [1.0, -1.0])
+        assert cluster.start_train_step(batch, publish=1).result().published  # the start's step, healthy
+        overflowing = TrainBatch(batch.prompts, batch.responses, [3e38, 3e38])  # finite, but its fp32 loss is not
+        with pytest.raises(NonFiniteTraining) as raised:
+            cluster.start_train_step(overflowing, publish=2).result()
+        assert not isinstance(raised.value, ClusterError)
+    finally:
+        cluster.close()
+
+
+def test_a_trainer_that_hangs_mid_run_is_given_up_on_after_actor_timeout_s(ray_cluster, tmp_path):
+    """cluster.actor_timeout_s bounds a call after the run's start; the longer actor_start_timeout_s is only for the
+    start's calls (setup, warm-up, the first step). A trainer that stops answering mid-run is the trainer's hang
+    (TrainerDied: the loop rebuilds the cluster) once actor_timeout_s has passed, and it is killed."""
+    overrides = ["rollout.backend=hf", "cluster.actor_timeout_s=5", "cluster.actor_start_timeout_s=120"]
+    cluster = Cluster(load_config(TINY, [*overrides, f"run.dir={tmp_path}"]))
+    try:
+        cluster.warmup()
+        os.kill(ray.get(cluster.trainers[0].__ray_call__.remote(lambda self: os.getpid())), signal.SIGSTOP)
+        with pytest.raises(TrainerDied, match=r"a trainer actor hung \(no answer in 5 s\) during push_weights\(\)"):
+            cluster.push_weights(1)
+    finally:
+        cluster.close()

@@ -5,16 +5,22 @@ engine generating with in-flight updates takes new weights, and the engines' rec
 import os
 import subprocess
 import sys
+from contextlib import closing
+from pathlib import Path
 
 import pytest
 import torch
 
 import rlloop.workers
+from rlloop.cluster import Cluster
+from rlloop.config import load_config
 from rlloop.workers import RolloutWorker, TrainerWorker
 from rollout import EngineConfig, SamplingParams
 from rollout.weights import load_safetensors_dir
 from trainer import TrainBatch, TrainerConfig
 from weight_sync import SyncConfig, make_sender
+
+TINY = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml"
 
 # 64 MiB blocks malloc'd, written and freed eight times, as a training step's activations are: the pages faulted in by
 # the last four (16,384 pages each when they are fresh). Plain malloc, not torch tensors: torch asks for 64-byte
@@ -163,15 +169,8 @@ def test_a_tpu_engine_spans_every_device_of_its_chips(monkeypatch, tiny_qwen3_di
 def test_a_version_refused_by_two_engines_counts_twice(tmp_path):
     """`sync/refused` adds up every engine's receiver (it was engine 0's count alone): two local engines, one
     version with a flipped byte in its weights file, pulled once."""
-    from contextlib import closing
-    from pathlib import Path
-
-    from rlloop.cluster import Cluster
-    from rlloop.config import load_config
-
-    tiny = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml"
     overrides = ["cluster.use_ray=false", "rollout.backend=hf", "cluster.rollout_chips=2", "cluster.rollout_engines=2"]
-    cfg = load_config(tiny, overrides + ["sync.transport=disk", "sync.delta=false", f"run.dir={tmp_path}"])
+    cfg = load_config(TINY, overrides + ["sync.transport=disk", "sync.delta=false", f"run.dir={tmp_path}"])
     with closing(Cluster(cfg)) as cluster:
         cluster.warmup()
         cluster.push_weights(1)
@@ -188,15 +187,8 @@ def test_each_generate_call_shares_its_prompts_as_if_the_engines_were_idle(tmp_p
     """Two local engines: work handed out is taken back in full once a call returns (prompt + response tokens x
     n samples), so the same call made again is shared out the same way: 3 equal prompts, 2 to engine 0 and 1 to
     engine 1, every time (work left over counted against an idle engine skewed the next calls)."""
-    from contextlib import closing
-    from pathlib import Path
-
-    from rlloop.cluster import Cluster
-    from rlloop.config import load_config
-
-    tiny = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml"
     overrides = ["cluster.use_ray=false", "cluster.rollout_chips=2", "cluster.rollout_engines=2"]
-    cfg = load_config(tiny, overrides + [f"run.dir={tmp_path}"])
+    cfg = load_config(TINY, overrides + [f"run.dir={tmp_path}"])
     n, new = 2, 4
     sampling = SamplingParams(max_new_tokens=new, ignore_eos=True, seed=3)
     with closing(Cluster(cfg)) as cluster:
@@ -207,3 +199,63 @@ def test_each_generate_call_shares_its_prompts_as_if_the_engines_were_idle(tmp_p
             assert len(completions) == 3 * n and all(len(c.token_ids) == new for c in completions)
             shares.append((stats["engine_0/tokens"] / (n * new), stats["engine_1/tokens"] / (n * new)))
     assert shares == [(2, 1)] * 3
+
+
+def test_a_rank_publishes_a_step_that_applied_some_of_its_minibatches(tiny_qwen3_dir, tmp_path, monkeypatch):
+    """With train.minibatches=2 a step whose second update overflows (finite advantages, non-finite fp32 loss) still
+    applied its first: the weights changed, so the push queued behind the step must publish them (else the engines
+    keep generating on the version before, and the step counts as one that published nothing)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    sync = SyncConfig(run_id="run", transport="disk", dir=str(tmp_path), delta=False, keyframe_every=1, keep=2)
+    worker = TrainerWorker(TrainerConfig(tiny_qwen3_dir, lr=1e-3, minibatches=2), 0, 1, sync)
+    try:
+        worker.setup()
+        before = {k: v.copy() for k, v in worker.trainer.export_weights().items()}
+        batch = TrainBatch([[5, 6, 7]] * 4, [[8, 9], [10], [11, 12, 13], [14]], [1.0, -1.0, 3e38, 3e38])
+        metrics = worker.train_step(batch)
+        assert metrics["train/minibatches"] == 2 and metrics["train/skipped_steps"] == 1
+        after = worker.trainer.export_weights()
+        assert any(not (before[k] == after[k]).all() for k in before)  # the first update was applied
+        pushed = worker.push_weights(1, if_updated=True)
+        assert pushed is not None and pushed["sync/version"] == 1 and worker.sender.version == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_cluster_step_that_applied_no_update_publishes_nothing_and_says_so(tmp_path):
+    """Cluster.start_train_step queues the push behind the step with if_updated: a step whose every update was skipped
+    (finite advantages, non-finite fp32 loss) publishes nothing and reports published=False, so the engines keep the
+    weights they have and the loop counts the step as unpublished (rlloop/rollout_manager.py staleness); the next
+    healthy step publishes its version."""
+    overrides = ["cluster.use_ray=false", "rollout.backend=hf", "sync.transport=disk", f"run.dir={tmp_path}"]
+    with closing(Cluster(load_config(TINY, overrides))) as cluster:
+        cluster.warmup()
+        prompts, responses = [[5, 6, 7]] * 4, [[8, 9], [10], [11, 12, 13], [14]]
+        skipped = cluster.start_train_step(TrainBatch(prompts, responses, [3e38] * 4), publish=1).result()
+        assert skipped.metrics["train/skipped_steps"] == skipped.metrics["train/minibatches"]
+        assert not skipped.published and cluster.trainers[0].sender.version is None
+        assert cluster.pull_weights()["sync/rollout_version"] == 0
+        healthy = cluster.start_train_step(TrainBatch(prompts, responses, [1.0, -1.0, 0.5, -0.5]), publish=2).result()
+        assert healthy.published and cluster.pull_weights()["sync/rollout_version"] == 2
+
+
+# An actor pins itself to the cores of its "chip" (RLLOOP_CPUS, from the placement plan), counted among the cores its
+# process may use and modulo their number: a node inside a cpuset (a container given cores 4-7) or with fewer cores
+# than the plan assumed must still get cores it has.
+PIN_PROGRAM = """
+import os
+from rlloop.workers import limit_threads
+allowed = sorted(os.sched_getaffinity(0))
+os.sched_setaffinity(0, {allowed[-1]})  # a process allowed one core, not core 0
+os.environ["RLLOOP_CPUS"] = "0,3"  # its chip's cores: the first, and one past what this node has
+limit_threads(1, torch_pools=False)
+print(sorted(os.sched_getaffinity(0)) == [allowed[-1]], os.environ["OMP_NUM_THREADS"])
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="2+ cores")
+def test_an_actor_pins_itself_to_the_cores_it_is_allowed_counted_modulo_their_number():
+    out = subprocess.run([sys.executable, "-c", PIN_PROGRAM], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "1"]
