@@ -83,6 +83,9 @@ def jax_trace(path: str | None):
     import jax
 
     def start():
+        # Made first: JAX writes the directory only as the trace stops, and a session whose files cannot be written
+        # stays started (jax 0.10), so that every later trace in this process was refused as one already running
+        Path(path).mkdir(parents=True, exist_ok=True)
         jax.profiler.start_trace(path, create_perfetto_trace=True)
 
     return _traced(_JAX_BUSY, path, start, lambda _: jax.profiler.stop_trace())

@@ -50,6 +50,10 @@ def test_a_trace_that_cannot_be_written_is_a_warning_not_a_failed_call(tmp_path,
         x = jnp.ones((8, 8)) @ jnp.ones((8, 8))
     assert float(x.sum()) == 512.0
     assert "a_file/trace" in caplog.text and ("not written" in caplog.text or "not profiled" in caplog.text)
+    # and the process's profiler is free for the next step's trace (JAX's stayed started after a failed write)
+    with trace(str(tmp_path / "next")):
+        jnp.ones((8, 8)).block_until_ready()
+    assert list(tmp_path.glob("next.json")) or list(tmp_path.glob("next/plugins/profile/*/*.xplane.pb"))
 
 
 def test_profile_steps_past_the_run_is_a_config_error(tmp_path, capsys):
