@@ -10,6 +10,7 @@ import sys
 import pytest
 
 import rlloop.bench
+from rlloop.bench import peaks
 from rlloop.bench.__main__ import BENCHES
 
 
@@ -107,3 +108,26 @@ def test_the_json_lines_name_the_cpu_by_family_and_vector_units():
     if capability == "AVX512":
         assert "avx512f" in m["cpu_flags"]
     assert m["cpus"] == len(os.sched_getaffinity(0))
+
+
+def test_the_peaks_time_is_the_fastest_of_enough_runs(monkeypatch):
+    """_best_seconds: one untimed first call, then at least `repeats` timed ones that together take `min_seconds`,
+    and the fastest of them (a neighbour's burst slows some runs, never speeds one up). On a clock of its own,
+    which each call moves on by its duration (quarters: exact)."""
+    now = [0.0]
+    monkeypatch.setattr(peaks.time, "perf_counter", lambda: now[0])
+    durations, calls = iter([9.0, 0.5, 0.25, 0.75, 0.5, 1.0]), []
+
+    def run():
+        calls.append(None)
+        now[0] += next(durations)
+
+    assert peaks._best_seconds(run, repeats=5, min_seconds=0.0) == 0.25 and len(calls) == 1 + 5
+    calls.clear()
+
+    def quarter():
+        calls.append(None)
+        now[0] += 0.25
+
+    assert peaks._best_seconds(quarter, repeats=2, min_seconds=1.0) == 0.25
+    assert len(calls) == 1 + 4  # 2 runs of 0.25 s do not make 1 s: it goes on until they do

@@ -16,6 +16,9 @@ import pytest
 
 from rlloop.bench.e2e import finish, median_run, parse_args, rooflines, summarize
 from rlloop.bench.roofline import bound, step_work
+from rlloop.config import load_config
+from rollout.cost import generate_flops, train_flops
+from rollout.model_config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -189,3 +192,48 @@ def test_the_trl_pin_is_the_bench_extras():
     assert "rlloop[bench]" in extras["dev"] and not any(r.startswith("trl") for r in extras["dev"])
     requirement = trl_requirement()
     assert requirement is not None and f"{requirement.name}{requirement.specifier}" == pinned
+
+
+def test_a_steps_work_is_each_prompt_once_and_every_sample_after_it():
+    """The roofline's work of one step, from its definition: the trained tokens are each prompt once per group (shared
+    prompt rows) plus every sample's response; training runs g responses per prompt; generation prefills each prompt
+    but its last token once (decode step 0 runs that one) and decodes every one of the g samples."""
+    cfg = load_config(ROOT / "examples" / "grpo_dapo_tiny.yaml", [])
+    g, mc = cfg.rollout.group_size, ModelConfig.from_dir(cfg.model.path)
+    lens = [30, 20, 7]
+    batches = [[SimpleNamespace(token_ids=[5] * n) for n in lens]]
+    work = step_work(cfg, batches, {"response_len": [10.0], "response_len_max": [16]}, timed=[0])
+    assert work["trained_tokens"] == sum(lens) + 10.0 * g * len(lens)
+    assert work["train_flops"] == pytest.approx(sum(train_flops(mc, [(lp, [10.0] * g)]) for lp in lens))
+    one_sample = {lp: generate_flops(mc, [], [(lp, 10.0)]) for lp in lens}
+    prefill = {lp: generate_flops(mc, [lp - 1], []) for lp in lens}
+    assert work["gen_flops"] == pytest.approx(sum(prefill[lp] + g * one_sample[lp] for lp in lens))
+
+
+def test_the_bound_is_training_after_the_slower_side_of_generation():
+    """bound_s: training FLOPs over the matmul peak, after generation at whichever of its FLOPs over the matmul peak
+    and its decode bytes over the bandwidth is slower (each step needs the other's result: no overlap)."""
+    peaks = {"matmul_flops": 1e11, "mem_bytes_per_s": 1e10}
+    for gen_flops, decode_bytes in ((5e11, 1e9), (1e10, 4e10)):  # compute-bound, then memory-bound generation
+        work = {"params": 1, "trained_tokens": 1.0, "train_flops": 2e11, "gen_flops": gen_flops}
+        out = bound(work | {"decode_bytes": decode_bytes}, peaks)
+        assert out["train_s"] == pytest.approx(2.0)
+        assert out["gen_compute_s"] == pytest.approx(gen_flops / 1e11)
+        assert out["gen_memory_s"] == pytest.approx(decode_bytes / 1e10)
+        assert out["bound_s"] == pytest.approx(2.0 + max(gen_flops / 1e11, decode_bytes / 1e10))
+
+
+def test_the_busy_times_and_response_lengths_are_each_their_own_metric():
+    """rollout_busy_s and train_busy_s are the means of their own keys over the timed steps; response_len_max is the
+    per-step longest response, not the mean; compiles add up over every step, the warm-up step's included."""
+    rows = metrics_rows([9.0, 2.0, 4.0], [0.0, 0.2, 0.4])
+    for k, row in enumerate(rows):
+        row |= {"perf/rollout_busy_s": 1.0 + k, "perf/train_busy_s": 0.25 * (k + 1), "perf/sync_s": 0.125}
+        row |= {"rollout/response_len/mean": 10.0 + k, "rollout/response_len/max": 16 - k, "perf/compiles": 1.0}
+    run = summarize(rows, "sync", skip=1)
+    assert run["rollout_busy_s"] == pytest.approx((2.0 + 3.0) / 2)
+    assert run["train_busy_s"] == pytest.approx((0.5 + 0.75) / 2)
+    assert run["breakdown_s"]["sync"] == pytest.approx(0.125)
+    assert run["breakdown_s"]["other"] == pytest.approx(3.0 - 3.0 - 0.5 - 0.125)
+    assert run["response_len"] == [10.0, 11.0, 12.0] and run["response_len_max"] == [16, 15, 14]
+    assert run["compiles"] == 3.0  # the engine warmed up before step 1: a compile in any step is a recompile

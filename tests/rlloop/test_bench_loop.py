@@ -27,3 +27,15 @@ def test_a_wide_model_made_already_is_reused(tmp_path):
     """--balanced-hidden equal to --engine-hidden asks for the same model twice (it was a FileExistsError)."""
     path = wide_model(tmp_path, 64)
     assert wide_model(tmp_path, 64) == path and (path / "config.json").exists()
+
+
+def test_staleness_is_the_mean_of_the_means_and_the_max_of_the_maxima():
+    rows = [{"step": 0, "eval/dapo": 0.25}]
+    for k, (mean, most) in enumerate([(0.0, 0.0), (0.5, 1.0), (1.5, 3.0), (1.0, 2.0)], start=1):
+        rows.append(
+            {"step": k, "perf/step_s": 1.0, "perf/rollout_busy_s": 0.5, "perf/train_busy_s": 0.5}
+            | {"rollout/raw_reward": 0.0, "rollout/staleness/mean": mean, "rollout/staleness/max": most}
+        )
+    out = summarize(rows)
+    assert out["staleness_mean"] == pytest.approx((0.0 + 0.5 + 1.5 + 1.0) / 4)
+    assert out["staleness_max"] == 3.0

@@ -82,3 +82,15 @@ def test_quick_rollout_bench_ends_with_a_json_line(capsys, monkeypatch):
     several_cores = len(os.sched_getaffinity(0)) > 1  # a run's layout on them: one engine, a device per core
     assert ("jax_tp_tok_s" in tiny) == several_cores
     assert not several_cores or tiny["jax_tp_compiles_after_warmup"] == 0
+    # the ratios are the ones they name, from the JSON's own tok/s, seconds, FLOPs, bytes and peaks
+    tokens = tiny["rows"] * tiny["new_tokens"]
+    assert tiny["jax_tok_s"] == pytest.approx(tokens / tiny["jax_s"])
+    assert tiny["hf_tok_s"] == pytest.approx(tokens / tiny["hf_s"])
+    assert tiny["speedup"] == pytest.approx(tiny["jax_tok_s"] / tiny["hf_tok_s"])
+    assert tiny["speedup_vs_plain_generate"] == pytest.approx(tiny["jax_tok_s"] / tiny["hf_plain_generate_tok_s"])
+    assert tiny["mfu"] == pytest.approx(tiny["flops"] / tiny["jax_s"] / result["peak_matmul_flops"])
+    assert tiny["mbu"] == pytest.approx(tiny["bytes"] / tiny["jax_s"] / result["peak_mem_bytes_per_s"])
+    for key in [k.removesuffix("_tok_s") for k in tiny if k in ("jax_tp_tok_s", "jax_engines_tok_s")]:
+        assert tiny[f"{key}_over_jax"] == pytest.approx(tiny[f"{key}_tok_s"] / tiny["jax_tok_s"])
+        seconds = tokens / tiny[f"{key}_tok_s"]
+        assert tiny[f"{key}_mfu"] == pytest.approx(tiny["flops"] / seconds / result["peak_matmul_flops"])

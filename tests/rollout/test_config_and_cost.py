@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+import transformers
 
 from rollout import DTYPES, EngineConfig, mix_seed, request_id
 from rollout.model_config import ModelConfig, eos_token_ids
@@ -186,3 +187,34 @@ def test_rope_frequencies_are_the_ones_transformers_builds(rope):
     np.testing.assert_allclose(ModelConfig.from_hf_dict(hf).rope_inv_freq(), want, rtol=1e-6)
     with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
         ModelConfig.from_hf_dict({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+def test_a_config_json_that_leaves_keys_out_gets_transformers_defaults(family):
+    """A minimal config.json (no num_key_value_heads, tie_word_embeddings, rope_theta or rms_norm_eps) is read with
+    the defaults transformers builds the model with: as many KV heads as heads (Llama), untied embeddings, RoPE's
+    theta and the norm's epsilon."""
+    hf = dict(model_type=family, vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=1)
+    hf |= dict(num_attention_heads=4, head_dim=16)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**copy.deepcopy(hf)))
+    cfg = ModelConfig.from_hf_dict(hf)
+    attn = model.model.layers[0].self_attn
+    if family == "llama":  # Qwen2Config and Qwen3Config default to 32 and 8 KV heads, whatever the heads
+        assert cfg.num_kv_heads * cfg.head_dim == attn.k_proj.out_features == attn.v_proj.out_features
+    assert cfg.tie_word_embeddings == (model.lm_head.weight is model.model.embed_tokens.weight)
+    assert cfg.rms_norm_eps == model.model.norm.variance_epsilon
+    np.testing.assert_allclose(cfg.rope_inv_freq(), model.model.rotary_emb.inv_freq.numpy(), rtol=1e-6)
+
+
+def test_the_older_rope_scaling_key_type_is_read_as_rope_type():
+    """transformers 4's configs may name the RoPE type `type` (rope_scaling={"type": "llama3", ...}); transformers
+    still builds Llama 3 frequencies from it, and so must the decoder."""
+    hf = dict(
+        model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=2, max_position_embeddings=256, rope_theta=5e5,
+        rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64},
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig.from_dict(copy.deepcopy(hf)))
+    want = model.model.rotary_emb.inv_freq.numpy()
+    np.testing.assert_allclose(ModelConfig.from_hf_dict(hf).rope_inv_freq(), want, rtol=1e-6)

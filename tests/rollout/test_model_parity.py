@@ -141,3 +141,27 @@ def test_long_cache_decode_matches_hf(tmp_path, whole_cache, page_len):
         ours.append(np.asarray(logits)[0])
         seq.append(int(np.argmax(ours[-1])))
     np.testing.assert_allclose(np.stack(ours), _hf_logits(hf, seq)[len(prompt) - 1 : -1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_attention_biases_match_hf(tmp_path, family):
+    """attention_bias: true gives Llama and Qwen3 biases on q, k, v and o (transformers' layers); the decoder must load
+    and add every one of them, o_proj's included."""
+    path = make_tiny_hf_model(tmp_path / family, family, tie=False, seed=5, attention_bias=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert hf.model.layers[0].self_attn.o_proj.bias is not None
+    with torch.no_grad():  # random weights initialise biases to 0: make them count
+        for layer in hf.model.layers:
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(layer.self_attn, proj).bias.normal_(0, 0.5)
+    hf.save_pretrained(path)
+    cfg = ModelConfig.from_dir(str(path))
+    params = jax.tree.map(jnp.asarray, params_from_named_arrays(cfg, load_safetensors_dir(str(path)), "float32"))
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, cfg.vocab_size, 9)]
+    n = len(prompt)
+    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 16, cfg.head_dim, jnp.float32)
+    tokens, positions = np.array(prompt + [0] * 7, np.int32), np.array(list(range(n)) + [0] * 7, np.int32)
+    segments = slots = np.array([0] * n + [1] * 7, np.int32)  # the padding in slot 1: out of range, dropped
+    _, hidden = jax.jit(functools.partial(prefill, cfg))(params, cache, tokens, positions, segments, slots)
+    logits = np.asarray(logits_from_hidden(params, hidden))
+    np.testing.assert_allclose(logits[:n], _hf_logits(hf, prompt), atol=1e-4, rtol=0)

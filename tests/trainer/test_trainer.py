@@ -365,3 +365,16 @@ def test_a_model_with_dropout_modules_trains_deterministically_with_gradient_che
         plain_trainer.compute_logprobs(batch.prompts, batch.responses),
     ):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+def test_the_loss_config_takes_a_symmetric_clip_and_a_decay_needs_its_end():
+    """clip_eps_high == clip_eps_low is PPO's symmetric clip (GRPO's 0.2 / 0.2): allowed, only a high below the low
+    is refused. A decaying lr needs total_updates to decay over: refused without it, naming it."""
+    assert LossConfig(clip_eps_low=0.2, clip_eps_high=0.2).clip_eps_high == 0.2
+    with pytest.raises(ValueError, match="clip_eps_high must be >= clip_eps_low"):
+        LossConfig(clip_eps_low=0.2, clip_eps_high=0.1)
+    for decay in ("linear", "cosine"):
+        with pytest.raises(ValueError, match="total_updates"):
+            TrainerConfig("unused", lr_decay=decay)
+        assert TrainerConfig("unused", lr_decay=decay, total_updates=4).total_updates == 4
+    assert TrainerConfig("unused").lr_decay == "constant"  # needs no end
