@@ -183,7 +183,7 @@ def bench_setting(name: str, args, work: Path, trl_reason: str | None) -> dict:
     from rlloop.config import load_config
 
     steps = args.steps or (args.quick_steps if args.quick else DEFAULT_STEPS[name])
-    skip = 2 if steps >= 6 else 1 if steps >= 2 else 0  # warm-up steps left out of the means
+    skip = warmup_steps(steps)
     overrides = [*setting_overrides(name, work), f"model.dtype={args.dtype}"]
     cfg = load_config(TINY, overrides)
     batches, tokenizer = draw_prompts(cfg, steps)
@@ -212,10 +212,20 @@ def bench_setting(name: str, args, work: Path, trl_reason: str | None) -> dict:
     if modes:
         out |= rooflines(cfg, batches, out[f"rlloop_{modes[0]}"], skip, modes)  # bound_s: in finish()
     for mode in modes if with_trl else ():
-        ratios = [t["s_per_step"] / m["s_per_step"] for t, m in zip(runs["trl"], runs[mode])]
-        out[f"trl_over_rlloop_{mode}"] = float(np.median(ratios))
-        out[f"trl_over_rlloop_{mode}_rounds"] = ratios
+        out |= trl_over_rlloop(mode, runs["trl"], runs[mode])
     return out
+
+
+def warmup_steps(steps: int) -> int:
+    """The first steps left out of the means (compiles, allocator growth): two of six or more, one of two or more."""
+    return 2 if steps >= 6 else 1 if steps >= 2 else 0
+
+
+def trl_over_rlloop(mode: str, trl: list[dict], rlloop: list[dict]) -> dict:
+    """TRL's s/step over `mode`'s, round by round (each round runs both side by side, so a neighbour's burst moves
+    both), and the median of those ratios."""
+    ratios = [t["s_per_step"] / m["s_per_step"] for t, m in zip(trl, rlloop, strict=True)]
+    return {f"trl_over_rlloop_{mode}": float(np.median(ratios)), f"trl_over_rlloop_{mode}_rounds": ratios}
 
 
 def median_run(results: list[dict]) -> dict:

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlloop.bench.e2e import finish, median_run, parse_args, rooflines, summarize
+from rlloop.bench.e2e import finish, median_run, parse_args, rooflines, summarize, trl_over_rlloop, warmup_steps
 from rlloop.bench.roofline import bound, step_work
 from rlloop.config import load_config
 from rollout.cost import generate_flops, train_flops
@@ -237,3 +237,21 @@ def test_the_busy_times_and_response_lengths_are_each_their_own_metric():
     assert run["breakdown_s"]["other"] == pytest.approx(3.0 - 3.0 - 0.5 - 0.125)
     assert run["response_len"] == [10.0, 11.0, 12.0] and run["response_len_max"] == [16, 15, 14]
     assert run["compiles"] == 3.0  # the engine warmed up before step 1: a compile in any step is a recompile
+
+
+def test_the_ratio_to_trl_is_the_median_of_each_rounds_own_ratio():
+    """Each round runs TRL and rlloop side by side: its ratio is taken within the round, then the median over the
+    rounds (4.0 here), not the ratio of the medians (2.0 / 1.0)."""
+    trl = [{"s_per_step": s} for s in (1.0, 4.0, 2.0)]
+    rlloop = [{"s_per_step": s} for s in (1.0, 1.0, 0.25)]
+    out = trl_over_rlloop("async", trl, rlloop)
+    assert out == {"trl_over_rlloop_async": 4.0, "trl_over_rlloop_async_rounds": [1.0, 4.0, 8.0]}
+    out = trl_over_rlloop("sync", trl[:2], rlloop[1:])  # an even count: the mean of the middle two
+    assert out["trl_over_rlloop_sync_rounds"] == [1.0, 16.0] and out["trl_over_rlloop_sync"] == 8.5
+    with pytest.raises(ValueError):  # a round missing on one side is not paired with another round
+        trl_over_rlloop("sync", trl, rlloop[:2])
+
+
+@pytest.mark.parametrize("steps, skip", [(1, 0), (2, 1), (5, 1), (6, 2), (12, 2)])
+def test_warm_up_steps_leave_at_least_one_step_timed(steps, skip):
+    assert warmup_steps(steps) == skip and steps - skip >= 1
