@@ -73,6 +73,9 @@ def make_tiny_hf_model(path, family: str = "qwen3", tie: bool = True, seed: int 
             },
             **common,
         )
+    elif family == "phi3":  # fused qkv and gate_up projections, dropout as nn.Dropout modules
+        common.pop("head_dim")
+        cfg = transformers.Phi3Config(**common)
     else:
         raise ValueError(family)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -341,25 +341,12 @@ def test_the_entropy_bonus_gradient_matches_an_independent_computation(tiny_qwen
 def test_a_model_with_dropout_modules_trains_deterministically_with_gradient_checkpointing(tmp_path, make_batch):
     """Phi-3 applies its resid_pdrop and embd_pdrop through nn.Dropout modules, which gradient checkpointing's train
     mode would switch on: every one is zeroed, so a checkpointed trainer's log-probs are the eval-mode model's."""
-    config = transformers.Phi3Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        resid_pdrop=0.5,
-        embd_pdrop=0.5,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(tmp_path / "phi3")
+    path = make_tiny_hf_model(tmp_path / "phi3", "phi3", resid_pdrop=0.5, embd_pdrop=0.5)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     assert any(isinstance(m, torch.nn.Dropout) and m.p == 0.5 for m in model.modules())
     batch = make_batch(4, seed=15)
-    ckpt_trainer = Trainer(TrainerConfig(str(tmp_path / "phi3"), gradient_checkpointing=True))
-    plain_trainer = Trainer(TrainerConfig(str(tmp_path / "phi3")))
+    ckpt_trainer = Trainer(TrainerConfig(str(path), gradient_checkpointing=True))
+    plain_trainer = Trainer(TrainerConfig(str(path)))
     for got, want in zip(
         ckpt_trainer.compute_logprobs(batch.prompts, batch.responses),
         plain_trainer.compute_logprobs(batch.prompts, batch.responses),
