@@ -79,7 +79,10 @@ def test_ray_receiver_in_another_process(ray_cluster, run_id):
     assert {n: (a.dtype.str, a.tobytes()) for n, a in w.items()} == got
 
 
-def test_ray_keyframe_request_reaches_sender(ray_cluster, run_id):
+def test_ray_keyframe_request_reaches_sender_and_is_answered_once(ray_cluster, run_id):
+    """A receiver that missed a delta's base asks for a keyframe; the mailbox hands the request to the sender once:
+    after the keyframe that answers it, the sender goes back to deltas (a request never cleared made every later
+    push a full keyframe)."""
     rng = np.random.default_rng(2)
     sender = make_ray_sender(SyncConfig(run_id=run_id, transport="ray", delta=True, keyframe_every=100, keep=1))
     receiver = make_ray_receiver(SyncConfig(run_id=run_id, transport="ray", delta=True))
@@ -94,6 +97,13 @@ def test_ray_keyframe_request_reaches_sender(ray_cluster, run_id):
     assert sender.push(w, 3).keyframe
     version, got = receiver.pull()
     assert version == 3 and _same_bits(got, w)
+    for v in (4, 5):
+        w = _step(w, rng)
+        stats = sender.push(w, v)
+        assert not stats.keyframe and stats.bytes < stats.full_bytes / 5
+        version, got = receiver.pull()
+        assert version == v and _same_bits(got, w)
+    assert receiver.keyframe_requests == 1
 
 
 def test_ray_corrupt_payload_is_refused_and_previous_kept(ray_cluster, run_id):
@@ -176,28 +186,3 @@ def test_ray_pull_of_at_most_an_unpublished_version_loads_the_newest_below_it(ra
     assert version == 3 and _same_bits(got, states[0])
     version, got = receiver.pull()
     assert version == 5 and _same_bits(got, states[1])
-
-
-def test_ray_keyframe_request_is_answered_once_then_deltas_resume(ray_cluster, run_id):
-    """The mailbox hands a keyframe request to the sender once: after the keyframe that answers it, the sender goes
-    back to deltas (a request never cleared made every later push a full keyframe, ~5x the bytes here)."""
-    rng = np.random.default_rng(5)
-    sender = make_ray_sender(SyncConfig(run_id=run_id, transport="ray", delta=True, keyframe_every=100, keep=1))
-    receiver = make_ray_receiver(SyncConfig(run_id=run_id, transport="ray", delta=True))
-    w = _weights(rng)
-    sender.push(w, 0)
-    receiver.pull()
-    for v in (1, 2):  # missed: only the newest is kept, a delta on a base the receiver lacks
-        w = _step(w, rng)
-        sender.push(w, v)
-    assert receiver.pull() is None and receiver.keyframe_requests == 1
-    w = _step(w, rng)
-    assert sender.push(w, 3).keyframe
-    assert receiver.pull()[0] == 3
-    for v in (4, 5):
-        w = _step(w, rng)
-        stats = sender.push(w, v)
-        assert not stats.keyframe and stats.bytes < stats.full_bytes / 5
-        version, got = receiver.pull()
-        assert version == v and _same_bits(got, w)
-    assert receiver.keyframe_requests == 1
