@@ -30,6 +30,12 @@ TINY = Path(__file__).resolve().parents[2] / "examples" / "grpo_dapo_tiny.yaml"
 PROMPT, SHORT = [5, 6, 7], SamplingParams(max_new_tokens=4)
 
 
+def sampled_batch(cluster: Cluster) -> TrainBatch:
+    """Two samples of PROMPT from the cluster's engines, as a batch to train on (advantages +1 and -1)."""
+    out, _ = cluster.generate([PROMPT], 2, SHORT)
+    return TrainBatch([PROMPT] * 2, [c.token_ids for c in out], [1.0, -1.0])
+
+
 def kill_engine(engine) -> None:
     """`ray.kill`, and wait until the engine is gone: the kill is asynchronous, and a call made right after it was
     now and then still served (a loaded CI host), so the call under test did not find the engine dead."""
@@ -71,9 +77,8 @@ def test_an_engines_refused_versions_still_count_after_it_is_rebuilt(ray_cluster
         ray.get(mailbox.post.remote(writer, 1, [ray.put(payload)]))
         assert cluster.pull_weights()["sync/refused"] == 1
         kill_engine(cluster.engines[0])
-        out, _ = cluster.generate([PROMPT], 2, SHORT)  # on the rebuilt engine
+        batch = sampled_batch(cluster)  # on the rebuilt engine
         assert cluster.restarts == 1
-        batch = TrainBatch([PROMPT] * 2, [c.token_ids for c in out], [1.0, -1.0])
         cluster.start_train_step(batch, publish=2).result()
         metrics = cluster.pull_weights()  # the new engine's first report: it has refused nothing itself
         assert metrics["sync/refused"] == 1 and metrics["sync/rollout_version"] == 2
@@ -89,8 +94,7 @@ def test_a_rebuilt_engine_generates_on_the_version_it_held_not_the_trainers_newe
     cluster = Cluster(cfg)
     try:
         cluster.warmup()
-        out, _ = cluster.generate([PROMPT], 2, SHORT)
-        batch = TrainBatch([PROMPT] * 2, [c.token_ids for c in out], [1.0, -1.0])
+        batch = sampled_batch(cluster)
         cluster.start_train_step(batch, publish=1).result()
         assert cluster.pull_weights()["sync/rollout_version"] == 1
         cluster.start_train_step(batch, publish=2).result()  # the trainer moves on; the engine stays on version 1
@@ -111,8 +115,7 @@ def test_a_colocated_engine_found_dead_by_its_sleep_or_wake_is_rebuilt(ray_clust
     cluster = Cluster(cfg)
     try:
         cluster.warmup()
-        out, _ = cluster.generate([PROMPT], 2, SHORT)
-        batch = TrainBatch([PROMPT] * 2, [c.token_ids for c in out], [1.0, -1.0])
+        batch = sampled_batch(cluster)
         kill_engine(cluster.engines[0])
         cluster.start_train_step(batch, publish=1).result()  # puts the engines to sleep first
         assert cluster.restarts == 1
@@ -257,8 +260,7 @@ def test_a_train_step_that_fails_after_the_runs_start_keeps_its_own_error(ray_cl
     cluster = Cluster(cfg)
     try:
         cluster.warmup()
-        out, _ = cluster.generate([PROMPT], 2, SHORT)
-        batch = TrainBatch([PROMPT] * 2, [c.token_ids for c in out], [1.0, -1.0])
+        batch = sampled_batch(cluster)
         assert cluster.start_train_step(batch, publish=1).result().published  # the start's step, healthy
         overflowing = TrainBatch(batch.prompts, batch.responses, [3e38, 3e38])  # finite, but its fp32 loss is not
         with pytest.raises(NonFiniteTraining) as raised:
