@@ -1,12 +1,16 @@
 """The loop modes' batch sources on the real tiny model: when async and fully_async may generate (the weights they
-wait for, a step that published nothing), where a checkpoint taken mid-flight resumes the data, and a resumed
-fully_async run's chunk seeds."""
+wait for, a step that published nothing), where a checkpoint taken mid-flight resumes the data, a resumed
+fully_async run's chunk seeds, and what the loop's queued training (start_training) tells its schedule and logs."""
 
 from contextlib import closing, contextmanager
+from types import SimpleNamespace
 
+import pytest
+
+from rlloop import loop
 from rlloop.config import load_config
 from rlloop.data import load_datasets
-from rlloop.loop import rollout_schedule
+from rlloop.loop import rollout_schedule, start_training
 from rlloop.rollout_manager import RolloutManager
 from rlloop.schedules import FullyAsyncRollout
 from tests.rlloop.conftest import TINY
@@ -95,3 +99,33 @@ def test_fully_async_resumes_at_the_oldest_buffered_prompt(setup):
             buffered = [g.prompt.index for g in source.buffer]
         cursor = source.resume_state()
     assert _drawn_from(rollout.cfg, setup[1], cursor, 2) == buffered
+
+
+def test_a_step_that_applied_no_update_publishes_nothing_and_its_schedule_hears_so(setup):
+    """A non-finite step (here: finite advantages that overflow the fp32 loss) changes no weight: the trainer
+    publishes nothing, and the schedule hears `trained(step, published=False)` as soon as the step is done, so that
+    later samples count no update for it (their staleness)."""
+    with schedule_of(setup, ["loop.mode=async", "rollout.prompts_per_step=2"]) as (rollout, schedule):
+        batch = schedule.next(1)
+        batch.samples.advantages[:] = 3e38
+        metrics = start_training(rollout.cfg, setup[0], 1, batch.samples, schedule)(0.0)
+        assert metrics["train/skipped_steps"] == metrics["train/minibatches"]
+        with schedule.cond:
+            assert schedule.cond.wait_for(lambda: schedule.trained_through == 1, timeout=60)
+        assert rollout.unpublished == {1}
+
+
+def test_a_steps_train_and_sync_seconds_split_the_drivers_wait_at_the_push(setup, monkeypatch):
+    """The driver's wait for a step (sync mode), on a fake clock: its `queued` seconds and its wait for the trainer
+    are train_s but for the push the trainer reports (perf/push_s), which is sync_s with the engines' pull after. A
+    push longer than the driver waited counts only what it waited."""
+    with schedule_of(setup, ["rollout.prompts_per_step=2"]) as (rollout, schedule):
+        for step, queued, reads in ((1, 5.0, [10.0, 12.5, 12.5, 13.0]), (2, 0.0, [20.0, 20.0, 20.0, 20.25])):
+            samples = schedule.next(step).samples
+            # the clock's reads in the wait: its start, the result, the pull's start and end
+            monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=iter(reads).__next__))
+            metrics = start_training(rollout.cfg, setup[0], step, samples, schedule)(queued)
+            push, blocked, pull = metrics["perf/push_s"], queued + reads[1] - reads[0], reads[3] - reads[2]
+            assert push > 0
+            assert metrics["perf/train_s"] == pytest.approx(blocked - min(push, blocked))
+            assert metrics["perf/sync_s"] == pytest.approx(min(push, blocked) + pull)
