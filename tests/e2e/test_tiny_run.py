@@ -156,11 +156,15 @@ def test_local_run_resumes_exactly_where_it_stopped(tmp_path, mode):
         for tok in (load_tokenizer(trained.model), load_tokenizer(straight.model))
     ]
     assert prompt_ids[0] == prompt_ids[1] and len(prompt_ids[0]) > 5
-    # a --resume with no step left to train returns at once, touching nothing
+    # a --resume with no step left to train (run.steps below the checkpoint's step, or at it) returns at once,
+    # touching nothing
     files = [tmp_path / "b" / name for name in ("metrics.jsonl", "config.yaml")]
     before = [f.read_text() for f in files]
-    train(load_config(TINY, common + ["run.steps=3", f"run.dir={tmp_path / 'b'}"]), resume=True)
+    written = {p: p.stat().st_mtime_ns for p in (tmp_path / "b").rglob("*")}
+    for steps in (3, 4):
+        train(load_config(TINY, common + [f"run.steps={steps}", f"run.dir={tmp_path / 'b'}"]), resume=True)
     assert [f.read_text() for f in files] == before
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "b").rglob("*")} == written
 
 
 def test_tiny_example_with_ray_learns_and_leaves_nothing_behind(tmp_path, other_rays):
@@ -567,3 +571,73 @@ def test_a_trainer_that_dies_before_the_runs_first_checkpoint_starts_over_and_pa
     assert "this run saved no checkpoint" in text and "without --resume" in text  # --resume would load step 8
     assert not rays_left(other_rays)
     assert not shm_segments(tmp_path), "shared-memory segments left behind"
+
+
+def trainer_dies_in(monkeypatch, method: str, *calls: int) -> None:
+    """The in-process trainer's `method` calls numbered `calls` (counted over the test, across rebuilds) end as a dead
+    trainer actor's do: TrainerDied. Without Ray the loop's restarts are reached no other way."""
+    from rlloop.errors import TrainerDied
+    from rlloop.workers import TrainerWorker
+
+    real, made = getattr(TrainerWorker, method), []
+
+    def dies(self, *args, **kwargs):
+        made.append(None)
+        if len(made) in calls:
+            raise TrainerDied(f"a trainer actor died during {method}() (injected, call {len(made)})")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(TrainerWorker, method, dies)
+
+
+def test_a_trainer_death_without_ray_rebuilds_from_the_checkpoint_and_a_resume_carries_the_restarts(
+    tmp_path, monkeypatch, untouched_run, caplog
+):
+    """The loop's side of the Ray tests above, in seconds: step 4's trainer dies after checkpoint 3, the cluster is
+    rebuilt from it and the run matches the untouched one, its later steps counting the restart. A --resume (a new
+    driver) goes on counting from its checkpoint's totals, the trainer's restarts and the engines' (set here to what
+    a run whose engines were restarted twice saves)."""
+    from rlloop.checkpoint import latest_checkpoint, load_state, save_checkpoint
+
+    trainer_dies_in(monkeypatch, "train_step", 4)
+    args = [f"run.dir={tmp_path}", *KILL_ARGS, "cluster.use_ray=false", "run.max_restarts=1"]
+    with caplog.at_level("WARNING", logger="rlloop"):
+        train(load_config(TINY, args))
+    assert "restarting from the last checkpoint (1/1)" in caplog.text
+    healed = metrics(tmp_path)
+    assert [m["step"] for m in healed] == [m["step"] for m in untouched_run]
+    for key in ("rollout/raw_reward", "rollout/response_len/mean", "train/loss", "train/grad_norm"):
+        assert [m[key] for m in healed] == [m[key] for m in untouched_run], key  # fp32, one process: bit for bit
+    assert [m["train/restarts"] for m in healed] == [0, 0, 0, 1, 1, 1, 1, 1]
+
+    last = latest_checkpoint(tmp_path)
+    state = load_state(last)
+    assert state["totals"]["train/restarts"] == 1
+    state["totals"]["rollout/engine_restarts"] = 2
+    save_checkpoint(
+        tmp_path, state.pop("step"), state, lambda path: shutil.copytree(last / "trainer", path, dirs_exist_ok=True)
+    )
+    train(load_config(TINY, [*args, "run.steps=9"]), resume=True)
+    resumed = metrics(tmp_path)[-1]
+    assert (resumed["step"], resumed["train/restarts"], resumed["rollout/engine_restarts"]) == (9, 1, 2)
+
+
+def test_a_trainer_death_without_ray_before_the_runs_first_checkpoint_starts_over_until_max_restarts(
+    tmp_path, monkeypatch, untouched_dir, untouched_run
+):
+    """In a directory holding an earlier run's checkpoint, a fresh run whose trainer dies before the run has saved one
+    of its own starts over from step 0, not from the earlier run's step 8: as the cluster starts (the directory not
+    yet changed), and at step 3, where it starts over with the data from its first prompt again. When it dies there
+    once more, past run.max_restarts=2, the run ends with TrainerDied."""
+    from rlloop.errors import TrainerDied
+
+    shutil.copytree(untouched_dir / "checkpoints" / "step_000008", tmp_path / "checkpoints" / "step_000008")
+    trainer_dies_in(monkeypatch, "setup", 1)
+    trainer_dies_in(monkeypatch, "train_step", 3, 6)  # the third step of the second life, and of the third
+    args = [f"run.dir={tmp_path}", *KILL_ARGS, "cluster.use_ray=false", "run.save_every=0", "run.max_restarts=2"]
+    with pytest.raises(TrainerDied, match=r"call 6\)\n\(run.max_restarts=2 spent\)$"):
+        train(load_config(TINY, args))
+    logged = metrics(tmp_path)  # the third life's steps before it died
+    assert [(m["step"], m["train/restarts"]) for m in logged] == [(1, 2), (2, 2)]
+    for key in ("rollout/raw_reward", "train/loss", "train/grad_norm"):
+        assert [m[key] for m in logged] == [m[key] for m in untouched_run[:2]], key
