@@ -8,7 +8,7 @@ import time
 
 import psutil
 
-from tests.e2e.test_tiny_run import latest_step, metrics, run_cli, shm_segments
+from tests.e2e.runs import latest_step, metrics, run_cli, shm_segments
 
 KILLS = 10
 # Each kill times one step of the running driver, then lands in the next: 2 steps a kill, and 4 more for kills that

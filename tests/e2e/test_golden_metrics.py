@@ -18,7 +18,7 @@ import pytest
 from rlloop.config import load_config
 from rlloop.loop import train
 from rlloop.tracking import read_metrics
-from tests.e2e.test_tiny_run import TINY
+from tests.e2e.runs import TINY
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_3_steps.jsonl"
 ARGS = ["run.steps=3", "run.eval_every=3", "run.save_every=0", "cluster.use_ray=false", "tracking.progress=false"]

@@ -10,7 +10,7 @@ from rlloop.compare import compare
 from rlloop.config import load_config
 from rlloop.loop import train
 from rlloop.tracking import read_metrics
-from tests.e2e.test_tiny_run import TINY
+from tests.e2e.runs import TINY
 
 STEPS = 12
 ARGS = [f"run.steps={STEPS}", "run.eval_every=0", "run.save_every=0", "cluster.use_ray=false", "rollout.backend=hf"]

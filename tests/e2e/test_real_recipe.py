@@ -15,7 +15,7 @@ import pytest
 
 from rlloop.config import load_config
 from rlloop.loop import train
-from tests.e2e.test_tiny_run import ROOT, metrics
+from tests.e2e.runs import ROOT, metrics
 
 pytestmark = pytest.mark.xdist_group("ray")  # starts Ray: one at a time (tests/conftest.py)
 

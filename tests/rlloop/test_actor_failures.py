@@ -1,7 +1,7 @@
 """What the driver does with an actor that fails: an engine that dies is rebuilt in place whichever of the driver's
 calls finds it dead, and the run goes on (the calls and settings that the end-to-end fault tests in
-tests/e2e/test_tiny_run.py, split engine and trainer through shm, do not reach; the engine is killed with `ray.kill`,
-as a SIGKILL would); an actor that cannot start is one clear error."""
+tests/e2e/test_actor_deaths.py, split engine and trainer through shm, do not reach; the engine is killed with
+`ray.kill`, as a SIGKILL would); an actor that cannot start is one clear error."""
 
 import os
 import signal
