@@ -96,20 +96,22 @@ class Cluster:
             cfg.cluster.device,
             world * self.with_trainers,
         )
-        if not self.workers_are_ray_actors:
-            self._start_local(cfg, engine, ranks[0], engine_restarts)
-            return
-        import ray
+        if self.workers_are_ray_actors:
+            import ray
 
-        if not ray.is_initialized():  # else Ray's first remote call would start one without ray_session's settings
-            raise RuntimeError(
-                "a Cluster with cluster.use_ray places its actors in this process's Ray: start or join one first "
-                "(rlloop.ray_session.ray_session, as rlloop.loop does)"
-            )
+            if not ray.is_initialized():  # else Ray's first remote call would start one without ray_session's settings
+                raise RuntimeError(
+                    "a Cluster with cluster.use_ray places its actors in this process's Ray: start or join one first "
+                    "(rlloop.ray_session.ray_session, as rlloop.loop does)"
+                )
         try:
-            self._start(cfg, engine, ranks, engine_restarts)
+            if self.workers_are_ray_actors:
+                self._start(cfg, engine, ranks, engine_restarts)
+            else:
+                self._start_local(cfg, engine, ranks[0], engine_restarts)
         except BaseException:
-            self.close()  # a half-built cluster must not leave actors behind
+            # A half-built cluster must not leave actors behind, nor, in this process, engines and a frozen heap
+            self.close()
             raise
 
     def _start_local(self, cfg: Config, engine: dict, rank: dict, engine_restarts: RestartCount | None) -> None:

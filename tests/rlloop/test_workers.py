@@ -2,6 +2,7 @@
 long-lived heap is kept out of the garbage collector's full collections), what a trainer rank publishes, when an
 engine generating with in-flight updates takes new weights, and the engines' receivers counted together."""
 
+import gc
 import os
 import subprocess
 import sys
@@ -259,3 +260,21 @@ def test_an_actor_pins_itself_to_the_cores_it_is_allowed_counted_modulo_their_nu
     out = subprocess.run([sys.executable, "-c", PIN_PROGRAM], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True", "1"]
+
+
+def test_an_in_process_cluster_whose_trainer_cannot_start_closes_its_engines(tmp_path, monkeypatch):
+    """Without Ray the engines are built, and freeze this process's heap (freeze_heap), before the trainer starts: a
+    trainer that cannot start must close them and give the heap back to the collector, or everything the failed start
+    built stays in memory for the rest of the process."""
+    closed = []
+    monkeypatch.setattr(RolloutWorker, "close", lambda self, real=RolloutWorker.close: closed.append(real(self)))
+
+    def cannot_start(self):
+        raise RuntimeError("the trainer cannot start")
+
+    monkeypatch.setattr(TrainerWorker, "setup", cannot_start)
+    gc.unfreeze()  # whatever an earlier test left frozen
+    overrides = ["cluster.use_ray=false", "cluster.rollout_chips=2", "cluster.rollout_engines=2", f"run.dir={tmp_path}"]
+    with pytest.raises(RuntimeError, match="the trainer cannot start"):
+        Cluster(load_config(TINY, overrides))
+    assert len(closed) == 2 and gc.get_freeze_count() == 0
