@@ -1,10 +1,12 @@
 """Logits parity of the JAX decoder with Hugging Face transformers in fp32, on the same weights.
 
 A packed prefill (two prompts in one bucket, padding included) then 32 greedy decode steps; every logit must match
-HF's full forward over the same sequence to 1e-4, and each greedy token must be HF's argmax.
+HF's full forward over the same sequence to 1e-4, and each greedy token must be HF's argmax. In bf16 on an AVX-512
+CPU, the final hidden states must be HF's bf16 ones bit for bit (rollout.numerics).
 """
 
 import functools
+import platform
 
 import jax
 import jax.numpy as jnp
@@ -16,9 +18,16 @@ import transformers
 from rollout.kv_cache import init_cache
 from rollout.model import decode_step, logits_from_hidden, prefill
 from rollout.model_config import ModelConfig
+from rollout.numerics import COMPILER_OPTIONS
 from rollout.weights import load_safetensors_dir, params_from_named_arrays
 from tests.conftest import make_tiny_hf_model
 
+# Where rollout.numerics reproduces torch's bf16 kernels bit for bit: torch's x86 CPU kernels built for AVX-512
+TORCH_AVX512_CPU = (
+    platform.machine().lower() in ("x86_64", "amd64")
+    and jax.default_backend() == "cpu"
+    and torch.backends.cpu.get_cpu_capability() == "AVX512"
+)
 CASES = [("qwen3", True), ("qwen3", False), ("qwen2", False), ("llama", False), ("llama", True)]
 
 
@@ -165,3 +174,57 @@ def test_attention_biases_match_hf(tmp_path, family):
     _, hidden = jax.jit(functools.partial(prefill, cfg))(params, cache, tokens, positions, segments, slots)
     logits = np.asarray(logits_from_hidden(params, hidden))
     np.testing.assert_allclose(logits[:n], _hf_logits(hf, prompt), atol=1e-4, rtol=0)
+
+
+def _draw_norms_and_biases(path, dtype=torch.float32):
+    """Redraw every RMSNorm weight and bias of the model saved at `path` (random init leaves them at 1 and 0, where a
+    norm applied with another's weight or a dropped bias computes the same logits) and save it in `dtype`."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.5 * torch.randn(param.shape, generator=gen))
+            elif name.endswith(".bias"):
+                param.copy_(0.5 * torch.randn(param.shape, generator=gen))
+    hf.to(dtype).save_pretrained(path)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
+def test_norm_weights_and_mlp_biases_match_hf(tmp_path, family):
+    """Each norm is applied with its own weight where transformers applies it (q_norm / k_norm before RoPE, attn_norm,
+    mlp_norm, the final norm), and Llama's MLP biases are added, gate, up and down. The padding shares the prompt's
+    segment: its out-of-range slot alone keeps it out of the prompt's attention."""
+    path = make_tiny_hf_model(tmp_path / family, family, tie=False, seed=6, mlp_bias=family == "llama")
+    hf = _draw_norms_and_biases(path)
+    assert family != "llama" or hf.model.layers[0].mlp.down_proj.bias is not None
+    cfg = ModelConfig.from_dir(str(path))
+    params = jax.tree.map(jnp.asarray, params_from_named_arrays(cfg, load_safetensors_dir(str(path)), "float32"))
+    prompt = [int(t) for t in np.random.default_rng(2).integers(3, cfg.vocab_size, 12)]
+    n = len(prompt)
+    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 16, cfg.head_dim, jnp.float32)
+    tokens, positions = np.array(prompt + [0] * 4, np.int32), np.array(list(range(n)) + [0] * 4, np.int32)
+    segments, slots = np.zeros(n + 4, np.int32), np.array([0] * n + [1] * 4, np.int32)
+    _, hidden = jax.jit(functools.partial(prefill, cfg))(params, cache, tokens, positions, segments, slots)
+    logits = np.asarray(logits_from_hidden(params, hidden))
+    np.testing.assert_allclose(logits[:n], _hf_logits(hf, prompt), atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not TORCH_AVX512_CPU, reason="bit for bit on an x86-64 CPU with AVX-512 (rollout.numerics)")
+def test_bf16_hidden_states_are_hf_bf16s_bit_for_bit(tmp_path):
+    """rollout.numerics' point: in bf16 on an AVX-512 CPU, a prompt of 64 tokens (a multiple of 16: torch takes the
+    exp of a row's last length-mod-16 keys exactly) ends in the final hidden states of transformers' bf16 forward,
+    every bit, with norms of drawn weights (where multiplying by the weight before rounding is another order)."""
+    path = make_tiny_hf_model(tmp_path / "q3", "qwen3", tie=False, seed=6)
+    hf = _draw_norms_and_biases(path, torch.bfloat16)
+    cfg = ModelConfig.from_dir(str(path))
+    params = jax.tree.map(jnp.asarray, params_from_named_arrays(cfg, load_safetensors_dir(str(path)), "bfloat16"))
+    prompt = [int(t) for t in np.random.default_rng(7).integers(3, cfg.vocab_size, 64)]
+    with torch.no_grad():
+        want = hf.model(torch.tensor([prompt])).last_hidden_state[0].float().numpy()
+    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 64, cfg.head_dim, jnp.bfloat16)
+    zeros = np.zeros(64, np.int32)
+    run = jax.jit(functools.partial(prefill, cfg), compiler_options=COMPILER_OPTIONS)  # as the engine compiles it
+    _, hidden = run(params, cache, np.array(prompt, np.int32), np.arange(64, dtype=np.int32), zeros, zeros)
+    np.testing.assert_array_equal(np.asarray(hidden.astype(jnp.float32)), want)
