@@ -10,8 +10,14 @@ largest |logit| ≈ 13, as trained LMs do (default init gives |logit| < 1, where
 
 Sequences are 16 + 48 = 64 tokens, a multiple of 16: torch's CPU flash attention takes the exp of a row's last
 (length mod 16) keys from an exact exp rather than its vectorised approximation, which the engine cannot know.
+
+The last tests check rollout.numerics' pieces on their own, against torch's kernels and exp's definition, at widths
+and inputs that the tiny models do not reach.
 """
 
+import platform
+
+import jax
 import numpy as np
 import pytest
 import torch
@@ -131,3 +137,40 @@ def test_with_top_k_and_top_p_the_engine_reports_the_truncated_distribution_the_
     log_pi = z - np.logaddexp.reduce(z, axis=-1, keepdims=True)
     kept_mass = np.logaddexp.reduce(np.where(kept, log_pi, -np.inf), axis=-1)
     np.testing.assert_allclose(ours[0] - theirs[0], -kept_mass, atol=1e-4)
+
+
+@pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64") or jax.default_backend() != "cpu",
+    reason="torch's x86 CPU kernels are reproduced on an x86-64 CPU only",
+)
+def test_sums_and_rms_norm_scales_are_torchs_bit_for_bit():
+    """rollout.numerics sums a row in the order of torch's CPU cascade sum, whatever its length: a scalar tail, vectors
+    left over after rows of 4, 16-row blocks folded into levels 2 and 3; and RMSNorm's scale over bf16 values is
+    torch's rsqrt(mean(x²) + eps), bit for bit. Short rows (the tiny models' widths) reach few of those branches."""
+    from rollout.numerics import inv_rms, matches_torch_cpu, torch_cpu_sum
+
+    assert matches_torch_cpu("bfloat16") and not matches_torch_cpu("float32")  # fp32 runs plain XLA math
+    rng = np.random.default_rng(0)
+    for n in (8, 13, 40, 100, 520, 9000, 70003, 131072 + 60):  # from one vector (shorter rows: plain sums)
+        x = rng.normal(size=(4, n)).astype(np.float32)
+        ours = np.asarray(jax.jit(torch_cpu_sum)(x))[:, 0]
+        np.testing.assert_array_equal(ours, torch.from_numpy(x).sum(-1).numpy(), err_msg=f"row length {n}")
+    scale = jax.jit(inv_rms, static_argnums=(1, 2))
+    for n in (32, 64, 100, 1000, 4096):
+        for std in (1.0, 1e-3):  # at 1e-3, eps is a tenth of the mean square
+            xb = torch.from_numpy(rng.normal(0, std, (16, n)).astype(np.float32)).bfloat16().float()
+            want = torch.rsqrt(xb.pow(2).mean(-1, keepdim=True) + 1e-7).numpy()
+            np.testing.assert_array_equal(np.asarray(scale(xb.numpy(), 1e-7, "bfloat16")), want)
+            np.testing.assert_allclose(np.asarray(scale(xb.numpy(), 1e-7, "float32")), want, rtol=1e-6)
+
+
+def test_the_fast_exp_is_exp_within_its_approximation():
+    """torch_cpu_fast_exp is torch's fexp_u20: exp to a relative ~1e-4 over fp32's range, 0 below it (masked scores
+    at -1e30 weigh nothing), inf above it."""
+    from rollout.numerics import torch_cpu_fast_exp
+
+    x = np.concatenate([np.linspace(-87.0, 88.0, 20001), np.linspace(-1.0, 1.0, 4001)]).astype(np.float32)
+    got = np.asarray(jax.jit(torch_cpu_fast_exp)(x)).astype(np.float64)
+    np.testing.assert_allclose(got, np.exp(x.astype(np.float64)), rtol=2e-4, atol=0)
+    edges = np.asarray(jax.jit(torch_cpu_fast_exp)(np.array([-1e30, -104.0, 89.0, 1e30], np.float32)))
+    assert list(edges) == [0.0, 0.0, np.inf, np.inf]
