@@ -164,16 +164,22 @@ def test_attention_biases_match_hf(tmp_path, family):
             for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 getattr(layer.self_attn, proj).bias.normal_(0, 0.5)
     hf.save_pretrained(path)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, hf.config.vocab_size, 9)]
+    np.testing.assert_allclose(_prefill_logits(path, prompt), _hf_logits(hf, prompt), atol=1e-4, rtol=0)
+
+
+def _prefill_logits(path, prompt: list[int], padding_segment: int = 1) -> np.ndarray:
+    """The fp32 decoder's logits over `prompt`, prefilled in a 16-token bucket whose padding lies in slot 1 (out of
+    range: dropped) and in segment `padding_segment` (the prompt's is 0)."""
     cfg = ModelConfig.from_dir(str(path))
     params = jax.tree.map(jnp.asarray, params_from_named_arrays(cfg, load_safetensors_dir(str(path)), "float32"))
-    prompt = [int(t) for t in np.random.default_rng(0).integers(3, cfg.vocab_size, 9)]
-    n = len(prompt)
+    n, pad = len(prompt), 16 - len(prompt)
     cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 16, cfg.head_dim, jnp.float32)
-    tokens, positions = np.array(prompt + [0] * 7, np.int32), np.array(list(range(n)) + [0] * 7, np.int32)
-    segments = slots = np.array([0] * n + [1] * 7, np.int32)  # the padding in slot 1: out of range, dropped
+    tokens, positions = np.array(prompt + [0] * pad, np.int32), np.array(list(range(n)) + [0] * pad, np.int32)
+    segments = np.array([0] * n + [padding_segment] * pad, np.int32)
+    slots = np.array([0] * n + [1] * pad, np.int32)
     _, hidden = jax.jit(functools.partial(prefill, cfg))(params, cache, tokens, positions, segments, slots)
-    logits = np.asarray(logits_from_hidden(params, hidden))
-    np.testing.assert_allclose(logits[:n], _hf_logits(hf, prompt), atol=1e-4, rtol=0)
+    return np.asarray(logits_from_hidden(params, hidden))[:n]
 
 
 def _draw_norms_and_biases(path, dtype=torch.float32):
@@ -199,16 +205,9 @@ def test_norm_weights_and_mlp_biases_match_hf(tmp_path, family):
     path = make_tiny_hf_model(tmp_path / family, family, tie=False, seed=6, mlp_bias=family == "llama")
     hf = _draw_norms_and_biases(path)
     assert family != "llama" or hf.model.layers[0].mlp.down_proj.bias is not None
-    cfg = ModelConfig.from_dir(str(path))
-    params = jax.tree.map(jnp.asarray, params_from_named_arrays(cfg, load_safetensors_dir(str(path)), "float32"))
-    prompt = [int(t) for t in np.random.default_rng(2).integers(3, cfg.vocab_size, 12)]
-    n = len(prompt)
-    cache = init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 16, cfg.head_dim, jnp.float32)
-    tokens, positions = np.array(prompt + [0] * 4, np.int32), np.array(list(range(n)) + [0] * 4, np.int32)
-    segments, slots = np.zeros(n + 4, np.int32), np.array([0] * n + [1] * 4, np.int32)
-    _, hidden = jax.jit(functools.partial(prefill, cfg))(params, cache, tokens, positions, segments, slots)
-    logits = np.asarray(logits_from_hidden(params, hidden))
-    np.testing.assert_allclose(logits[:n], _hf_logits(hf, prompt), atol=1e-4, rtol=0)
+    prompt = [int(t) for t in np.random.default_rng(2).integers(3, hf.config.vocab_size, 12)]
+    logits = _prefill_logits(path, prompt, padding_segment=0)
+    np.testing.assert_allclose(logits, _hf_logits(hf, prompt), atol=1e-4, rtol=0)
 
 
 @pytest.mark.skipif(not TORCH_AVX512_CPU, reason="bit for bit on an x86-64 CPU with AVX-512 (rollout.numerics)")
