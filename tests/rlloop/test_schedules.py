@@ -1,6 +1,7 @@
 """The loop modes' batch sources on the real tiny model: when async and fully_async may generate (the weights they
-wait for, a step that published nothing), where a checkpoint taken mid-flight resumes the data, a resumed
-fully_async run's chunk seeds, and what the loop's queued training (start_training) tells its schedule and logs."""
+wait for, a step that published nothing, a resumed run), where a checkpoint taken mid-flight resumes the data, a
+resumed fully_async run's chunk seeds, and what the loop's queued training (start_training) tells its schedule (a step
+that published nothing, one whose training raised) and logs."""
 
 from contextlib import closing, contextmanager
 from types import SimpleNamespace
@@ -38,13 +39,16 @@ def test_a_resumed_fully_async_run_draws_new_samples_for_its_first_chunk(setup):
 
 
 @contextmanager
-def schedule_of(setup, overrides: list[str]):
-    """The `loop.mode` schedule `overrides` set, over the module's cluster with its own manager and data, closed
-    after; yields (manager, schedule)."""
+def schedule_of(setup, overrides: list[str], start: int = 0):
+    """The `loop.mode` schedule `overrides` set for a run that has trained `start` steps, over the module's cluster
+    with its own manager and data, closed after; yields (manager, schedule)."""
     cluster, tok = setup
     cfg = load_config(TINY, ["rollout.backend=hf", "cluster.use_ray=false", *overrides])
     data, _ = load_datasets(cfg, tok)
-    with closing(RolloutManager(cfg, cluster, tok, data)) as rollout, closing(rollout_schedule(rollout)) as schedule:
+    with (
+        closing(RolloutManager(cfg, cluster, tok, data)) as rollout,
+        closing(rollout_schedule(rollout, start)) as schedule,
+    ):
         yield rollout, schedule
 
 
@@ -76,6 +80,16 @@ def _drawn_from(cfg, tok, cursor, n):
     data, _ = load_datasets(cfg, tok)
     data.load_state_dict(cursor)
     return [p.index for p in data.next_batch(n)]
+
+
+def test_a_resumed_async_run_waits_for_no_weights_before_its_checkpoints(setup):
+    """Resumed after step 5, async generates step 6 on the checkpoint's weights at once, and step 6's training moves
+    the weights it has on to 6. Counted from step 0 instead, the run's first generation waited for steps 1 to 4,
+    which it never trains, and hung."""
+    with schedule_of(setup, ["loop.mode=async", "rollout.prompts_per_step=2", "run.steps=8"], start=5) as (_, schedule):
+        schedule.trained(6)
+        assert schedule.trained_through == 6
+        assert len(schedule.next(7).samples.prompts) == 2  # waits for step 5's weights: the checkpoint's
 
 
 def test_async_resumes_at_the_prompts_of_the_step_generated_ahead(setup):
@@ -113,6 +127,22 @@ def test_a_step_that_applied_no_update_publishes_nothing_and_its_schedule_hears_
         with schedule.cond:
             assert schedule.cond.wait_for(lambda: schedule.trained_through == 1, timeout=60)
         assert rollout.unpublished == {1}
+
+
+def test_a_step_whose_training_raises_ends_the_wait_for_its_weights(setup):
+    """A step whose training raised (here: a sample the trainer refuses) publishes nothing, ever: the schedule hears
+    `training_failed`, so that a fully_async `next` waiting for groups that only that step's weights would admit (at
+    max_staleness 0, every chunk after step 1's) raises the step's error instead of waiting for ever."""
+    fully_async = ["loop.mode=fully_async", "rollout.prompts_per_step=2", "loop.max_staleness=0"]
+    with schedule_of(setup, fully_async) as (rollout, source):
+        batch = source.next(1)
+        batch.samples.completions[0].logprobs[0] = float("nan")
+        with pytest.raises(ValueError, match="non-finite"):
+            start_training(rollout.cfg, setup[0], 1, batch.samples, source)(0.0)
+        with source.cond:  # the future's callbacks may run just after its waiter wakes
+            assert source.cond.wait_for(lambda: source.error is not None, timeout=60)
+        with pytest.raises(ValueError, match="non-finite"):
+            source.next(2)
 
 
 def test_a_steps_train_and_sync_seconds_split_the_drivers_wait_at_the_push(setup, monkeypatch):
