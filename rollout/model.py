@@ -17,13 +17,15 @@ is causal inside a segment and blind across segments. Decode handles one token p
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 
 from rollout.cost import DECODE_CHUNK, decode_chunks, reads_whole_cache
 from rollout.kv_cache import KVCache, page_starts, write_layer
 from rollout.model_config import ModelConfig
-from rollout.numerics import attention_exp, inv_rms
+from rollout.numerics import FLASH_KV_BLOCK, attention_exp, inv_rms
 from rollout.weights import LayerWeights, Weights
 
 F32 = jnp.float32
@@ -177,10 +179,18 @@ def _decode_attention(
             return _chunked_attention(q, k_cache, v_cache, positions, kv_len)
         mask = (jnp.arange(v_cache.shape[2])[None, :] <= positions[:, None])[:, None, None, :]
         return _attend(q, k_cache, v_cache, mask, ("bkgd,bkdt->bkgt", "bkgt,bktd->bkgd"))
-    # Two passes, in `_attend`'s op order so that every bf16 rounding is the whole row's: the scores of the pages in
-    # use and their max, then each page's exp(s - max) times its V, summed in fp32 with the softmax's denominator.
+    # Two passes, in the op order of torch's CPU flash kernel (what the trainer's attention runs on CPU), so that
+    # every bf16 rounding is the trainer's: the scores of the pages in use, then exp(s - max) times V, summed in fp32
+    # with the softmax's denominator. That kernel softmaxes a row in blocks of FLASH_KV_BLOCK keys, each block's exp
+    # taken against the running max (the largest score up to and including the block), the sums so far rescaled by
+    # exp(old max - new max) as the max grows: against the row's overall max, every weight of a block before the
+    # max's was rounded to bf16 at another scale, which took the bf16 log-prob gap past 512 positions from ~1e-3 to
+    # ~9e-3 nats. A cache of one block is the plain two-pass softmax (`_attend`'s).
     dtype, scale = q.dtype, q.shape[-1] ** -0.5
-    starts = page_starts(tuple(v.shape[2] for v in v_pages))
+    lens = tuple(v.shape[2] for v in v_pages)
+    starts = page_starts(lens)
+    pieces = _block_pieces(starts, lens)
+    blocks = pieces[-1][-1][0] + 1
 
     def in_use(i, read, skipped):
         return read() if i == 0 else jax.lax.cond(starts[i] < kv_len, read, skipped)
@@ -194,19 +204,52 @@ def _decode_attention(
         in_use(i, lambda k=k, i=i: page_scores(starts[i], k), lambda k=k: jnp.full((*q.shape[:3], k.shape[3]), -1e30))
         for i, k in enumerate(k_pages)
     ]
-    top = jnp.max(jnp.stack([s.max(axis=-1) for s in scores]), axis=0)[..., None]
-    pv = jnp.zeros(q.shape, F32)
-    denom = jnp.zeros(q.shape[:3], F32)
-    for i, (s, v) in enumerate(zip(scores, v_pages)):
+    block_max = [[] for _ in range(blocks)]
+    for s, page in zip(scores, pieces):
+        for block, lo, end in page:
+            block_max[block].append(s[..., lo:end].max(axis=-1))
+    running = list(itertools.accumulate((jnp.max(jnp.stack(m), axis=0) for m in block_max), jnp.maximum))
+    pv = [jnp.zeros(q.shape, F32) for _ in range(blocks)]
+    denom = [jnp.zeros(q.shape[:3], F32) for _ in range(blocks)]
+    for i, (s, v, page) in enumerate(zip(scores, v_pages, pieces)):
 
-        def page_values(s=s, v=v):
-            weights = attention_exp(s - top, dtype)
-            out = jnp.einsum("bkgt,bktd->bkgd", weights.astype(dtype), v, precision=HIGHEST, preferred_element_type=F32)
-            return out, jnp.sum(weights, axis=-1)
+        def page_values(s=s, v=v, page=page):
+            outs = []
+            for block, lo, end in page:
+                weights = attention_exp(s[..., lo:end] - running[block][..., None], dtype)
+                pv_ = jnp.einsum(
+                    "bkgt,bktd->bkgd",
+                    weights.astype(dtype),
+                    v[:, :, lo:end],
+                    precision=HIGHEST,
+                    preferred_element_type=F32,
+                )
+                outs.append((pv_, jnp.sum(weights, axis=-1)))
+            return tuple(outs)
 
-        page_pv, page_sum = in_use(i, page_values, lambda: (jnp.zeros(q.shape, F32), jnp.zeros(q.shape[:3], F32)))
-        pv, denom = pv + page_pv, denom + page_sum
-    return (pv * (1.0 / denom)[..., None]).astype(dtype)
+        skipped = tuple((jnp.zeros(q.shape, F32), jnp.zeros(q.shape[:3], F32)) for _ in page)
+        for (block, _, _), (page_pv, page_sum) in zip(page, in_use(i, page_values, lambda skipped=skipped: skipped)):
+            pv[block], denom[block] = pv[block] + page_pv, denom[block] + page_sum
+    out, total = pv[0], denom[0]
+    for block in range(1, blocks):  # torch's order: sum = block sum + rescale * sum; out = out * rescale + block P.V
+        rescale = jnp.exp(running[block - 1] - running[block])
+        total = denom[block] + rescale * total
+        out = out * rescale[..., None] + pv[block]
+    return (out * (1.0 / total)[..., None]).astype(dtype)
+
+
+def _block_pieces(starts: list[int], lens: tuple[int, ...]) -> list[list[tuple[int, int, int]]]:
+    """Each page's (kv block, first, end) offsets: the page cut where a block of FLASH_KV_BLOCK keys starts (pages of
+    64 positions never are; longer pages of a long cache may be)."""
+    pieces = []
+    for start, n in zip(starts, lens):
+        page, lo = [], 0
+        while lo < n:
+            end = min(n, lo + FLASH_KV_BLOCK - (start + lo) % FLASH_KV_BLOCK)
+            page.append(((start + lo) // FLASH_KV_BLOCK, lo, end))
+            lo = end
+        pieces.append(page)
+    return pieces
 
 
 def _chunked_attention(

@@ -18,12 +18,13 @@ this module holds the rest:
     those weights are rounded to next);
   - `inv_rms`: RMSNorm's mean of squares is summed in the order of torch's CPU cascade sum, divided by n, and
     torch's rsqrt is 1 / sqrt, two correctly rounded ops (XLA's rsqrt and reduction order differ by an fp32 ulp
-    in ~30% of rows, enough to flip a bf16 rounding now and then).
-  What is left differs rarely: the accumulation order of XLA's q·k matmul (and others) against torch's, and the
-  last (row length mod 16) keys of torch's attention rows, whose exp torch takes exactly. The match holds while
-  torch's flash kernel sees one key block (up to 512 positions) and the engine's decode reads the cache whole (on
-  CPU, up to one 64-position page); longer rows are summed block by block in different blocks on the two sides, and
-  a paged cache sums P·V page by page, which now and then rounds a bf16 output the other way (docs/design.md §3.13).
+    in ~30% of rows, enough to flip a bf16 rounding now and then);
+  - `FLASH_KV_BLOCK`: past this many keys the flash kernel softmaxes a row block by block against the running max,
+    and rollout.model's paged decode follows it.
+  What is left differs rarely, and each difference spreads to every later token, so the gap grows with a row's
+  length: the accumulation order of XLA's matmuls against oneDNN's (a paged cache's P·V summed page by page among
+  them), the last (row length mod 16) keys of torch's attention rows, whose exp torch takes exactly, and a prefill
+  longer than a block, which the engine softmaxes in one (docs/design.md §3.13 has the figures).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ import jax
 import jax.numpy as jnp
 
 F32 = jnp.float32
+
+# torch's CPU flash kernel softmaxes a row's keys in blocks of this many (its kv_split_size for every query length)
+FLASH_KV_BLOCK = 512
 
 # Passed to the engine's jax.jit programs (rollout.programs); see the module docstring.
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
