@@ -217,14 +217,14 @@ def _decode_attention(
             outs = []
             for block, lo, end in page:
                 weights = attention_exp(s[..., lo:end] - running[block][..., None], dtype)
-                pv_ = jnp.einsum(
+                block_pv = jnp.einsum(
                     "bkgt,bktd->bkgd",
                     weights.astype(dtype),
                     v[:, :, lo:end],
                     precision=HIGHEST,
                     preferred_element_type=F32,
                 )
-                outs.append((pv_, jnp.sum(weights, axis=-1)))
+                outs.append((block_pv, jnp.sum(weights, axis=-1)))
             return tuple(outs)
 
         skipped = tuple((jnp.zeros(q.shape, F32), jnp.zeros(q.shape[:3], F32)) for _ in page)
