@@ -28,7 +28,9 @@ from rollout.weight_table import LAYER_PARAMS, LM_HEAD, TOP_PARAMS
 #   of the whole row: one core, the e2e bench's 28M model (128 rows, 256 positions, fp32 cache), 20.9 / 30.3 / 39.5 ms
 #   for a step's attention with 120 / 180 / 228 positions in use against 40 ms for the whole row and 69-123 ms in
 #   128-position chunks. 32-position pages cost more per page (44.5 ms at 228). At most MAX_PAGES pages per row
-#   (longer pages for long caches), so that the program stays small.
+#   (longer pages for long caches), so that the program stays small. A longer page is a power of two up to 512
+#   positions, else a multiple of 512, so that no page straddles the FLASH_KV_BLOCK-key blocks that decode softmaxes
+#   by: a piece of a page would be a slice, which XLA:CPU copies.
 # - chunked (TPU's default for a long cache): one buffer, read in chunks of DECODE_CHUNK positions by a while loop.
 # - whole: one buffer read whole in one pass, a short cache's default on accelerators. On a GPU, XLA drives a loop (or
 #   a conditional) from the host, its predicate copied back per chunk, per layer, per step, and copies every chunk it
@@ -36,6 +38,9 @@ from rollout.weight_table import LAYER_PARAMS, LM_HEAD, TOP_PARAMS
 #   2.33x faster decode with a 384-position cache, 0.85x with a 2048-position one (docs/benchmarks.md, device).
 DECODE_PAGE = 64
 MAX_PAGES = 16
+# torch's CPU flash kernel softmaxes a row's keys in blocks of this many (its kv_split_size for every query length);
+# the paged decode follows it (rollout.model, rollout.numerics)
+FLASH_KV_BLOCK = 512
 DECODE_CHUNK = 128
 WHOLE_CACHE_CHUNKS = {"gpu": 8}  # other platforms: 2
 
@@ -45,7 +50,9 @@ def cache_page_len(max_len: int, platform: str = "cpu", decode_attention: str = 
     DECODE_PAGE, or longer to keep to MAX_PAGES, where the cache is paged ("paged", or "auto" on CPU), else max_len
     (one buffer)."""
     if decode_attention == "paged" or (decode_attention == "auto" and platform == "cpu"):
-        return min(max_len, DECODE_PAGE * -(-max_len // (DECODE_PAGE * MAX_PAGES)))
+        page = DECODE_PAGE * -(-max_len // (DECODE_PAGE * MAX_PAGES))
+        page = 1 << (page - 1).bit_length() if page <= FLASH_KV_BLOCK else -(-page // FLASH_KV_BLOCK) * FLASH_KV_BLOCK
+        return min(max_len, page)
     return max_len
 
 

@@ -22,10 +22,10 @@ import itertools
 import jax
 import jax.numpy as jnp
 
-from rollout.cost import DECODE_CHUNK, decode_chunks, reads_whole_cache
+from rollout.cost import DECODE_CHUNK, FLASH_KV_BLOCK, decode_chunks, reads_whole_cache
 from rollout.kv_cache import KVCache, page_starts, write_layer
 from rollout.model_config import ModelConfig
-from rollout.numerics import FLASH_KV_BLOCK, attention_exp, inv_rms
+from rollout.numerics import attention_exp, inv_rms
 from rollout.weights import LayerWeights, Weights
 
 F32 = jnp.float32
@@ -239,8 +239,8 @@ def _decode_attention(
 
 
 def _block_pieces(starts: list[int], lens: tuple[int, ...]) -> list[list[tuple[int, int, int]]]:
-    """Each page's (kv block, first, end) offsets: the page cut where a block of FLASH_KV_BLOCK keys starts (pages of
-    64 positions never are; longer pages of a long cache may be)."""
+    """Each page's (kv block, first, end) offsets: the page cut where a block of FLASH_KV_BLOCK keys starts (only a
+    page longer than a block is: rollout.cost.cache_page_len aligns pages with the blocks)."""
     pieces = []
     for start, n in zip(starts, lens):
         page, lo = [], 0

@@ -19,8 +19,8 @@ this module holds the rest:
   - `inv_rms`: RMSNorm's mean of squares is summed in the order of torch's CPU cascade sum, divided by n, and
     torch's rsqrt is 1 / sqrt, two correctly rounded ops (XLA's rsqrt and reduction order differ by an fp32 ulp
     in ~30% of rows, enough to flip a bf16 rounding now and then);
-  - `FLASH_KV_BLOCK`: past this many keys the flash kernel softmaxes a row block by block against the running max,
-    and rollout.model's paged decode follows it.
+  - past `rollout.cost.FLASH_KV_BLOCK` keys the flash kernel softmaxes a row block by block against the running
+    max, and rollout.model's paged decode follows it.
   What is left differs rarely, and each difference spreads to every later token, so the gap grows with a row's
   length: the accumulation order of XLA's matmuls against oneDNN's (a paged cache's P·V summed page by page among
   them), the last (row length mod 16) keys of torch's attention rows, whose exp torch takes exactly, and a prefill
@@ -35,9 +35,6 @@ import jax
 import jax.numpy as jnp
 
 F32 = jnp.float32
-
-# torch's CPU flash kernel softmaxes a row's keys in blocks of this many (its kv_split_size for every query length)
-FLASH_KV_BLOCK = 512
 
 # Passed to the engine's jax.jit programs (rollout.programs); see the module docstring.
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}

@@ -74,6 +74,11 @@ def test_cost_model_counts_the_decoders_weights_and_chunks(tmp_path):
         assert (weights.lm_head is None) == tie and (weights.layers[0].bq is not None) == (family == "qwen2")
     # CPU (the default): a paged cache, read by its 64-position pages in use; at most 16 pages, longer ones past that
     assert cost.cache_page_len(256) == 64 and cost.cache_page_len(40) == 40 and cost.cache_page_len(4096) == 256
+    # no page straddles torch's 512-key softmax blocks, which decode follows: a power of two up to 512, else a multiple
+    assert [cost.cache_page_len(n) for n in (3000, 5000, 9216, 20000)] == [256, 512, 1024, 1536]
+    for n in range(1025, 40000, 97):
+        page = cost.cache_page_len(n)
+        assert (cost.FLASH_KV_BLOCK % page == 0 or page % cost.FLASH_KV_BLOCK == 0) and -(-n // page) <= cost.MAX_PAGES
     assert cost.decode_kv_positions(256, 1) == 64 and cost.decode_kv_positions(256, 65) == 128
     assert cost.decode_kv_positions(200, 199) == 200  # capped at the cache (its last page is 8 positions)
     assert cost.decode_kv_positions(4096, 257) == 512
