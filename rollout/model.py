@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from rollout.cost import DECODE_CHUNK, FLASH_KV_BLOCK, decode_chunks, reads_whole_cache
 from rollout.kv_cache import KVCache, page_starts, write_layer
 from rollout.model_config import ModelConfig
-from rollout.numerics import attention_exp, inv_rms
+from rollout.numerics import attention_exp, inv_rms, matches_torch_cpu
 from rollout.weights import LayerWeights, Weights
 
 F32 = jnp.float32
@@ -80,14 +80,24 @@ def _mlp(layer: LayerWeights, x: jax.Array) -> jax.Array:
     return _linear(act * up, layer.w_down, layer.b_down)
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, subscripts: tuple[str, str]) -> jax.Array:
+def _attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    subscripts: tuple[str, str],
+    key_blocks: jax.Array | None = None,
+    blocks: int = 1,
+) -> jax.Array:
     """Grouped-query attention with fp32 scores/softmax; `mask` broadcasts against the scores.
 
     Matches HF's bf16 op order under its default attention (SDPA, a flash kernel on CPU and GPU alike): the
     *unnormalised* weights exp(s - max) are rounded to the activation dtype for the P·V matmul, which accumulates in
     fp32, and the fp32 result is scaled by 1 / (fp32 row sum) before the one rounding of the output. Rounding the
     normalised probabilities instead (eager attention's order) moved ~40% of bf16 attention outputs by an ulp. In
-    fp32 the two orders agree to rounding. The exp itself is rollout.numerics.attention_exp.
+    fp32 the two orders agree to rounding. The exp itself is rollout.numerics.attention_exp. With `blocks` > 1 the
+    softmax runs block by block as torch's CPU flash kernel's does past FLASH_KV_BLOCK keys (`_decode_attention`
+    says why), `key_blocks` holding each key's block (broadcasting against the scores' key axis).
     """
     dtype = q.dtype  # the activations'; a CPU engine's cache k/v is fp32 (rollout.cost.cache_dtype)
     scale = q.shape[-1] ** -0.5
@@ -95,13 +105,37 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, subscript
     # A large finite negative rather than -inf: a fully masked row (padding) then softmaxes to finite junk instead
     # of NaN, which would otherwise leak into valid rows through 0 * NaN in the next layer.
     scores = jnp.where(mask, scores, -1e30)
-    weights = attention_exp(scores - jnp.max(scores, axis=-1, keepdims=True), dtype)
     # P·V in the scores' own layout (the key axis, last, contracted), so that the row sums broadcast over head_dim.
     score_sub, out_sub = subscripts[1].split("->")
     pv_sub = score_sub.split(",")[0][:-1] + "d"
-    pv = jnp.einsum(f"{score_sub}->{pv_sub}", weights.astype(dtype), v, precision=HIGHEST, preferred_element_type=F32)
-    out = (pv * (1.0 / jnp.sum(weights, axis=-1))[..., None]).astype(dtype)
+    pv_of = f"{score_sub}->{pv_sub}"
+
+    def weighted(weights):  # (P·V, row sum)
+        pv = jnp.einsum(pv_of, weights.astype(dtype), v, precision=HIGHEST, preferred_element_type=F32)
+        return pv, jnp.sum(weights, axis=-1)
+
+    if blocks == 1:
+        pv, total = weighted(attention_exp(scores - jnp.max(scores, axis=-1, keepdims=True), dtype))
+    else:
+        in_block = [key_blocks == b for b in range(blocks)]
+        running = list(itertools.accumulate((jnp.where(b, scores, -1e30).max(-1) for b in in_block), jnp.maximum))
+        parts = [
+            weighted(jnp.where(b, attention_exp(scores - m[..., None], dtype), 0.0)) for b, m in zip(in_block, running)
+        ]
+        pv, total = _join_blocks(running, *zip(*parts))
+    out = (pv * (1.0 / total)[..., None]).astype(dtype)
     return jnp.einsum(f"{pv_sub}->{out_sub}", out)
+
+
+def _join_blocks(running: list[jax.Array], pv: tuple[jax.Array, ...], sums: tuple[jax.Array, ...]):
+    """The (P·V, row sum) of a row's blocks joined in torch's flash kernel's order, each block's taken against its
+    running max: sum = block sum + rescale · sum; out = out · rescale + block P·V, rescale = exp(old max - new max)."""
+    out, total = pv[0], sums[0]
+    for block in range(1, len(pv)):
+        rescale = jnp.exp(running[block - 1] - running[block])
+        total = sums[block] + rescale * total
+        out = out * rescale[..., None] + pv[block]
+    return out, total
 
 
 def logits_from_hidden(params: Weights, h: jax.Array) -> jax.Array:
@@ -149,10 +183,16 @@ def prefill(
     # causal inside a segment, blind across segments and to padding
     mask = (segments[:, None] == segments[None, :]) & (positions[None, :] <= positions[:, None]) & valid[None, :]
     written = []
+    blocks = -(-tokens.shape[0] // FLASH_KV_BLOCK)
 
     def attend(i, q, k, v):
         written.append(write_layer(cache, i, slots, positions, k, v))
-        return _attend(q, k, v, mask[None, None], ("qkgd,tkd->kgqt", "kgqt,tkd->qkgd"))
+        args = (q, k, v, mask[None, None], ("qkgd,tkd->kgqt", "kgqt,tkd->qkgd"))
+        if blocks == 1 or not matches_torch_cpu(q.dtype):
+            return _attend(*args)
+        # torch's 512-key blocks (a P·V product each), where a prompt in the bucket is that long; keys by position
+        in_blocks = lambda: _attend(*args, positions // FLASH_KV_BLOCK, blocks)  # noqa: E731
+        return jax.lax.cond(jnp.max(positions) >= FLASH_KV_BLOCK, in_blocks, lambda: _attend(*args))
 
     h = _forward(cfg, params, tokens, positions, attend)
     return KVCache(*map(tuple, zip(*written))), h
@@ -230,11 +270,7 @@ def _decode_attention(
         skipped = tuple((jnp.zeros(q.shape, F32), jnp.zeros(q.shape[:3], F32)) for _ in page)
         for (block, _, _), (page_pv, page_sum) in zip(page, in_use(i, page_values, lambda skipped=skipped: skipped)):
             pv[block], denom[block] = pv[block] + page_pv, denom[block] + page_sum
-    out, total = pv[0], denom[0]
-    for block in range(1, blocks):  # torch's order: sum = block sum + rescale * sum; out = out * rescale + block P.V
-        rescale = jnp.exp(running[block - 1] - running[block])
-        total = denom[block] + rescale * total
-        out = out * rescale[..., None] + pv[block]
+    out, total = _join_blocks(running, pv, denom)
     return (out * (1.0 / total)[..., None]).astype(dtype)
 
 

@@ -20,11 +20,11 @@ this module holds the rest:
     torch's rsqrt is 1 / sqrt, two correctly rounded ops (XLA's rsqrt and reduction order differ by an fp32 ulp
     in ~30% of rows, enough to flip a bf16 rounding now and then);
   - past `rollout.cost.FLASH_KV_BLOCK` keys the flash kernel softmaxes a row block by block against the running
-    max, and rollout.model's paged decode follows it.
+    max, and rollout.model's paged decode and long prefills follow it.
   What is left differs rarely, and each difference spreads to every later token, so the gap grows with a row's
   length: the accumulation order of XLA's matmuls against oneDNN's (a paged cache's P·V summed page by page among
-  them), the last (row length mod 16) keys of torch's attention rows, whose exp torch takes exactly, and a prefill
-  longer than a block, which the engine softmaxes in one (docs/design.md §3.13 has the figures).
+  them), and the last (row length mod 16) keys of torch's attention rows, whose exp torch takes exactly
+  (docs/design.md §3.13 has the figures).
 """
 
 from __future__ import annotations
