@@ -8,6 +8,7 @@ the run's own segments and directories, since the other worker runs tests meanwh
 writer's segments keeps them in a directory of its own (`private_shm`).
 """
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -26,6 +27,7 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
+import psutil
 import pytest
 import torch
 
@@ -116,7 +118,9 @@ def private_shm():
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A local Ray of two CPUs for a module's tests (mark them `xdist_group("ray")`), unless one is running."""
+    """A local Ray of two CPUs for a module's tests (mark them `xdist_group("ray")`), unless one is running. Its
+    processes end with it: now and then an actor's worker outlived `ray.shutdown()` and its raylet (a SyncMailbox
+    of tests/rlloop/test_ray_sync.py was still running 10 minutes after the suite)."""
     import ray
 
     started = not ray.is_initialized()
@@ -125,7 +129,18 @@ def ray_cluster():
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield
     if started:
+        ours = [p for p in psutil.Process().children(recursive=True) if _is_ray(p)]
         ray.shutdown()
+        for left in psutil.wait_procs(ours, timeout=10)[1]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                left.kill()
+
+
+def _is_ray(process) -> bool:
+    """Whether a process is one of Ray's (GCS, raylet, agents, workers: `ray::` titles, paths in the ray package)."""
+    with contextlib.suppress(psutil.Error):
+        return "ray" in " ".join(process.cmdline())
+    return False
 
 
 @pytest.fixture(scope="session")
